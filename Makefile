@@ -1,0 +1,37 @@
+# `make demo` and `make test` set up .venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.xckpt-installed
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first, so pip takes the CPU build from local disk; then the
+# project (editable, all extras) pinned to the tested versions; then torchrec
+# for the managed-collision tests (its metadata names the CUDA fbgemm, so
+# --no-deps, with the CPU fbgemm and its real needs beside it).
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[torch,jax,notebook,dev]'
+	$(BIN)/pip install -q --no-deps torchrec==1.9.2 fbgemm-gpu-cpu==1.8.0
+	$(BIN)/pip install -q -c constraints.txt tensordict torchmetrics==1.0.3 pyre-extensions
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/python -m xckpt.demo
+
+lint: venv
+	$(BIN)/ruff check .
+
+test: venv lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: venv
+	$(BIN)/python bench/io.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,32 @@
+"""xckpt: a framework-neutral checkpoint format on tensorstore.
+
+Save from PyTorch or JAX, load into either at any world size and layout,
+convert from and to torch DCP, orbax, safetensors and torch.save, and inspect
+chunks in a notebook. ``import xckpt`` imports neither torch nor jax: the
+adapters live in :mod:`xckpt.torch` and :mod:`xckpt.jax`.
+"""
+
+from __future__ import annotations
+
+from xckpt import errors, layout
+from xckpt.layout import Box
+from xckpt.manifest import Manifest, TensorEntry
+from xckpt.reader import Checkpoint, load, open
+from xckpt.writer import Writer, finalize, save
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Box",
+    "Checkpoint",
+    "Manifest",
+    "TensorEntry",
+    "Writer",
+    "errors",
+    "finalize",
+    "layout",
+    "load",
+    "open",
+    "save",
+    "__version__",
+]

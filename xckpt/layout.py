@@ -1,0 +1,513 @@
+"""Pure box and placement arithmetic; no framework imports, no I/O.
+
+A *box* is an axis-aligned region of a tensor: an ``offset`` and a ``shape``
+per dimension. Everything else in xckpt is built on three questions answered
+here:
+
+* which boxes does each mesh coordinate hold for given placements
+  (:func:`mesh_boxes`, matching torch's DTensor semantics exactly);
+* do a tensor's chunks cover it exactly (:func:`check_coverage`);
+* which parts of which saved chunks does a target box need (:func:`plan_reads`).
+
+Placements are plain descriptors (:class:`Shard`, :class:`StridedShard`,
+:class:`Replicate`, :class:`Partial`) so this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence, Union
+
+from xckpt.errors import LayoutError, UnsupportedPlacementError
+
+__all__ = [
+    "Box",
+    "Shard",
+    "StridedShard",
+    "Replicate",
+    "Partial",
+    "Placement",
+    "ReadRequest",
+    "chunk_sizes",
+    "dim_indices",
+    "indices_to_runs",
+    "index_sets",
+    "boxes_for_coordinate",
+    "mesh_boxes",
+    "fsdp_boxes_for_coordinate",
+    "check_coverage",
+    "choose_writer",
+    "plan_reads",
+    "box_from_index",
+    "parse_placement",
+    "format_placement",
+]
+
+
+@dataclass(frozen=True)
+class Box:
+    """An axis-aligned box: ``offset[d] <= i < offset[d] + shape[d]`` in every dim."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        off = tuple(int(o) for o in self.offset)
+        shp = tuple(int(s) for s in self.shape)
+        if len(off) != len(shp):
+            raise LayoutError(f"box offset {off} and shape {shp} have different ranks")
+        if any(o < 0 for o in off) or any(s < 0 for s in shp):
+            raise LayoutError(f"box offset {off} / shape {shp} has a negative entry")
+        object.__setattr__(self, "offset", off)
+        object.__setattr__(self, "shape", shp)
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Box:
+        return cls((0,) * len(shape), tuple(shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offset, self.shape))
+
+    @property
+    def volume(self) -> int:
+        v = 1
+        for s in self.shape:
+            v *= s
+        return v
+
+    @property
+    def empty(self) -> bool:
+        return any(s == 0 for s in self.shape)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region, or None when the boxes share no element."""
+        if self.ndim != other.ndim:
+            raise LayoutError(f"cannot intersect boxes of rank {self.ndim} and {other.ndim}")
+        off, shp = [], []
+        for a0, a1, b0, b1 in zip(self.offset, self.end, other.offset, other.end):
+            lo, hi = max(a0, b0), min(a1, b1)
+            if hi <= lo:
+                return None
+            off.append(lo)
+            shp.append(hi - lo)
+        return Box(tuple(off), tuple(shp))
+
+    def contains(self, other: Box) -> bool:
+        return all(
+            a0 <= b0 and b1 <= a1
+            for a0, a1, b0, b1 in zip(self.offset, self.end, other.offset, other.end)
+        )
+
+    def slices(self, relative_to: Box | None = None) -> tuple[slice, ...]:
+        """Index this box as slices, in global coordinates or relative to ``relative_to``."""
+        base = relative_to.offset if relative_to is not None else (0,) * self.ndim
+        return tuple(slice(o - b, o - b + s) for o, b, s in zip(self.offset, base, self.shape))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{o}:{e}" for o, e in zip(self.offset, self.end)) + "]"
+
+
+# ---------------------------------------------------------------------------
+# Placements
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split tensor dim ``dim`` over a mesh axis like ``torch.chunk``."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
+class StridedShard:
+    """torch's ``_StridedShard(dim, split_factor)``: chunk into ``split_factor``
+    parts, chunk each part over the mesh axis, and give coordinate i the i-th
+    sub-part of every part (possibly several disjoint runs)."""
+
+    dim: int
+    split_factor: int
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every coordinate on the mesh axis holds the same data."""
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Each coordinate holds a summand; cannot be saved."""
+
+    reduce_op: str = "sum"
+
+
+Placement = Union[Shard, StridedShard, Replicate, Partial]
+
+
+def format_placement(p: Placement) -> str:
+    """The provenance string recorded in manifests, e.g. ``Shard(0)``."""
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, StridedShard):
+        return f"_StridedShard({p.dim}, sf={p.split_factor})"
+    if isinstance(p, Replicate):
+        return "Replicate()"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op})"
+    raise UnsupportedPlacementError(f"unknown placement {p!r}")
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of :func:`format_placement`."""
+    t = text.replace(" ", "")
+    try:
+        if t == "Replicate()":
+            return Replicate()
+        if t.startswith("Shard(") and t.endswith(")"):
+            return Shard(int(t[6:-1]))
+        if t.startswith("_StridedShard(") and t.endswith(")"):
+            d, sf = t[len("_StridedShard(") : -1].split(",")
+            return StridedShard(int(d), int(sf.split("=")[-1]))
+        if t.startswith("Partial(") and t.endswith(")"):
+            return Partial(t[8:-1] or "sum")
+    except ValueError:
+        pass
+    raise UnsupportedPlacementError(
+        f"cannot parse placement {text!r}; expected Shard(d), _StridedShard(d, sf=k), "
+        "Replicate() or Partial(op)"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Index arithmetic
+
+
+def chunk_sizes(length: int, n: int) -> list[tuple[int, int]]:
+    """``torch.chunk`` split of ``length`` into ``n`` pieces: (start, size) each.
+
+    Chunk size is ``ceil(length / n)``; trailing pieces may be empty (their start
+    is clamped to ``length``).
+    """
+    if n <= 0:
+        raise LayoutError(f"cannot split into {n} pieces")
+    cs = -(-length // n) if length else 0
+    out = []
+    for i in range(n):
+        start = min(length, cs * i)
+        out.append((start, max(0, min(length, cs * (i + 1)) - cs * i)))
+    return out
+
+
+def _split_shard(idx: Sequence[int], n: int, i: int) -> list[int]:
+    start, size = chunk_sizes(len(idx), n)[i]
+    return list(idx[start : start + size])
+
+
+def _split_strided(idx: Sequence[int], sf: int, n: int, i: int) -> list[int]:
+    out: list[int] = []
+    for ps, psz in chunk_sizes(len(idx), sf):
+        out.extend(_split_shard(idx[ps : ps + psz], n, i))
+    return out
+
+
+def dim_indices(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[Placement],
+    order: Sequence[int] | None = None,
+    name: str = "<tensor>",
+) -> list[list[int]]:
+    """For one mesh coordinate, the sorted global indices held along every dim.
+
+    Placements are applied in mesh-dim order (or ``order``), each re-splitting
+    the current local piece, exactly as torch's DTensor does.
+    """
+    if len(mesh_shape) != len(placements) or len(coord) != len(mesh_shape):
+        raise UnsupportedPlacementError(
+            f"tensor {name!r}: mesh shape {tuple(mesh_shape)}, coordinate {tuple(coord)} and "
+            f"{len(placements)} placements do not match"
+        )
+    idx = [list(range(s)) for s in global_shape]
+    for m in order if order is not None else range(len(placements)):
+        p = placements[m]
+        n, c = mesh_shape[m], coord[m]
+        if isinstance(p, Replicate):
+            continue
+        if isinstance(p, Partial):
+            raise UnsupportedPlacementError(
+                f"tensor {name!r} has a Partial placement on mesh dim {m}: a partial value is "
+                "a summand, not a region. Reduce it first (e.g. dtensor.redistribute(mesh, "
+                "[Replicate()])) and save the result"
+            )
+        if not isinstance(p, (Shard, StridedShard)):
+            raise UnsupportedPlacementError(f"tensor {name!r}: unknown placement {p!r}")
+        if not 0 <= p.dim < len(global_shape):
+            raise UnsupportedPlacementError(
+                f"tensor {name!r}: {format_placement(p)} names dim {p.dim} but the tensor has "
+                f"{len(global_shape)} dims"
+            )
+        if isinstance(p, Shard):
+            idx[p.dim] = _split_shard(idx[p.dim], n, c)
+        else:
+            if p.split_factor < 1:
+                raise UnsupportedPlacementError(
+                    f"tensor {name!r}: split factor {p.split_factor} must be >= 1"
+                )
+            idx[p.dim] = _split_strided(idx[p.dim], p.split_factor, n, c)
+    return [sorted(i) for i in idx]
+
+
+def indices_to_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct indices -> maximal runs as (start, length)."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def _boxes_from_indices(per_dim: Sequence[Sequence[int]]) -> tuple[Box, ...]:
+    if any(len(ix) == 0 for ix in per_dim):
+        return ()
+    runs = [indices_to_runs(ix) for ix in per_dim]
+    return tuple(
+        Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo))
+        for combo in itertools.product(*runs)
+    )
+
+
+def index_sets(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+) -> dict[tuple[int, ...], list[list[int]]]:
+    """Per-dim index lists for every mesh coordinate."""
+    return {
+        c: dim_indices(global_shape, mesh_shape, c, placements)
+        for c in itertools.product(*(range(n) for n in mesh_shape))
+    }
+
+
+def boxes_for_coordinate(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[Placement],
+    name: str = "<tensor>",
+) -> tuple[Box, ...]:
+    """The boxes one mesh coordinate holds (empty tuple for an empty shard).
+
+    A strided shard can give several disjoint boxes; they are returned in
+    row-major order of the local tensor, so concatenating local slices in that
+    order reproduces the local shard.
+    """
+    return _boxes_from_indices(dim_indices(global_shape, mesh_shape, coord, placements, name=name))
+
+
+def mesh_boxes(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+) -> dict[tuple[int, ...], tuple[Box, ...]]:
+    """Boxes for every mesh coordinate (row-major coordinate order)."""
+    return {
+        c: boxes_for_coordinate(global_shape, mesh_shape, c, placements)
+        for c in itertools.product(*(range(n) for n in mesh_shape))
+    }
+
+
+def fsdp_order(placements: Sequence[Placement]) -> list[int] | None:
+    """Application order of FSDP2 + TP's real storage, or None when not that pattern.
+
+    FSDP2 labels its dp shard of an already TP-sharded dim ``_StridedShard(d, sf)``
+    but stores ``chunk(chunk(rows, tp)[t], dp)[d]``: the later ``Shard(d)`` axes are
+    applied first, then the strided one as a plain shard (REFERENCE.md section 7).
+    """
+    strided = [m for m, p in enumerate(placements) if isinstance(p, StridedShard)]
+    if not strided:
+        return None
+    for m, p in enumerate(placements):
+        if isinstance(p, StridedShard):
+            later = [
+                k
+                for k in range(m + 1, len(placements))
+                if isinstance(placements[k], Shard) and placements[k].dim == p.dim
+            ]
+            if not later:
+                return None
+    # Non-strided placements keep mesh order; each strided one moves after them.
+    order = [m for m in range(len(placements)) if m not in strided] + strided
+    return order
+
+
+def fsdp_boxes_for_coordinate(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[Placement],
+    name: str = "<tensor>",
+) -> tuple[Box, ...] | None:
+    """Boxes under FSDP2's storage rule (see :func:`fsdp_order`), or None if not FSDP2-like."""
+    order = fsdp_order(placements)
+    if order is None:
+        return None
+    plain = [Shard(p.dim) if isinstance(p, StridedShard) else p for p in placements]
+    return _boxes_from_indices(
+        dim_indices(global_shape, mesh_shape, coord, plain, order=order, name=name)
+    )
+
+
+def box_from_index(shape: Sequence[int], index: object) -> Box:
+    """A box from an index expression: None, an int, a slice, or a tuple of them.
+
+    Only unit-step slices are supported; ints keep their dim (length 1).
+    """
+    if index is None:
+        return Box.full(shape)
+    items = index if isinstance(index, tuple) else (index,)
+    if any(it is Ellipsis for it in items):
+        k = items.index(Ellipsis)
+        fill = len(shape) - (len(items) - 1)
+        items = items[:k] + (slice(None),) * fill + items[k + 1 :]
+    if len(items) > len(shape):
+        raise LayoutError(f"index {index!r} has {len(items)} entries for a {len(shape)}-d tensor")
+    items = tuple(items) + (slice(None),) * (len(shape) - len(items))
+    off, shp = [], []
+    for it, n in zip(items, shape):
+        if isinstance(it, slice):
+            start, stop, step = it.indices(n)
+            if step != 1:
+                raise LayoutError(f"index {index!r}: only unit-step slices are supported")
+            off.append(start)
+            shp.append(max(0, stop - start))
+        elif isinstance(it, int) or hasattr(it, "__index__"):
+            i = int(it)
+            if i < 0:
+                i += n
+            if not 0 <= i < n:
+                raise LayoutError(f"index {it} is out of bounds for a dim of size {n}")
+            off.append(i)
+            shp.append(1)
+        else:
+            raise LayoutError(f"unsupported index entry {it!r}")
+    return Box(tuple(off), tuple(shp))
+
+
+# ---------------------------------------------------------------------------
+# Coverage, writer choice, read planning
+
+
+def check_coverage(shape: Sequence[int], boxes: Sequence[Box], name: str = "<tensor>") -> None:
+    """Raise :class:`LayoutError` unless ``boxes`` tile ``shape`` exactly.
+
+    Checks rank, bounds, empty boxes, pairwise overlaps (sweep over dim 0) and
+    that the volumes add up to the tensor's volume.
+    """
+    full = Box.full(shape)
+    total = 0
+    for b in boxes:
+        if b.ndim != full.ndim:
+            raise LayoutError(
+                f"tensor {name!r}: chunk {b} has rank {b.ndim}, tensor shape {tuple(shape)} "
+                f"has rank {full.ndim}"
+            )
+        if not full.contains(b):
+            raise LayoutError(f"tensor {name!r}: chunk {b} lies outside the shape {tuple(shape)}")
+        if b.empty:
+            raise LayoutError(f"tensor {name!r}: chunk {b} is empty; empty chunks are not stored")
+        total += b.volume
+    if full.ndim == 0:
+        if len(boxes) > 1:
+            raise LayoutError(f"tensor {name!r}: a 0-d tensor has {len(boxes)} chunks (overlap)")
+    else:
+        ordered = sorted(boxes, key=lambda b: b.offset)
+        active: list[Box] = []
+        for b in ordered:
+            active = [a for a in active if a.end[0] > b.offset[0]]
+            for a in active:
+                common = a.intersect(b)
+                if common is not None:
+                    raise LayoutError(
+                        f"tensor {name!r}: chunks {a} and {b} overlap in {common}; every element "
+                        "must be stored exactly once"
+                    )
+            active.append(b)
+    if total != full.volume:
+        raise LayoutError(
+            f"tensor {name!r}: chunks cover {total} of {full.volume} elements of shape "
+            f"{tuple(shape)}; the layout has gaps (a rank's chunk is missing)"
+        )
+
+
+def choose_writer(name: str, box_index: int, holders: Sequence[int]) -> int:
+    """The one rank among ``holders`` that writes a replicated box.
+
+    Deterministic and local (every rank computes the same answer), and spread
+    over holders by a stable hash of the tensor name and box index, so not all
+    replicated data lands on rank 0.
+    """
+    if not holders:
+        raise LayoutError(f"tensor {name!r}: box {box_index} has no holder")
+    ordered = sorted(set(holders))
+    h = zlib.crc32(f"{name}\0{box_index}".encode())
+    return ordered[h % len(ordered)]
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Read ``chunk_slices`` of chunk ``chunk`` into ``target_slices`` of the target."""
+
+    chunk: int
+    box: Box
+    chunk_slices: tuple[slice, ...]
+    target_slices: tuple[slice, ...]
+
+
+def plan_reads(chunks: Sequence[Box], target: Box) -> tuple[ReadRequest, ...]:
+    """For each saved chunk overlapping ``target``: what to read and where it goes.
+
+    ``chunks`` are the saved boxes (indexed by position); the result lists only
+    overlapping chunks, so a load reads nothing else.
+    """
+    out = []
+    if target.empty:
+        return ()
+    for i, c in enumerate(chunks):
+        common = c.intersect(target)
+        if common is None:
+            continue
+        out.append(ReadRequest(i, common, common.slices(c), common.slices(target)))
+    return tuple(out)
+
+
+def covers(boxes: Iterable[Box], target: Box) -> bool:
+    """True when the union of disjoint ``boxes`` covers ``target`` entirely."""
+    got = 0
+    for b in boxes:
+        common = b.intersect(target)
+        if common is not None:
+            got += common.volume
+    return got == target.volume
+
+
+def holders_by_box(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    ranks: Mapping[tuple[int, ...], int],
+) -> dict[Box, list[int]]:
+    """Every distinct box and the ranks (via ``ranks[coord]``) that hold it."""
+    out: dict[Box, list[int]] = {}
+    for coord, boxes in mesh_boxes(global_shape, mesh_shape, placements).items():
+        for b in boxes:
+            out.setdefault(b, []).append(ranks[coord])
+    return out

@@ -1,0 +1,635 @@
+"""The on-disk metadata model: frozen dataclasses <-> JSON, validated on read.
+
+A manifest never holds framework types or pickles: only ints, strings, tuples
+and JSON values. :meth:`Manifest.from_json` validates everything a reader relies
+on (format and version, dtypes, shapes, chunk keys that stay inside the
+checkpoint, byte counts that agree with the boxes) before anything is allocated
+or opened, and raises :class:`~xckpt.errors.ManifestError` (or
+:class:`~xckpt.errors.FormatVersionError`) naming the checkpoint and tensor.
+
+Format (version 1), one JSON object::
+
+    {"format": "xckpt", "version": 1, "save_id": "...", "world_size": W,
+     "rank": r | null,                       # null in the merged xckpt.json
+     "storage": {"<rank>": "ocdbt" | "plain"},  # how data/<rank>/ is organised
+     "tensors": {name: {"dtype", "shape", "chunks": [chunk...],
+                        "placement"?: {...}, "value_range"?: {...}}},
+     "objects": [{"name", "kind": "json" | "bytes", "per_rank", "rank", ...}],
+     "metadata": {...}}
+
+A chunk is ``{"offset", "shape", "key", "rank", "nbytes"}`` plus, for a chunk
+packed into its rank's byte array, ``"form": "packed", "byte_offset", "crc32"``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from xckpt.errors import FormatVersionError, ManifestError, ObjectError
+from xckpt.layout import Box
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "DTYPES",
+    "dtype_name",
+    "numpy_dtype",
+    "Chunk",
+    "PlacementInfo",
+    "ValueRange",
+    "TensorEntry",
+    "ObjectEntry",
+    "Manifest",
+    "encode_value",
+    "decode_value",
+    "merge_manifests",
+]
+
+FORMAT = "xckpt"
+VERSION = 1
+
+#: Every dtype a checkpoint may hold; all round-trip bit-exact.
+DTYPES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
+
+_DTYPE_CACHE: dict[str, np.dtype] = {}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a manifest dtype name (ml_dtypes for bf16 and float8)."""
+    dt = _DTYPE_CACHE.get(name)
+    if dt is None:
+        if name not in DTYPES:
+            raise ManifestError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+        if name in ("bfloat16",) or name.startswith("float8"):
+            import ml_dtypes
+
+            dt = np.dtype(getattr(ml_dtypes, name))
+        else:
+            dt = np.dtype(name)
+        _DTYPE_CACHE[name] = dt
+    return dt
+
+
+def dtype_name(dtype: Any) -> str:
+    """The manifest name of a numpy (or ml_dtypes) dtype."""
+    dt = np.dtype(dtype)
+    name = dt.name
+    if name not in DTYPES:
+        raise ObjectError(
+            f"dtype {dt} cannot be stored; supported dtypes are {', '.join(DTYPES)}"
+        )
+    return name
+
+
+_KEY_RE = re.compile(r"^data/[0-9]+(/[A-Za-z0-9_.\-]+)+$")
+
+
+def _check_key(key: str, where: str) -> str:
+    if not isinstance(key, str) or not _KEY_RE.match(key) or any(
+        part in ("", ".", "..") for part in key.split("/")
+    ):
+        raise ManifestError(
+            f"{where}: chunk key {key!r} is not a relative key under data/<rank>/; refusing a "
+            "key that could leave the checkpoint"
+        )
+    return key
+
+
+def _ints(v: Any, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in v
+    ):
+        raise ManifestError(f"{where}: {what} must be a list of integers, got {v!r}")
+    return tuple(v)
+
+
+def _int(v: Any, what: str, where: str, lo: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ManifestError(f"{where}: {what} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """One stored box of a tensor and where its bytes live."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    key: str
+    rank: int
+    nbytes: int
+    form: str = "array"  # "array": its own zarr v3 array; "packed": bytes of data/<rank>/packed
+    byte_offset: int | None = None
+    crc32: int | None = None
+    grid: tuple[int, ...] | None = None  # zarr chunk shape inside an "array" chunk
+    value_range: tuple[int, int] | None = None
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offset, self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "offset": list(self.offset),
+            "shape": list(self.shape),
+            "key": self.key,
+            "rank": self.rank,
+            "nbytes": self.nbytes,
+        }
+        if self.grid is not None:
+            d["grid"] = list(self.grid)
+        if self.form != "array":
+            d["form"] = self.form
+            d["byte_offset"] = self.byte_offset
+            d["crc32"] = self.crc32
+        if self.value_range is not None:
+            d["value_range"] = list(self.value_range)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Chunk:
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: a chunk must be an object, got {d!r}")
+        try:
+            offset = _ints(d["offset"], "offset", where)
+            shape = _ints(d["shape"], "shape", where)
+            form = d.get("form", "array")
+            if form not in ("array", "packed"):
+                raise ManifestError(f"{where}: unknown chunk form {form!r}")
+            vr = d.get("value_range")
+            grid = d.get("grid")
+            c = cls(
+                offset=offset,
+                shape=shape,
+                key=_check_key(d["key"], where),
+                rank=_int(d["rank"], "rank", where),
+                nbytes=_int(d["nbytes"], "nbytes", where),
+                form=form,
+                byte_offset=None
+                if form == "array"
+                else _int(d["byte_offset"], "byte_offset", where),
+                crc32=None if form == "array" else _int(d["crc32"], "crc32", where),
+                grid=_ints(grid, "grid", where) if form == "array" else None,
+                value_range=None if vr is None else _ints(vr, "value_range", where),  # type: ignore[arg-type]
+            )
+        except KeyError as e:
+            raise ManifestError(f"{where}: chunk lacks field {e.args[0]!r}") from None
+        if len(offset) != len(shape) or any(x < 0 for x in offset + shape):
+            raise ManifestError(f"{where}: chunk offset {offset} / shape {shape} is invalid")
+        if c.grid is not None and (len(c.grid) != len(shape) or any(g < 1 for g in c.grid)):
+            raise ManifestError(f"{where}: chunk grid {c.grid} does not fit shape {shape}")
+        if c.value_range is not None and len(c.value_range) != 2:
+            raise ManifestError(f"{where}: value_range must be [lo, hi)")
+        return c
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementInfo:
+    """Provenance of a tensor's sharding; loading never depends on it."""
+
+    framework: str  # "torch" or "jax"
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...] | None = None
+    placements: tuple[str, ...] | None = None  # torch: "Shard(0)", "_StridedShard(0, sf=2)", ...
+    partition_spec: tuple[Any, ...] | None = None  # jax: None | str | list[str] per dim
+    layout: str | None = None  # "placements" or "fsdp2": which storage rule the boxes follow
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"framework": self.framework, "mesh_shape": list(self.mesh_shape)}
+        if self.axis_names is not None:
+            d["axis_names"] = list(self.axis_names)
+        if self.placements is not None:
+            d["placements"] = list(self.placements)
+        if self.partition_spec is not None:
+            d["partition_spec"] = [list(p) if isinstance(p, tuple) else p for p in self.partition_spec]
+        if self.layout is not None:
+            d["layout"] = self.layout
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> PlacementInfo:
+        if not isinstance(d, dict) or not isinstance(d.get("framework"), str):
+            raise ManifestError(f"{where}: placement must be an object with a framework")
+        names = d.get("axis_names")
+        pl = d.get("placements")
+        ps = d.get("partition_spec")
+        return cls(
+            framework=d["framework"],
+            mesh_shape=_ints(d.get("mesh_shape", []), "mesh_shape", where),
+            axis_names=None if names is None else tuple(str(n) for n in names),
+            placements=None if pl is None else tuple(str(p) for p in pl),
+            partition_spec=None
+            if ps is None
+            else tuple(tuple(p) if isinstance(p, list) else p for p in ps),
+            layout=d.get("layout"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueRange:
+    """A tensor's membership in a value group (DESIGN.md section 4).
+
+    ``group`` names the group (e.g. the MCH module prefix), ``role`` the tensor's
+    part in it ("key", "row_aligned", "weight", ...), ``kind`` the group kind
+    ("managed_collision" or "generic"). ``domain`` is the key domain [lo, hi);
+    each chunk's own [lo, hi) is in :attr:`Chunk.value_range`. ``attrs`` holds
+    the kind-specific JSON fields.
+    """
+
+    group: str
+    role: str
+    kind: str = "generic"
+    domain: tuple[int, int] | None = None
+    empty_marker: int | None = None
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"group": self.group, "role": self.role, "kind": self.kind}
+        if self.domain is not None:
+            d["domain"] = list(self.domain)
+        if self.empty_marker is not None:
+            d["empty_marker"] = self.empty_marker
+        if self.attrs:
+            d["attrs"] = dict(self.attrs)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> ValueRange:
+        if not isinstance(d, dict) or not isinstance(d.get("group"), str):
+            raise ManifestError(f"{where}: value_range must be an object with a group")
+        dom = d.get("domain")
+        em = d.get("empty_marker")
+        attrs = d.get("attrs", {})
+        if not isinstance(attrs, dict):
+            raise ManifestError(f"{where}: value_range attrs must be an object")
+        return cls(
+            group=d["group"],
+            role=str(d.get("role", "")),
+            kind=str(d.get("kind", "generic")),
+            domain=None if dom is None else _ints(dom, "domain", where),  # type: ignore[arg-type]
+            empty_marker=None if em is None else int(em),
+            attrs=attrs,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorEntry:
+    """A tensor: dtype, global shape and its global chunk layout."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    placement: PlacementInfo | None = None
+    value_range: ValueRange | None = None
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return numpy_dtype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.np_dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+        if self.placement is not None:
+            d["placement"] = self.placement.to_json()
+        if self.value_range is not None:
+            d["value_range"] = self.value_range.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, name: str, d: Any, where: str, world_size: int) -> TensorEntry:
+        w = f"{where}, tensor {name!r}"
+        if not isinstance(d, dict):
+            raise ManifestError(f"{w}: entry must be an object")
+        try:
+            dtype = d["dtype"]
+            shape = _ints(d["shape"], "shape", w)
+            raw_chunks = d["chunks"]
+        except KeyError as e:
+            raise ManifestError(f"{w}: entry lacks field {e.args[0]!r}") from None
+        if dtype not in DTYPES:
+            raise ManifestError(f"{w}: unknown dtype {dtype!r}")
+        if any(s < 0 for s in shape):
+            raise ManifestError(f"{w}: negative shape {shape}")
+        if not isinstance(raw_chunks, list):
+            raise ManifestError(f"{w}: chunks must be a list")
+        itemsize = numpy_dtype(dtype).itemsize
+        chunks = tuple(Chunk.from_json(c, w) for c in raw_chunks)
+        for c in chunks:
+            if len(c.shape) != len(shape):
+                raise ManifestError(f"{w}: chunk {c.box} has rank {len(c.shape)}, shape {shape}")
+            if c.nbytes != math.prod(c.shape) * itemsize:
+                raise ManifestError(
+                    f"{w}: chunk {c.box} claims {c.nbytes} bytes but holds "
+                    f"{math.prod(c.shape) * itemsize} ({dtype})"
+                )
+            if c.rank >= world_size:
+                raise ManifestError(f"{w}: chunk written by rank {c.rank} of {world_size}")
+        pl = d.get("placement")
+        vr = d.get("value_range")
+        return cls(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            chunks=chunks,
+            placement=None if pl is None else PlacementInfo.from_json(pl, w),
+            value_range=None if vr is None else ValueRange.from_json(vr, w),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Objects
+
+
+def encode_value(value: Any, name: str = "<object>") -> Any:
+    """A JSON value for ``value``; tuples, bytes, non-str dict keys and numpy
+    scalars are tagged with ``{"$xckpt": ...}`` so they come back as they were."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {"$xckpt": "float", "v": repr(value)}
+    if isinstance(value, np.generic):
+        return {"$xckpt": "np", "dtype": dtype_name(value.dtype), "v": encode_value(value.item())}
+    if isinstance(value, (bytes, bytearray)):
+        return {"$xckpt": "bytes", "b64": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, tuple):
+        return {"$xckpt": "tuple", "items": [encode_value(v, name) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v, name) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and "$xckpt" not in value:
+            return {k: encode_value(v, name) for k, v in value.items()}
+        return {
+            "$xckpt": "dict",
+            "items": [[encode_value(k, name), encode_value(v, name)] for k, v in value.items()],
+        }
+    raise ObjectError(
+        f"object {name!r} of type {type(value).__name__} cannot be stored: xckpt stores JSON "
+        "values (None, bool, int, float, str, list, tuple, dict), bytes and numpy scalars, and "
+        "never pickles. Convert it (e.g. to bytes or a dict) before saving"
+    )
+
+
+def decode_value(value: Any) -> Any:
+    """Inverse of :func:`encode_value`."""
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if isinstance(value, dict):
+        tag = value.get("$xckpt")
+        if tag is None:
+            return {k: decode_value(v) for k, v in value.items()}
+        if tag == "tuple":
+            return tuple(decode_value(v) for v in value["items"])
+        if tag == "bytes":
+            return base64.b64decode(value["b64"])
+        if tag == "dict":
+            return {_hashable(decode_value(k)): decode_value(v) for k, v in value["items"]}
+        if tag == "float":
+            return float(value["v"])
+        if tag == "np":
+            return numpy_dtype(value["dtype"]).type(decode_value(value["v"]))
+        raise ManifestError(f"unknown object tag {tag!r}")
+    return value
+
+
+def _hashable(v: Any) -> Any:
+    return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectEntry:
+    """A non-tensor value: inline JSON, or bytes stored under ``key``."""
+
+    name: str
+    kind: str  # "json" or "bytes"
+    rank: int
+    per_rank: bool = False
+    value: Any = None  # encoded JSON value, kind == "json"
+    key: str | None = None  # kind == "bytes"
+    nbytes: int | None = None
+    crc32: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "kind": self.kind, "rank": self.rank}
+        if self.per_rank:
+            d["per_rank"] = True
+        if self.kind == "json":
+            d["value"] = self.value
+        else:
+            d.update(key=self.key, nbytes=self.nbytes, crc32=self.crc32)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> ObjectEntry:
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+            raise ManifestError(f"{where}: an object entry must have a name")
+        w = f"{where}, object {d['name']!r}"
+        kind = d.get("kind")
+        if kind == "json":
+            return cls(
+                name=d["name"],
+                kind=kind,
+                rank=_int(d.get("rank"), "rank", w),
+                per_rank=bool(d.get("per_rank", False)),
+                value=d.get("value"),
+            )
+        if kind == "bytes":
+            return cls(
+                name=d["name"],
+                kind=kind,
+                rank=_int(d.get("rank"), "rank", w),
+                per_rank=bool(d.get("per_rank", False)),
+                key=_check_key(d.get("key"), w),  # type: ignore[arg-type]
+                nbytes=_int(d.get("nbytes"), "nbytes", w),
+                crc32=_int(d.get("crc32"), "crc32", w),
+            )
+        raise ManifestError(f"{w}: unknown object kind {kind!r}")
+
+
+# ---------------------------------------------------------------------------
+# Manifest
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """One rank's manifest (``rank`` set) or the merged one (``rank is None``)."""
+
+    save_id: str
+    world_size: int
+    rank: int | None
+    tensors: Mapping[str, TensorEntry]
+    objects: tuple[ObjectEntry, ...] = ()
+    storage: Mapping[int, str] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "storage": {str(r): s for r, s in sorted(self.storage.items())},
+            "tensors": {n: t.to_json() for n, t in self.tensors.items()},
+            "objects": [o.to_json() for o in self.objects],
+            "metadata": dict(self.metadata),
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, where: str) -> Manifest:
+        """Parse and validate; ``where`` names the file in error messages."""
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(
+                f"{where} is not valid JSON ({e}); the file is truncated or corrupt. Re-save the "
+                "checkpoint, or load an earlier one"
+            ) from None
+        return cls.from_json(d, where)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Manifest:
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: a manifest must be a JSON object")
+        if d.get("format") != FORMAT:
+            raise FormatVersionError(
+                f"{where}: format is {d.get('format')!r}, not {FORMAT!r}; this is not an xckpt "
+                "manifest"
+            )
+        if d.get("version") != VERSION:
+            raise FormatVersionError(
+                f"{where}: format version {d.get('version')!r} is not supported by this xckpt "
+                f"(it reads version {VERSION}); upgrade xckpt to read it"
+            )
+        world_size = _int(d.get("world_size"), "world_size", where, lo=1)
+        rank = d.get("rank")
+        if rank is not None:
+            rank = _int(rank, "rank", where)
+            if rank >= world_size:
+                raise ManifestError(f"{where}: rank {rank} is not below world_size {world_size}")
+        save_id = d.get("save_id")
+        if not isinstance(save_id, str) or not save_id:
+            raise ManifestError(f"{where}: save_id must be a non-empty string")
+        tensors_raw = d.get("tensors", {})
+        if not isinstance(tensors_raw, dict):
+            raise ManifestError(f"{where}: tensors must be an object")
+        objects_raw = d.get("objects", [])
+        if not isinstance(objects_raw, list):
+            raise ManifestError(f"{where}: objects must be a list")
+        storage_raw = d.get("storage", {})
+        if not isinstance(storage_raw, dict):
+            raise ManifestError(f"{where}: storage must be an object")
+        storage = {}
+        for r, s in storage_raw.items():
+            if not str(r).isdigit() or s not in ("ocdbt", "plain"):
+                raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}")
+            storage[int(r)] = s
+        return cls(
+            save_id=save_id,
+            world_size=world_size,
+            rank=rank,
+            tensors={
+                n: TensorEntry.from_json(n, t, where, world_size) for n, t in tensors_raw.items()
+            },
+            objects=tuple(ObjectEntry.from_json(o, where) for o in objects_raw),
+            storage=storage,
+            metadata=d.get("metadata", {}) or {},
+        )
+
+    def with_rank(self, rank: int | None) -> Manifest:
+        return replace(self, rank=rank)
+
+
+def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
+    """Merge rank manifests 0..W-1 into one (chunks concatenated in rank order).
+
+    Tensors must agree on dtype and shape across ranks; replicated objects must
+    agree in value (they are then stored once).
+    """
+    first = parts[0]
+    tensors: dict[str, TensorEntry] = {}
+    chunks: dict[str, list[Chunk]] = {}
+    objects: dict[tuple[str, int | None], ObjectEntry] = {}
+    storage: dict[int, str] = {}
+    metadata: dict[str, Any] = {}
+    for m in parts:
+        storage.update(m.storage)
+        metadata.update(m.metadata)
+        for name, t in m.tensors.items():
+            prev = tensors.get(name)
+            if prev is None:
+                tensors[name] = t
+                chunks[name] = list(t.chunks)
+                continue
+            if prev.dtype != t.dtype or prev.shape != t.shape:
+                raise ManifestError(
+                    f"{where}: tensor {name!r} is {prev.dtype}{list(prev.shape)} on one rank and "
+                    f"{t.dtype}{list(t.shape)} on rank {m.rank}; every rank must save the same "
+                    "global tensor"
+                )
+            if prev.placement is None and t.placement is not None:
+                tensors[name] = replace(prev, placement=t.placement)
+            if prev.value_range is None and t.value_range is not None:
+                tensors[name] = replace(tensors[name], value_range=t.value_range)
+            chunks[name].extend(t.chunks)
+        for o in m.objects:
+            k = (o.name, o.rank if o.per_rank else None)
+            prev_o = objects.get(k)
+            if prev_o is None:
+                objects[k] = o
+            elif o.kind == "json" and prev_o.kind == "json" and o.value != prev_o.value:
+                raise ManifestError(
+                    f"{where}: replicated object {o.name!r} differs between rank {prev_o.rank} "
+                    f"and rank {o.rank}; save it with per_rank=True if each rank has its own value"
+                )
+    merged = {n: replace(t, chunks=tuple(chunks[n])) for n, t in tensors.items()}
+    return Manifest(
+        save_id=first.save_id,
+        world_size=first.world_size,
+        rank=None,
+        tensors=merged,
+        objects=tuple(objects.values()),
+        storage=storage,
+        metadata=metadata,
+    )

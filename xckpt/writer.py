@@ -1,0 +1,416 @@
+"""Framework-free write side: one rank's part of a save, numpy in.
+
+Call protocol of a save (every rank, no rank waits for another)::
+
+    w = Writer(path, rank=r, world_size=W, save_id=...)   # 1. claims ranks/<r>.json
+    w.write(name, array, global_shape=..., offset=...)    # 2. once per box this rank stores
+    w.write_object(name, value, per_rank=False)           # 3. any non-tensor values
+    w.commit()                                            # 4. data durable, then ranks/<r>.json
+
+With ``world_size == 1`` commit also writes ``xckpt.json``. In a coordinated
+multi-rank save, rank 0 calls :func:`finalize` after a barrier to write it; in
+a rank-local save nobody does and readers merge the rank manifests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import zlib
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from xckpt._progress import progress
+from xckpt.errors import (
+    CheckpointExistsError,
+    LayoutError,
+    ManifestError,
+    ObjectError,
+    XckptError,
+)
+from xckpt.layout import Box
+from xckpt.manifest import (
+    Chunk,
+    Manifest,
+    ObjectEntry,
+    PlacementInfo,
+    TensorEntry,
+    ValueRange,
+    dtype_name,
+    encode_value,
+)
+from xckpt.storage import Storage, inner_chunk_shape
+
+__all__ = ["Writer", "save", "finalize", "derived_save_id"]
+
+#: Chunks at most this large are packed as byte ranges of one array per rank.
+PACK_THRESHOLD = 256 << 10
+#: Bytes objects at least this large get a key of their own instead of inline base64.
+OBJECT_INLINE_LIMIT = 4 << 10
+#: Bound on bytes handed to tensorstore before waiting (its write buffers copy).
+INFLIGHT_BYTES = 1 << 30
+
+
+def derived_save_id(url: str) -> str:
+    """The save id ranks agree on without talking: a hash of the location."""
+    return "loc-" + hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+class _Pending:
+    __slots__ = ("name", "key", "array", "grid")
+
+    def __init__(self, name: str, key: str, array: np.ndarray, grid: list[int]) -> None:
+        self.name, self.key, self.array, self.grid = name, key, array, grid
+
+
+class Writer:
+    """One rank's side of a save. Never waits for other ranks.
+
+    Args:
+        path: directory or kvstore URL (``file://``, ``memory://``, ``gs://``, ``s3://``).
+        rank, world_size: this writer's rank and the number of writing ranks.
+        save_id: shared by all ranks of one save; default derived from the location.
+        overwrite: replace an existing save at ``path`` (needs an explicit ``save_id``
+            when ``world_size > 1``, so a reader never mixes two saves).
+        storage: ``"ocdbt"`` (default) or ``"plain"`` layout of ``data/<rank>/``.
+        pack_threshold: chunks of at most this many bytes are packed together.
+        progress: show a progress bar (default: when stderr is a TTY).
+        metadata: JSON-able user metadata stored in the manifest.
+
+    Arrays passed to :meth:`write` are referenced, not copied, until
+    :meth:`commit` returns: do not modify them in between.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        rank: int = 0,
+        world_size: int = 1,
+        save_id: str | int | None = None,
+        *,
+        overwrite: bool = False,
+        storage: str = "ocdbt",
+        pack_threshold: int = PACK_THRESHOLD,
+        progress: bool | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        context: Any = None,
+    ) -> None:
+        if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
+            raise XckptError(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
+        if storage not in ("ocdbt", "plain"):
+            raise XckptError(f"storage must be 'ocdbt' or 'plain', got {storage!r}")
+        self.storage = Storage(path, context)
+        self.rank, self.world_size = rank, world_size
+        self.kind = storage
+        self.pack_threshold = pack_threshold
+        self._progress = progress
+        self.metadata = dict(metadata or {})
+        explicit = save_id is not None
+        self.save_id = str(save_id) if explicit else derived_save_id(self.storage.url)
+        self._prepare(overwrite, explicit)
+        self._tensors: dict[str, dict[str, Any]] = {}
+        self._chunks: dict[str, list[Chunk]] = {}
+        self._pending: list[_Pending] = []
+        self._pending_bytes = 0
+        self._futures: list[Any] = []
+        self._packed: list[np.ndarray] = []
+        self._packed_size = 0
+        self._objects: dict[str, ObjectEntry] = {}
+        self._n = 0
+        self._bar: Any = None
+        self._committed = False
+
+    # -- setup --------------------------------------------------------------
+
+    def _prepare(self, overwrite: bool, explicit_id: bool) -> None:
+        mkey = f"ranks/{self.rank}.json"
+        old = self.storage.read_key(mkey)
+        if old is None:
+            if self.rank == 0 and self.storage.read_key("xckpt.json") is not None:
+                # A merged manifest without rank manifests: a save from elsewhere.
+                if not overwrite:
+                    raise CheckpointExistsError(self._exists_msg())
+                self.storage.delete_key("xckpt.json")
+            # Leftover data of a save that failed before its manifest: reclaim it.
+            self.storage.delete_prefix(f"data/{self.rank}/")
+            return
+        if not overwrite:
+            raise CheckpointExistsError(self._exists_msg())
+        if self.world_size > 1 and not explicit_id:
+            raise XckptError(
+                f"checkpoint {self.storage.path!r}: overwriting a multi-rank save needs an "
+                "explicit save_id (e.g. the training step) shared by all ranks, so a reader never "
+                "accepts a mix of the old and the new save"
+            )
+        try:
+            old_id = Manifest.loads(old, mkey).save_id
+        except ManifestError:
+            old_id = None  # an unreadable manifest is replaced all the same
+        if explicit_id and old_id == self.save_id and self.world_size > 1:
+            raise XckptError(
+                f"checkpoint {self.storage.path!r}: rank {self.rank} would overwrite save "
+                f"{old_id!r} with the same save_id; pass a new save_id"
+            )
+        # Withdraw the old manifests first: from here on no reader accepts the location.
+        self.storage.delete_key(mkey)
+        self.storage.delete_key("xckpt.json")
+        self.storage.delete_prefix(f"data/{self.rank}/")
+
+    def _exists_msg(self) -> str:
+        return (
+            f"checkpoint {self.storage.path!r} already holds a save (ranks/{self.rank}.json or "
+            "xckpt.json exists); pass overwrite=True to replace it, or save to a new path"
+        )
+
+    # -- tensors ------------------------------------------------------------
+
+    def declare(
+        self,
+        name: str,
+        dtype: Any,
+        shape: Sequence[int],
+        *,
+        placement: PlacementInfo | None = None,
+        value_range: ValueRange | None = None,
+    ) -> None:
+        """Record a tensor's dtype and global shape (needed by ranks that hold none of it)."""
+        dt = dtype_name(dtype)
+        shp = tuple(int(s) for s in shape)
+        prev = self._tensors.get(name)
+        if prev is not None:
+            if prev["dtype"] != dt or prev["shape"] != shp:
+                raise LayoutError(
+                    f"tensor {name!r} was written as {prev['dtype']}{list(prev['shape'])} and now "
+                    f"as {dt}{list(shp)}"
+                )
+            if placement is not None:
+                prev["placement"] = placement
+            if value_range is not None:
+                prev["value_range"] = value_range
+            return
+        if name in self._objects:
+            raise ObjectError(f"{name!r} is already written as an object")
+        self._tensors[name] = {
+            "dtype": dt,
+            "shape": shp,
+            "placement": placement,
+            "value_range": value_range,
+        }
+        self._chunks[name] = []
+
+    def write(
+        self,
+        name: str,
+        array: Any,
+        *,
+        global_shape: Sequence[int] | None = None,
+        offset: Sequence[int] | None = None,
+        placement: PlacementInfo | None = None,
+        value_range: ValueRange | None = None,
+        chunk_value_range: tuple[int, int] | None = None,
+    ) -> None:
+        """Store ``array`` as the box at ``offset`` of a tensor of ``global_shape``.
+
+        Omitting both means the whole tensor. An empty ``array`` only declares
+        the tensor (an empty shard stores nothing).
+        """
+        arr = np.asarray(array)
+        if (global_shape is None) != (offset is None):
+            raise LayoutError(f"tensor {name!r}: give both global_shape and offset, or neither")
+        gshape = tuple(arr.shape) if global_shape is None else tuple(int(s) for s in global_shape)
+        off = (0,) * arr.ndim if offset is None else tuple(int(o) for o in offset)
+        box = Box(off, arr.shape)
+        if len(gshape) != arr.ndim or not Box.full(gshape).contains(box):
+            raise LayoutError(
+                f"tensor {name!r}: box {box} of shape {arr.shape} does not fit in the global "
+                f"shape {gshape}"
+            )
+        self.declare(name, arr.dtype, gshape, placement=placement, value_range=value_range)
+        if arr.size == 0:
+            return
+        if self._committed:
+            raise XckptError("this Writer has committed; start a new Writer for a new save")
+        arr = np.ascontiguousarray(arr)
+        nbytes = arr.nbytes
+        if nbytes <= self.pack_threshold:
+            raw = arr.reshape(-1).view(np.uint8)
+            chunk = Chunk(
+                offset=box.offset,
+                shape=box.shape,
+                key=f"data/{self.rank}/packed",
+                rank=self.rank,
+                nbytes=nbytes,
+                form="packed",
+                byte_offset=self._packed_size,
+                crc32=zlib.crc32(raw),
+                value_range=chunk_value_range,
+            )
+            self._packed.append(raw)
+            self._packed_size += nbytes
+        else:
+            key = f"data/{self.rank}/t/{self._n}"
+            self._n += 1
+            grid = inner_chunk_shape(arr.shape, arr.itemsize)
+            chunk = Chunk(
+                offset=box.offset,
+                shape=box.shape,
+                key=key,
+                rank=self.rank,
+                nbytes=nbytes,
+                grid=tuple(grid),
+                value_range=chunk_value_range,
+            )
+            self._pending.append(_Pending(name, key, arr, grid))
+            self._pending_bytes += nbytes
+            if self._pending_bytes >= INFLIGHT_BYTES:
+                self._flush()
+        self._chunks[name].append(chunk)
+
+    def _bar_update(self, n: int) -> None:
+        if self._bar is None:
+            self._bar = progress(0, f"xckpt save rank {self.rank}", self._progress)
+        if hasattr(self._bar, "total") and self._bar.total is not None:
+            self._bar.total += n
+        self._bar.update(n)
+
+    def _flush(self) -> None:
+        """Open all pending arrays concurrently, write them, wait until durable."""
+        pend, self._pending, self._pending_bytes = self._pending, [], 0
+        if not pend:
+            return
+        opens = [
+            self.storage.create_array(
+                p.key, self.kind, self._tensors[p.name]["dtype"], p.array.shape, p.grid
+            )
+            for p in pend
+        ]
+        writes = [(p, f.result().write(p.array)) for p, f in zip(pend, opens)]
+        for p, w in writes:
+            w.commit.result()
+            self._bar_update(p.array.nbytes)
+
+    # -- objects ------------------------------------------------------------
+
+    def write_object(self, name: str, value: Any, per_rank: bool = False) -> None:
+        """Store a non-tensor value: JSON, or bytes. ``per_rank`` keeps each rank's own value.
+
+        A replicated object may be written by every rank; it is stored once in
+        the merged manifest, and ranks that disagree on its value are an error.
+        """
+        if name in self._tensors:
+            raise ObjectError(f"{name!r} is already written as a tensor")
+        if isinstance(value, (bytes, bytearray)) and len(value) >= OBJECT_INLINE_LIMIT:
+            data = bytes(value)
+            key = f"data/{self.rank}/o/{self._n}"
+            self._n += 1
+            self._futures.append(self.storage.write_bytes(key, self.kind, data))
+            entry = ObjectEntry(
+                name=name,
+                kind="bytes",
+                rank=self.rank,
+                per_rank=per_rank,
+                key=key,
+                nbytes=len(data),
+                crc32=zlib.crc32(data),
+            )
+        else:
+            entry = ObjectEntry(
+                name=name, kind="json", rank=self.rank, per_rank=per_rank, value=encode_value(value, name)
+            )
+        self._objects[name] = entry
+
+    # -- commit -------------------------------------------------------------
+
+    def commit(self) -> Manifest:
+        """Make all data durable, then write ``ranks/<rank>.json`` (and ``xckpt.json``
+        when ``world_size == 1``). Returns this rank's manifest."""
+        if self._committed:
+            raise XckptError("commit() was already called on this Writer")
+        try:
+            self._flush()
+            if self._packed:
+                packed = np.concatenate(self._packed) if len(self._packed) > 1 else self._packed[0]
+                store = self.storage.create_array(
+                    f"data/{self.rank}/packed", self.kind, "uint8", packed.shape, [4 << 20]
+                ).result()
+                store.write(packed).commit.result()
+                self._bar_update(packed.nbytes)
+                self._packed = []
+            for f in self._futures:
+                f.result()
+            self._futures = []
+            manifest = self.manifest()
+            self.storage.write_key(f"ranks/{self.rank}.json", manifest.dumps())
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+        self._committed = True
+        if self.world_size == 1:
+            self.storage.write_key("xckpt.json", manifest.with_rank(None).dumps())
+        return manifest
+
+    def manifest(self) -> Manifest:
+        tensors = {
+            name: TensorEntry(
+                name=name,
+                dtype=t["dtype"],
+                shape=t["shape"],
+                chunks=tuple(self._chunks[name]),
+                placement=t["placement"],
+                value_range=t["value_range"],
+            )
+            for name, t in self._tensors.items()
+        }
+        return Manifest(
+            save_id=self.save_id,
+            world_size=self.world_size,
+            rank=self.rank,
+            tensors=tensors,
+            objects=tuple(self._objects.values()),
+            storage={self.rank: self.kind},
+            metadata=self.metadata,
+        )
+
+
+def finalize(path: str | os.PathLike[str], world_size: int, save_id: str, context: Any = None) -> Manifest:
+    """Merge ranks 0..W-1 into ``xckpt.json`` (rank 0, after all ranks committed).
+
+    Validates the merged layout first, and removes rank manifests of a larger
+    earlier save at the same location.
+    """
+    from xckpt.reader import read_rank_manifests
+
+    storage = Storage(path, context)
+    merged = read_rank_manifests(storage, expect_world_size=world_size, expect_save_id=save_id)
+    for key in storage.list_prefix("ranks/"):
+        stem = key[len("ranks/") : -len(".json")] if key.endswith(".json") else ""
+        if stem.isdigit() and int(stem) >= world_size:
+            storage.delete_key(key)
+            storage.delete_prefix(f"data/{stem}/")
+    storage.write_key("xckpt.json", merged.dumps())
+    return merged
+
+
+def save(
+    path: str | os.PathLike[str],
+    mapping: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+    save_id: str | None = None,
+    **writer_options: Any,
+) -> Manifest:
+    """Save a dict of numpy arrays (tensors) and other values (objects) from one process.
+
+    Returns the manifest. ``writer_options`` go to :class:`Writer`.
+    """
+    if overwrite and save_id is None:
+        save_id = "s-" + secrets.token_hex(8)
+    w = Writer(path, save_id=save_id, overwrite=overwrite, **writer_options)
+    for name, value in mapping.items():
+        if isinstance(value, np.ndarray):
+            w.write(name, value)
+        else:
+            w.write_object(name, value)
+    return w.commit()
