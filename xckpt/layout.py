@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Union
 
 from xckpt.errors import LayoutError, UnsupportedPlacementError
 
@@ -147,7 +148,7 @@ class Partial:
     reduce_op: str = "sum"
 
 
-Placement = Union[Shard, StridedShard, Replicate, Partial]
+Placement = Shard | StridedShard | Replicate | Partial
 
 
 def format_placement(p: Placement) -> str:
@@ -406,12 +407,24 @@ def box_from_index(shape: Sequence[int], index: object) -> Box:
 # Coverage, writer choice, read planning
 
 
-def check_coverage(shape: Sequence[int], boxes: Sequence[Box], name: str = "<tensor>") -> None:
+def check_coverage(
+    shape: Sequence[int], boxes: Sequence[Box], name: str = "<tensor>", where: str | None = None
+) -> None:
     """Raise :class:`LayoutError` unless ``boxes`` tile ``shape`` exactly.
 
     Checks rank, bounds, empty boxes, pairwise overlaps (sweep over dim 0) and
-    that the volumes add up to the tensor's volume.
+    that the volumes add up to the tensor's volume. ``where`` names the
+    checkpoint in messages.
     """
+    try:
+        _check_coverage(shape, boxes, name)
+    except LayoutError as e:
+        if where is None:
+            raise
+        raise LayoutError(f"checkpoint {where!r}, {e}") from None
+
+
+def _check_coverage(shape: Sequence[int], boxes: Sequence[Box], name: str) -> None:
     full = Box.full(shape)
     total = 0
     for b in boxes:

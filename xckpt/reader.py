@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import zlib
 from collections import defaultdict
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +92,7 @@ def validate(m: Manifest, where: str) -> None:
         if len(t.chunks) == 1 and t.chunks[0].offset == (0,) * len(t.shape):
             if t.chunks[0].shape == t.shape:
                 continue
-        check_coverage(t.shape, [c.box for c in t.chunks], name=f"{name}' in '{where}")
+        check_coverage(t.shape, [c.box for c in t.chunks], name=name, where=where)
 
 
 class Checkpoint:
@@ -233,6 +234,7 @@ class Checkpoint:
                 {
                     "driver": "zarr3",
                     "kvstore": self.storage.data_kvstore(key, self.manifest.storage.get(rank, "ocdbt")),
+                    "fill_missing_data_reads": False,
                 },
                 open=True,
                 read=True,

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -181,6 +182,8 @@ class Storage:
         """A future for an existing array, trusting the manifest for its metadata
         (no zarr.json read)."""
         spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid)
+        # A missing chunk is damage, never zeros.
+        spec["fill_missing_data_reads"] = False
         return self._ts.open(
             spec, open=True, assume_metadata=True, read=True, context=self.context
         )

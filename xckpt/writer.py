@@ -18,7 +18,8 @@ import hashlib
 import os
 import secrets
 import zlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
