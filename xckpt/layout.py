@@ -19,7 +19,6 @@ import itertools
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from xckpt.errors import LayoutError, UnsupportedPlacementError
 
