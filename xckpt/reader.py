@@ -366,6 +366,25 @@ class Checkpoint:
                 problems.append(str(e))
         return problems
 
+    # -- notebook view --------------------------------------------------------
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        from xckpt import inspect
+
+        return {"text/plain": inspect.text_table(self), "text/html": inspect.html_table(self)}
+
+    def plot_layout(self, name: str, ax: Any = None) -> Any:
+        """Chunk boxes of ``name`` coloured by writer rank (matplotlib Axes)."""
+        from xckpt import inspect
+
+        return inspect.plot_layout(self, name, ax)
+
+    def plot_value_ranges(self, name: str, ax: Any = None) -> Any:
+        """Key value ranges of ``name``'s chunks, for value-group tensors (matplotlib Axes)."""
+        from xckpt import inspect
+
+        return inspect.plot_value_ranges(self, name, ax)
+
     def __repr__(self) -> str:
         return (
             f"<xckpt.Checkpoint {self.path!r}: {len(self.manifest.tensors)} tensors, "
