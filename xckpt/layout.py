@@ -54,18 +54,19 @@ class Box:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        off = tuple(int(o) for o in self.offset)
-        shp = tuple(int(s) for s in self.shape)
-        if len(off) != len(shp):
-            raise LayoutError(f"box offset {off} and shape {shp} have different ranks")
-        if any(o < 0 for o in off) or any(s < 0 for s in shp):
-            raise LayoutError(f"box offset {off} / shape {shp} has a negative entry")
+        # Normalise to tuples of Python ints (numpy ints, lists, torch.Size come in too).
+        off = tuple(map(int, self.offset))
+        shp = tuple(map(int, self.shape))
         object.__setattr__(self, "offset", off)
         object.__setattr__(self, "shape", shp)
+        if len(off) != len(shp):
+            raise LayoutError(f"box offset {off} and shape {shp} have different ranks")
+        if (off and min(off) < 0) or (shp and min(shp) < 0):
+            raise LayoutError(f"box offset {off} / shape {shp} has a negative entry")
 
     @classmethod
     def full(cls, shape: Sequence[int]) -> Box:
-        return cls((0,) * len(shape), tuple(shape))
+        return cls((0,) * len(shape), shape)
 
     @property
     def ndim(self) -> int:
@@ -84,7 +85,7 @@ class Box:
 
     @property
     def empty(self) -> bool:
-        return any(s == 0 for s in self.shape)
+        return 0 in self.shape
 
     def intersect(self, other: Box) -> Box | None:
         """The common region, or None when the boxes share no element."""
@@ -490,9 +491,13 @@ def plan_reads(chunks: Sequence[Box], target: Box) -> tuple[ReadRequest, ...]:
     ``chunks`` are the saved boxes (indexed by position); the result lists only
     overlapping chunks, so a load reads nothing else.
     """
-    out = []
     if target.empty:
         return ()
+    if len(chunks) == 1 and chunks[0] == target:
+        # The common case of a whole tensor stored and read as one box.
+        full = tuple(slice(0, s) for s in target.shape)
+        return (ReadRequest(0, target, full, full),)
+    out = []
     for i, c in enumerate(chunks):
         common = c.intersect(target)
         if common is None:

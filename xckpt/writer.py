@@ -40,6 +40,7 @@ from xckpt.manifest import (
     TensorEntry,
     ValueRange,
     dtype_name,
+    dumps_json,
     encode_value,
 )
 from xckpt.storage import Storage, inner_chunk_shape
@@ -120,6 +121,7 @@ class Writer:
         self._packed_size = 0
         self._objects: dict[str, ObjectEntry] = {}
         self._n = 0
+        self._packed_key = f"data/{rank}/packed"
         self._bar: Any = None
         self._committed = False
 
@@ -217,30 +219,39 @@ class Writer:
         Omitting both means the whole tensor. An empty ``array`` only declares
         the tensor (an empty shard stores nothing).
         """
-        arr = np.asarray(array)
-        if (global_shape is None) != (offset is None):
+        arr = array if type(array) is np.ndarray else np.asarray(array)
+        if global_shape is None and offset is None:
+            gshape, off = arr.shape, (0,) * arr.ndim  # the whole tensor
+        elif global_shape is None or offset is None:
             raise LayoutError(f"tensor {name!r}: give both global_shape and offset, or neither")
-        gshape = tuple(arr.shape) if global_shape is None else tuple(int(s) for s in global_shape)
-        off = (0,) * arr.ndim if offset is None else tuple(int(o) for o in offset)
-        box = Box(off, arr.shape)
-        if len(gshape) != arr.ndim or not Box.full(gshape).contains(box):
-            raise LayoutError(
-                f"tensor {name!r}: box {box} of shape {arr.shape} does not fit in the global "
-                f"shape {gshape}"
-            )
-        self.declare(name, arr.dtype, gshape, placement=placement, value_range=value_range)
+        else:
+            gshape = tuple(int(s) for s in global_shape)
+            off = tuple(int(o) for o in offset)
+            box = Box(off, arr.shape)
+            if len(gshape) != arr.ndim or not Box.full(gshape).contains(box):
+                raise LayoutError(
+                    f"tensor {name!r}: box {box} of shape {arr.shape} does not fit in the global "
+                    f"shape {gshape}"
+                )
+        if name not in self._tensors or placement is not None or value_range is not None:
+            self.declare(name, arr.dtype, gshape, placement=placement, value_range=value_range)
+        else:
+            t = self._tensors[name]
+            if t["shape"] != gshape or t["dtype"] != dtype_name(arr.dtype):
+                self.declare(name, arr.dtype, gshape)  # raises the mismatch
         if arr.size == 0:
             return
         if self._committed:
             raise XckptError("this Writer has committed; start a new Writer for a new save")
-        arr = np.ascontiguousarray(arr)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
         nbytes = arr.nbytes
         if nbytes <= self.pack_threshold:
             raw = arr.reshape(-1).view(np.uint8)
             chunk = Chunk(
-                offset=box.offset,
-                shape=box.shape,
-                key=f"data/{self.rank}/packed",
+                offset=off,
+                shape=arr.shape,
+                key=self._packed_key,
                 rank=self.rank,
                 nbytes=nbytes,
                 form="packed",
@@ -255,8 +266,8 @@ class Writer:
             self._n += 1
             grid = inner_chunk_shape(arr.shape, arr.itemsize)
             chunk = Chunk(
-                offset=box.offset,
-                shape=box.shape,
+                offset=off,
+                shape=arr.shape,
                 key=key,
                 rank=self.rank,
                 nbytes=nbytes,
@@ -343,13 +354,15 @@ class Writer:
                 f.result()
             self._futures = []
             manifest = self.manifest()
-            self.storage.write_key(f"ranks/{self.rank}.json", manifest.dumps())
+            doc = manifest.to_json()
+            self.storage.write_key(f"ranks/{self.rank}.json", dumps_json(doc))
         finally:
             if self._bar is not None:
                 self._bar.close()
         self._committed = True
         if self.world_size == 1:
-            self.storage.write_key("xckpt.json", manifest.with_rank(None).dumps())
+            doc["rank"] = None
+            self.storage.write_key("xckpt.json", dumps_json(doc))
         return manifest
 
     def manifest(self) -> Manifest:
