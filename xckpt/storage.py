@@ -174,6 +174,8 @@ class Storage:
     ) -> Any:
         """A future for a new zarr v3 array at ``key``."""
         spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid)
+        # Readers treat a missing zarr chunk as damage, so all-zero chunks must be stored too.
+        spec["store_data_equal_to_fill_value"] = True
         return self._ts.open(spec, create=True, context=self.context)
 
     def open_array(
