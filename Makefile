@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/pip install -q -c constraints.txt tensordict torchmetrics==1.0.3 pyre-extensions
 	touch $(STAMP)
 
+DEMO_DIR ?= /tmp/xckpt-demo
+
 demo: venv
-	$(BIN)/python -m xckpt.demo
+	$(BIN)/python examples/demo_core.py $(DEMO_DIR)
+	$(BIN)/python examples/demo_torch.py $(DEMO_DIR)/torch
+	$(BIN)/python examples/demo_jax.py $(DEMO_DIR)/torch
+	$(BIN)/python examples/demo_value_groups.py $(DEMO_DIR)/value_groups
 
 lint: venv
 	$(BIN)/ruff check .

@@ -1,0 +1,40 @@
+"""PyTorch adapter: save and load state dicts of tensors, DTensors and ShardedTensors.
+
+``save`` writes each rank's boxes (replicas once), with or without collectives;
+``load`` fills the caller's tensors in place whatever their layout now;
+``load_full`` returns whole tensors for one process. Importing this module
+imports torch; ``import xckpt`` does not.
+
+Value groups (value-partitioned state such as torchrec's managed-collision
+modules) are declared with ``ManagedCollision`` / ``managed_collision_groups``
+from :mod:`xckpt.torch.value_groups`, re-exported here lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xckpt.torch._common import PerRank
+from xckpt.torch._load import LoadResult, load, load_full
+from xckpt.torch._save import save
+
+__all__ = [
+    "save",
+    "load",
+    "load_full",
+    "PerRank",
+    "LoadResult",
+    "ManagedCollision",
+    "managed_collision_groups",
+    "redistribute_by_value",
+]
+
+_LAZY = ("ManagedCollision", "managed_collision_groups", "redistribute_by_value")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from xckpt.torch import value_groups
+
+        return getattr(value_groups, name)
+    raise AttributeError(f"module 'xckpt.torch' has no attribute {name!r}")

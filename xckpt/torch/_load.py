@@ -1,0 +1,284 @@
+"""``xckpt.torch.load`` and ``load_full``: fill tensors in place, whatever their layout.
+
+Loading never talks to other ranks (value groups aside, see
+:mod:`xckpt.torch.value_groups`): each rank opens the checkpoint (manifests
+only), computes the boxes its targets hold, and reads only the saved chunks
+that overlap them, straight into the targets' CPU memory. CUDA targets are
+read into pinned host buffers and copied with ``non_blocking=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import xckpt
+from xckpt import layout as L
+from xckpt.errors import (
+    DtypeMismatchError,
+    MissingEntryError,
+    ObjectError,
+    ShapeMismatchError,
+    UnsupportedPlacementError,
+    XckptError,
+)
+from xckpt.torch._common import (
+    PerRank,
+    Piece,
+    Slot,
+    as_numpy,
+    dtype_name,
+    flatten,
+    global_info,
+    local_pieces,
+    torch_dtype,
+)
+from xckpt.torch._save import rank_world
+
+__all__ = ["LoadResult", "load", "load_full"]
+
+
+@dataclass
+class LoadResult:
+    """What :func:`load` did.
+
+    Attributes:
+        missing: names the caller asked for that the checkpoint lacks.
+        unexpected: names the checkpoint holds that the caller did not ask for.
+        evicted: per value group (prefix), entries this rank dropped for capacity.
+    """
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    evicted: dict[str, int] = field(default_factory=dict)
+
+
+def _check(ckpt: Any, name: str, target: Any) -> None:
+    """Global shape and dtype of ``target`` against the saved tensor."""
+    t = ckpt.info(name)
+    shape, tdtype = global_info(target, name)
+    if tuple(shape) != tuple(t.shape):
+        raise ShapeMismatchError(
+            f"checkpoint {ckpt.path!r}, tensor {name!r}: saved with global shape {t.shape}, the "
+            f"target has global shape {tuple(shape)}; build the target with the saved shape (or "
+            "load it with xckpt.torch.load_full and adapt it yourself)"
+        )
+    got = dtype_name(tdtype, name)
+    if got != t.dtype:
+        raise DtypeMismatchError(
+            f"checkpoint {ckpt.path!r}, tensor {name!r}: saved as {t.dtype}, the target is "
+            f"{got}; load into a {t.dtype} tensor and cast after loading"
+        )
+
+
+def _object_value(ckpt: Any, name: str, placeholder: Any, world: int, rank: int) -> Any:
+    entries = ckpt._object_entries(name)
+    if not entries[0].per_rank:
+        value = ckpt._object_value(entries[0])
+        return PerRank(value) if isinstance(placeholder, PerRank) else value
+    by_rank = {o.rank: o for o in entries}
+    if isinstance(placeholder, PerRank) and placeholder.all_ranks:
+        return PerRank([ckpt._object_value(by_rank[r]) for r in sorted(by_rank)], all_ranks=True)
+    if world != ckpt.world_size:
+        raise ObjectError(
+            f"checkpoint {ckpt.path!r}: object {name!r} was saved per rank by {ckpt.world_size} "
+            f"ranks and is loaded at world size {world}; there is no rank-for-rank match. Put "
+            "xckpt.torch.PerRank(all_ranks=True) in its place to receive every rank's value"
+        )
+    if rank not in by_rank:
+        raise ObjectError(f"checkpoint {ckpt.path!r}: per-rank object {name!r} has no value for rank {rank}")
+    value = ckpt._object_value(by_rank[rank])
+    return PerRank(value) if isinstance(placeholder, PerRank) else value
+
+
+def _set(slot: Slot, name: str, value: Any) -> None:
+    if isinstance(slot.container, tuple):
+        raise ObjectError(
+            f"object {name!r} sits in a tuple of the state dict, which cannot be filled in "
+            "place; use a list or a dict there"
+        )
+    slot.container[slot.key] = value
+
+
+class _Reads:
+    """Read requests into targets' memory, and the device copies to make afterwards."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, L.Box, np.ndarray]] = []
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device dst, host src)
+
+    def add(self, name: str, piece: Piece) -> None:
+        dst = piece.tensor
+        if isinstance(dst, np.ndarray):
+            view = dst[piece.slices] if piece.slices else dst
+            if not view.flags.writeable:
+                raise XckptError(f"target {name!r} is a read-only numpy array")
+            self.items.append((name, piece.box, view))
+            return
+        dst = dst.detach()
+        part = dst[piece.slices] if piece.slices else dst
+        if dst.device.type == "cpu":
+            self.items.append((name, piece.box, as_numpy(part)))
+            return
+        if dst.device.type == "meta":
+            raise XckptError(
+                f"target {name!r} is on the meta device and has no memory to load into; "
+                "materialise it first (e.g. module.to_empty(device=...))"
+            )
+        host = torch.empty(piece.box.shape, dtype=dst.dtype, pin_memory=torch.cuda.is_available())
+        self.items.append((name, piece.box, as_numpy(host)))
+        self.copies.append((part, host))
+
+    def run(self, ckpt: Any) -> None:
+        ckpt.read_into(self.items)
+        devices = set()
+        for dst, host in self.copies:
+            dst.copy_(host, non_blocking=True)
+            devices.add(dst.device)
+        # Host buffers must outlive the copies.
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+
+
+def load(
+    path: str | os.PathLike[str],
+    state_dict: Mapping[str, Any],
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+    strict_capacity: bool = False,
+) -> LoadResult:
+    """Fill ``state_dict``'s tensors in place from a checkpoint; put objects in place.
+
+    Each target may have any layout: a plain tensor (gets the whole tensor), a
+    DTensor on any mesh and placements, a legacy ``ShardedTensor``, a numpy
+    array; on CPU or a CUDA device. Saved objects replace the caller's
+    placeholders (a tensor saved where the caller has a non-tensor placeholder
+    comes back as a whole CPU tensor).
+
+    Args:
+        path: the checkpoint location.
+        state_dict: the caller's (nested) state dict, flattened with "." as on save.
+        process_group: the group whose ranks load together (default: world);
+            only used for ranks and value groups.
+        strict: raise when the checkpoint lacks a name the caller asks for.
+        strict_capacity: value groups: raise instead of evicting when a rank's
+            capacity is exceeded.
+
+    Returns:
+        :class:`LoadResult` with missing, unexpected and evicted.
+
+    Raises:
+        MissingEntryError: ``strict`` and names are missing (nothing is read then).
+        ShapeMismatchError, DtypeMismatchError: a target differs from the saved tensor.
+        UnsupportedPlacementError: a target DTensor has a ``Partial`` placement.
+    """
+    from xckpt.torch.value_groups import load_value_groups
+
+    rank, world, group_rank = rank_world(process_group)
+    ckpt = xckpt.open(path)
+    flat, slots = flatten(state_dict)
+    handled: set[str] = set()
+    evicted: dict[str, int] = {}
+    # Only a checkpoint with value groups needs them (their load may exchange
+    # outcomes between ranks); the test is on the manifest, so all ranks agree.
+    if any(t.value_range is not None for t in ckpt.manifest.tensors.values()):
+        names, evicted = load_value_groups(ckpt, flat, rank, world, process_group, strict_capacity)
+        handled = set(names)
+    saved_tensors = ckpt.manifest.tensors
+    saved_objects = set(ckpt.object_names())
+    missing = [n for n in flat if n not in handled and n not in saved_tensors and n not in saved_objects]
+    missing_set = set(missing)
+    unexpected = [n for n in list(saved_tensors) + sorted(saved_objects) if n not in flat and n not in handled]
+    if strict and missing:
+        raise MissingEntryError(
+            f"checkpoint {str(ckpt.path)!r} lacks {len(missing)} requested entries: {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}. Load with strict=False to skip them, or "
+            "remove them from the state dict"
+        )
+    reads = _Reads()
+    later: list[tuple[str, Any]] = []
+    for name, target in flat.items():
+        if name in handled or name in missing_set:
+            continue
+        is_tensor = isinstance(target, (torch.Tensor, np.ndarray))
+        if name in saved_tensors:
+            if not is_tensor:
+                later.append((name, None))
+                continue
+            _check(ckpt, name, target)
+            loc = local_pieces(target, name, group_rank)
+            for piece in loc.pieces:
+                reads.add(name, piece)
+        else:
+            if is_tensor:
+                raise ObjectError(
+                    f"checkpoint {str(ckpt.path)!r}: {name!r} is saved as an object, but the "
+                    f"target is a tensor; put a placeholder (e.g. None) there to receive it"
+                )
+            later.append((name, _object_value(ckpt, name, target, world, rank)))
+    reads.run(ckpt)
+    whole = [n for n, v in later if v is None and n in saved_tensors]
+    if whole:
+        full = load_full(ckpt, whole)
+        later = [(n, full[n] if n in full else v) for n, v in later]
+    for name, value in later:
+        _set(slots[name], name, value)
+    return LoadResult(missing=missing, unexpected=unexpected, evicted=dict(evicted))
+
+
+def load_full(
+    path: str | os.PathLike[str] | Any,
+    names: Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """Whole tensors (and objects) for one process, by flat name.
+
+    Args:
+        path: the checkpoint location (or an open :class:`xckpt.Checkpoint`).
+        names: which entries (default: every tensor and object).
+        device: where the tensors go (CUDA: read into pinned memory, then copied).
+
+    Returns:
+        ``{name: torch.Tensor or object}``; a per-rank object comes back as the
+        list of every rank's value.
+    """
+    ckpt = path if isinstance(path, xckpt.Checkpoint) else xckpt.open(path)
+    saved_objects = ckpt.object_names()
+    if names is None:
+        names = ckpt.names() + saved_objects
+    dev = torch.device(device)
+    if dev.type == "meta":
+        raise UnsupportedPlacementError("load_full cannot load into the meta device")
+    out: dict[str, Any] = {}
+    reads = _Reads()
+    for name in names:
+        if name in ckpt:
+            t = ckpt.info(name)
+            host = torch.empty(t.shape, dtype=torch_dtype(t.dtype), pin_memory=dev.type == "cuda")
+            if host.numel():
+                reads.items.append((name, L.Box.full(t.shape), as_numpy(host)))
+            out[name] = host
+        elif name in saved_objects:
+            entries = ckpt._object_entries(name)
+            if entries[0].per_rank:
+                out[name] = [ckpt._object_value(o) for o in sorted(entries, key=lambda o: o.rank)]
+            else:
+                out[name] = ckpt._object_value(entries[0])
+        else:
+            raise MissingEntryError(
+                f"checkpoint {str(ckpt.path)!r} has no tensor or object {name!r}; it holds "
+                f"{ckpt.names()[:5] + saved_objects[:5]} ..."
+            )
+    reads.run(ckpt)
+    if dev.type != "cpu":
+        out = {n: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for n, v in out.items()}
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    return out

@@ -1,0 +1,343 @@
+"""``xckpt.torch.save``: every rank writes its own boxes; replicas are written once.
+
+Call protocol (every rank of the process group calls ``save`` with its own
+state dict, in the same order as its other collectives):
+
+Coordinated mode (``rank_local=False`` and a process group is initialised):
+
+1. rank 0 draws a random save_id and broadcasts it (skipped when ``save_id=``
+   is given);
+2. each rank plans locally (no collective), opens ``xckpt.Writer`` with that
+   save_id, writes the boxes it owns and its objects, and commits
+   (``ranks/<rank>.json``);
+3. all ranks exchange success or failure (one ``all_gather_object``);
+4. rank 0 calls :func:`xckpt.finalize` (writes ``xckpt.json``) and broadcasts
+   its outcome, which doubles as the final barrier.
+
+A failure on any rank makes every rank raise (the failing rank its own error,
+the others :class:`~xckpt.errors.XckptError` naming it), so no rank is left
+waiting in a collective.
+
+Rank-local mode (``rank_local=True``, or no process group): steps 1, 3 and 4
+are skipped; nothing is sent between ranks. The save_id is the caller's
+``save_id=`` or derived from the location, and readers merge the rank
+manifests themselves.
+
+Dedup: a box held by several ranks (``Replicate()`` axes, or a plain tensor
+that every rank holds) is written by the one rank
+:func:`xckpt.layout.choose_writer` picks; every rank computes the same answer.
+Plans are recomputed on every call, so a state dict whose structure changed is
+always saved whole.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import secrets
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from xckpt import layout as L
+from xckpt.errors import XckptError
+from xckpt.manifest import PlacementInfo
+from xckpt.torch._common import (
+    Local,
+    PerRank,
+    as_numpy,
+    dtype_name,
+    flatten,
+    global_info,
+    local_pieces,
+)
+
+__all__ = ["save"]
+
+_lock = threading.Lock()
+_pending: cf.Future | None = None
+_executor: cf.ThreadPoolExecutor | None = None
+_side_groups: dict[Any, Any] = {}
+
+
+def _wait_pending() -> None:
+    """A save waits for the previous async save (its error stays with its future)."""
+    global _pending
+    with _lock:
+        fut, _pending = _pending, None
+    if fut is not None:
+        cf.wait([fut])
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank_world(process_group: Any) -> tuple[int, int, Any]:
+    """(rank, world size, global->group rank function) without any collective."""
+    dist = _dist()
+    if dist is None:
+        if process_group is not None:
+            raise XckptError("a process_group was given but torch.distributed is not initialised")
+        return 0, 1, lambda g: 0 if g == 0 else -1
+    rank = dist.get_rank(process_group)
+    world = dist.get_world_size(process_group)
+    if rank < 0:
+        raise XckptError("this rank is not a member of the process_group passed to xckpt.torch")
+    if process_group is None:
+        return rank, world, lambda g: g if 0 <= g < world else -1
+
+    def group_rank(g: int) -> int:
+        try:
+            return dist.get_group_rank(process_group, g)
+        except (ValueError, RuntimeError):
+            return -1
+
+    return rank, world, group_rank
+
+
+def _placement_info(loc: Local) -> PlacementInfo | None:
+    if loc.layout in ("placements", "fsdp2"):
+        return PlacementInfo(
+            framework="torch",
+            mesh_shape=loc.mesh_shape,
+            axis_names=loc.axis_names,
+            placements=loc.placements,
+            layout=loc.layout,
+        )
+    if loc.layout == "sharded_tensor":
+        return PlacementInfo(framework="torch", mesh_shape=loc.mesh_shape, layout="sharded_tensor")
+    return None
+
+
+class _Job:
+    """One tensor: its declaration and the boxes this rank writes."""
+
+    __slots__ = ("name", "dtype", "shape", "placement", "boxes")
+
+    def __init__(self, name: str, dtype: Any, shape: tuple[int, ...], placement: Any) -> None:
+        self.name, self.dtype, self.shape, self.placement = name, dtype, shape, placement
+        self.boxes: list[tuple[L.Box, Any]] = []  # (box, torch tensor part or numpy array)
+
+
+def _plan(flat: Mapping[str, Any], skip: set[str], rank: int, world: int, group_rank: Any) -> tuple[list[_Job], list[tuple[str, Any, bool]]]:
+    """Which boxes this rank writes, and its objects. Local; no collective."""
+    jobs: list[_Job] = []
+    objects: list[tuple[str, Any, bool]] = []
+    for name, v in flat.items():
+        if name in skip:
+            continue
+        if isinstance(v, (torch.Tensor, np.ndarray)):
+            shape, tdtype = global_info(v, name)
+            loc = local_pieces(v, name, group_rank)
+            job = _Job(name, dtype_name(tdtype, name), shape, _placement_info(loc))
+            if loc.layout == "replicated":
+                holders: Sequence[int] | None = range(world)
+            else:
+                holders = loc.holders
+            for i, piece in enumerate(loc.pieces):
+                if holders is not None and L.choose_writer(name, i, holders) != rank:
+                    continue
+                part = piece.tensor[piece.slices] if piece.slices else piece.tensor
+                job.boxes.append((piece.box, part))
+            jobs.append(job)
+        elif isinstance(v, PerRank):
+            objects.append((name, v.value, True))
+        else:
+            objects.append((name, v, False))
+    return jobs, objects
+
+
+def _host(part: Any, copy: bool) -> tuple[np.ndarray, Any]:
+    """numpy data of a box part; a copy when ``copy`` (async) or the tensor is on a device.
+
+    Returns (array, event to wait on before the array is read, or None).
+    """
+    if isinstance(part, np.ndarray):
+        return (part.copy() if copy else part), None
+    t = part.detach()
+    if t.device.type == "cpu":
+        return as_numpy(t.clone() if copy else t), None
+    if t.device.type == "meta":
+        raise XckptError("a tensor on the meta device holds no data and cannot be saved")
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(t, non_blocking=True)
+    event = None
+    if t.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+    return as_numpy(host), event
+
+
+class _CopyingWriter:
+    """Writer proxy for async saves: arrays handed to ``write`` are copied first."""
+
+    def __init__(self, writer: Any) -> None:
+        self._w = writer
+
+    def write(self, name: str, array: Any, **kw: Any) -> None:
+        self._w.write(name, np.array(array, copy=True), **kw)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._w, attr)
+
+
+def _side_group(dist: Any, pg: Any) -> Any:
+    """A gloo group over ``pg``'s ranks for the background thread's collectives."""
+    key = id(pg) if pg is not None else None
+    grp = _side_groups.get(key)
+    if grp is None:
+        ranks = sorted(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+        grp = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        _side_groups[key] = grp
+    return grp
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    rank_local: bool = False,
+    async_save: bool = False,
+    value_groups: Sequence[Any] | None = None,
+    save_id: str | int | None = None,
+    overwrite: bool = False,
+) -> cf.Future | None:
+    """Save this rank's state dict; every rank of the group calls it.
+
+    Args:
+        state_dict: nested dicts of tensors (plain: replicated, written once),
+            DTensors (any mesh and placements except ``Partial``), legacy
+            ``ShardedTensor``s, numpy arrays, and objects (JSON values, bytes;
+            :class:`PerRank` for per-rank values). Nested names join with ".".
+        path: directory or kvstore URL of the checkpoint.
+        process_group: the group whose ranks save together (default: world).
+        rank_local: no rank talks to another; each writes its data and its manifest.
+        async_save: return a future once device tensors are copied to host;
+            the write runs in a background thread.
+        value_groups: value-partitioned groups to declare (see
+            :mod:`xckpt.torch.value_groups`).
+        save_id: id shared by all ranks (default: random in coordinated mode,
+            derived from the location in rank-local mode).
+        overwrite: replace an existing checkpoint at ``path``.
+
+    Returns:
+        ``None``, or with ``async_save`` a :class:`concurrent.futures.Future`
+        that resolves when the checkpoint is complete.
+
+    Raises:
+        UnsupportedPlacementError: a DTensor has a ``Partial`` placement.
+        LayoutError: a local shard does not match its placements.
+        ObjectError: a value cannot be stored.
+        CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
+    """
+    global _pending, _executor
+    from xckpt.torch.value_groups import save_value_groups, split_value_groups
+    from xckpt.writer import Writer, finalize
+
+    _wait_pending()
+    rank, world, group_rank = rank_world(process_group)
+    dist = _dist()
+    coordinated = dist is not None and not rank_local and world > 1
+    pg = process_group
+    loc_path = os.fspath(path)
+
+    if coordinated and save_id is None:
+        box = [secrets.token_hex(8) if rank == 0 else None]
+        dist.broadcast_object_list(box, group=pg, group_src=0)
+        save_id = f"s-{box[0]}"
+    side = _side_group(dist, pg) if coordinated and async_save else pg
+
+    def fail_all(err: BaseException | None) -> None:
+        """Exchange outcomes; every rank raises when any failed."""
+        if not coordinated:
+            if err is not None:
+                raise err
+            return
+        msgs: list[Any] = [None] * world
+        dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}", group=side)
+        if err is not None:
+            raise err
+        bad = {r: m for r, m in enumerate(msgs) if m is not None}
+        if bad:
+            raise XckptError(
+                f"save to {loc_path!r} failed on ranks {sorted(bad)}: "
+                + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
+                + ". The location is not a complete checkpoint; fix the error and save again"
+            )
+
+    def finish() -> None:
+        if not coordinated:
+            return
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                finalize(loc_path, world, str(save_id))
+            except Exception as e:  # reported to every rank below, then re-raised here
+                box[0] = f"{type(e).__name__}: {e}"
+                dist.broadcast_object_list(box, group=side, group_src=0)
+                raise
+        dist.broadcast_object_list(box, group=side, group_src=0)
+        if box[0] is not None:
+            raise XckptError(f"save to {loc_path!r}: rank 0 could not finalize it: {box[0]}")
+
+    # Foreground: plan, open the writer, take host copies (async).
+    writer = None
+    arrays: list[tuple[Any, L.Box, np.ndarray]] = []
+    try:
+        flat, _ = flatten(state_dict)
+        plans, owned = split_value_groups(flat, value_groups)
+        jobs, objects = _plan(flat, set(owned), rank, world, group_rank)
+        writer = Writer(loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite)
+        events = []
+        for job in jobs:
+            for box, part in job.boxes:
+                arr, ev = _host(part, copy=async_save)
+                arrays.append((job, box, arr))
+                if ev is not None:
+                    events.append(ev)
+        for ev in events:
+            ev.synchronize()
+        vg_writer = _CopyingWriter(writer) if async_save else writer
+        save_value_groups(vg_writer, flat, plans, rank, world)  # type: ignore[arg-type]
+    except BaseException as e:
+        # Peers learn of it through the same exchange they make after writing.
+        fail_all(e)
+        raise
+
+    def write() -> None:
+        err: BaseException | None = None
+        try:
+            for job in jobs:
+                writer.declare(job.name, _np_dtype(job.dtype), job.shape, placement=job.placement)
+            for job, box, arr in arrays:
+                writer.write(job.name, arr, global_shape=job.shape, offset=box.offset, placement=job.placement)
+            for name, value, per_rank in objects:
+                writer.write_object(name, value, per_rank=per_rank)
+            writer.commit()
+        except Exception as e:  # exchanged with the other ranks, then re-raised
+            err = e
+        fail_all(err)
+        finish()
+
+    if not async_save:
+        write()
+        return None
+    with _lock:
+        if _executor is None:
+            _executor = cf.ThreadPoolExecutor(1, thread_name_prefix="xckpt-async-save")
+        fut = _executor.submit(write)
+        _pending = fut
+    return fut
+
+
+def _np_dtype(name: str) -> Any:
+    from xckpt.manifest import numpy_dtype
+
+    return numpy_dtype(name)
