@@ -1,0 +1,230 @@
+"""Load a checkpoint into jax.Arrays of any sharding, or into numpy on the host.
+
+For every target array, each addressable device's box is computed from its
+sharding; identical boxes (replicas) are read once; all boxes of a batch are
+read concurrently with :meth:`xckpt.Checkpoint.read_into`, which opens only the
+saved chunks that overlap a box and, inside a chunk, only the zarr chunks the
+box touches. The arrays are then built with ``jax.make_array_from_callback``
+from those host buffers. Host memory is bounded by ``host_budget`` per batch
+(a single array larger than the budget is read alone).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+from xckpt.errors import DtypeMismatchError, MissingEntryError, ShapeMismatchError, XckptError
+from xckpt.layout import Box, box_from_index
+from xckpt.manifest import TensorEntry
+from xckpt.reader import Checkpoint
+from xckpt.reader import open as open_checkpoint
+
+from ._tree import device_boxes, flatten
+
+__all__ = ["load"]
+
+#: Host bytes read per batch before arrays are built and buffers released.
+HOST_BUDGET = 2 << 30
+_ALIGN = 64
+
+
+class _ArrayJob:
+    __slots__ = ("index", "name", "entry", "sharding", "shape", "dtype", "boxes", "nbytes")
+
+    def __init__(
+        self, ck: Checkpoint, index: int, name: str, entry: TensorEntry, sharding: Sharding
+    ) -> None:
+        self.index, self.name, self.entry, self.sharding = index, name, entry, sharding
+        _check_representable(ck, name, entry)
+        self.shape = tuple(entry.shape)
+        self.dtype = entry.np_dtype
+        self.boxes = sorted(
+            set(device_boxes(sharding, self.shape, name, addressable=True).values()),
+            key=lambda b: (b.offset, b.shape),
+        )
+        self.nbytes = sum(b.volume for b in self.boxes) * self.dtype.itemsize
+
+
+def _check_representable(ck: Checkpoint, name: str, entry: TensorEntry) -> None:
+    # Without jax_enable_x64, jax would silently turn int64/float64 into 32 bits.
+    if jax.dtypes.canonicalize_dtype(entry.np_dtype) != entry.np_dtype:
+        raise DtypeMismatchError(
+            f"checkpoint {ck.path!r}, tensor {name!r}: saved as {entry.dtype}, which JAX holds "
+            f"only with 64-bit types enabled (it would become "
+            f"{jax.dtypes.canonicalize_dtype(entry.np_dtype)}); call "
+            "jax.config.update('jax_enable_x64', True) before loading, or load this tensor to the "
+            "host with a numpy leaf in the target"
+        )
+
+
+def _check(ck: Checkpoint, name: str, entry: TensorEntry, shape: Any, dtype: Any) -> None:
+    if tuple(int(s) for s in shape) != tuple(entry.shape):
+        raise ShapeMismatchError(
+            f"checkpoint {ck.path!r}, tensor {name!r}: saved with shape {tuple(entry.shape)}, the "
+            f"target asks for {tuple(shape)}; give the saved shape (or a sharding alone, which "
+            "takes shape and dtype from the checkpoint)"
+        )
+    if np.dtype(dtype) != entry.np_dtype:
+        raise DtypeMismatchError(
+            f"checkpoint {ck.path!r}, tensor {name!r}: saved as {entry.dtype}, the target asks "
+            f"for {np.dtype(dtype)}; load as {entry.dtype} and cast after loading (x.astype(...))"
+        )
+
+
+def _sharding_of(ck: Checkpoint, name: str, leaf: Any) -> Sharding:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, Sharding):
+        raise XckptError(
+            f"checkpoint {ck.path!r}, tensor {name!r}: the target ShapeDtypeStruct has no "
+            "sharding; give one (jax.ShapeDtypeStruct(shape, dtype, sharding=...)) or pass the "
+            "sharding alone"
+        )
+    return sharding
+
+
+def _host_read(ck: Checkpoint, name: str, leaf: Any) -> np.ndarray:
+    entry = ck.info(name)
+    if isinstance(leaf, np.ndarray):
+        _check(ck, name, entry, leaf.shape, leaf.dtype)
+    return ck.read(name)
+
+
+def _build(job: _ArrayJob, bufs: dict[Box, np.ndarray]) -> jax.Array:
+    shape = job.shape
+
+    def fetch(index: Any) -> np.ndarray:
+        return bufs[box_from_index(shape, index)]
+
+    return jax.make_array_from_callback(shape, job.sharding, fetch, dtype=job.dtype)
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data is 64-byte aligned.
+
+    jax's CPU client adopts such a buffer without copying (``device_put`` is
+    zero-copy); numpy's own large allocations are only 16-byte aligned, which
+    costs a second copy of every byte loaded.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _run_batch(ck: Checkpoint, batch: list[_ArrayJob], out: list[Any], show_progress: bool | None) -> None:
+    bufs: dict[str, dict[Box, np.ndarray]] = {}
+    items = []
+    for job in batch:
+        per = bufs.setdefault(job.name, {})
+        for box in job.boxes:
+            buf = _aligned_empty(box.shape, job.dtype)
+            per[box] = buf
+            items.append((job.name, box, buf))
+    ck.read_into(items, show_progress=show_progress)
+    for job in batch:
+        out[job.index] = _build(job, bufs.pop(job.name))
+
+
+def load(
+    path: str | os.PathLike[str],
+    target: Any = None,
+    *,
+    per_rank: str = "error",
+    host_budget: int = HOST_BUDGET,
+    show_progress: bool | None = None,
+    context: Any = None,
+) -> Any:
+    """Load a checkpoint into jax.Arrays laid out as ``target`` says.
+
+    Args:
+        path: the checkpoint (directory or kvstore URL).
+        target: a pytree, or a flat dict by name, whose leaves are
+            ``jax.ShapeDtypeStruct`` with a sharding (shape and dtype are
+            checked against the checkpoint), a ``jax.sharding.Sharding`` alone
+            (shape and dtype from the checkpoint), or a ``jax.Array`` (its
+            sharding, shape and dtype). A numpy array leaf is filled on the host
+            (shape and dtype checked); any other leaf (e.g. a scalar placeholder)
+            gets the saved object of that name, or the tensor as numpy. With no
+            target, every tensor comes back as numpy and every object as saved,
+            in a flat dict by name.
+        per_rank: with no target, how per-rank objects come back (see
+            :meth:`xckpt.Checkpoint.objects`).
+        host_budget: host bytes read per batch before arrays are built.
+        show_progress: progress bar (default: when stderr is a TTY).
+        context: tensorstore context (default: xckpt's process-wide one).
+
+    Returns:
+        The same structure as ``target`` filled with jax.Arrays (numpy or
+        objects for non-jax leaves), or a flat dict when ``target`` is None.
+
+    Raises:
+        MissingEntryError: ``target`` names something the checkpoint lacks.
+        ShapeMismatchError, DtypeMismatchError: a target disagrees with the
+            saved shape or dtype.
+        UnsupportedPlacementError: a sharding cannot lay out the saved shape.
+    """
+    ck = open_checkpoint(path, context=context)
+    if target is None:
+        result: dict[str, Any] = dict(ck.read_all(show_progress=show_progress))
+        result.update(
+            ck.objects(rank=jax.process_index(), world_size=jax.process_count(), per_rank=per_rank)
+        )
+        return result
+    named, treedef = flatten(target)
+    out: list[Any] = [None] * len(named)
+    jobs: list[_ArrayJob] = []
+    objects: dict[str, Any] | None = None
+    for i, (name, leaf) in enumerate(named):
+        if isinstance(leaf, Sharding):
+            jobs.append(_ArrayJob(ck, i, name, ck.info(name), leaf))
+        elif isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
+            entry = ck.info(name)
+            _check(ck, name, entry, leaf.shape, leaf.dtype)
+            jobs.append(_ArrayJob(ck, i, name, entry, _sharding_of(ck, name, leaf)))
+        elif isinstance(leaf, np.ndarray) or name in ck:
+            out[i] = _host_read(ck, name, leaf)
+        else:
+            if objects is None:
+                objects = ck.objects(per_rank="list")
+            if name not in objects:
+                raise MissingEntryError(
+                    f"checkpoint {ck.path!r} has no tensor or object {name!r}; it holds "
+                    f"{len(ck.names())} tensors (e.g. {ck.names()[:5]}) and objects "
+                    f"{ck.object_names()[:5]}. Check the target's key paths"
+                )
+            out[i] = _object_for(ck, name, objects[name])
+    _read_jobs(ck, jobs, out, host_budget, show_progress)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _object_for(ck: Checkpoint, name: str, value: Any) -> Any:
+    entries = [o for o in ck.manifest.objects if o.name == name]
+    if not entries[0].per_rank:
+        return value
+    return ck.objects(rank=jax.process_index(), world_size=jax.process_count())[name]
+
+
+def _read_jobs(
+    ck: Checkpoint,
+    jobs: list[_ArrayJob],
+    out: list[Any],
+    host_budget: int,
+    show_progress: bool | None,
+) -> None:
+    batch: list[_ArrayJob] = []
+    size = 0
+    for job in jobs:
+        if batch and size + job.nbytes > host_budget:
+            _run_batch(ck, batch, out, show_progress)
+            batch, size = [], 0
+        batch.append(job)
+        size += job.nbytes
+    if batch:
+        _run_batch(ck, batch, out, show_progress)
+

@@ -1,0 +1,173 @@
+"""Save a pytree of jax.Arrays (any sharding), numpy arrays and scalars.
+
+Call protocol (every process of a multi-process JAX job calls :func:`save`
+with the same tree structure)::
+
+    1. agree on a save_id (the caller's, or process 0's random id broadcast
+       with jax.experimental.multihost_utils);
+    2. each process opens one xckpt.Writer (rank = jax.process_index(),
+       world_size = jax.process_count()); a barrier follows, so an overwritten
+       save is withdrawn everywhere before anyone writes;
+    3. each process writes the boxes it is the writer of: for every distinct
+       box of an array, ``xckpt.layout.choose_writer`` picks one process among
+       those whose devices hold it (spread by a hash, not all on process 0),
+       and within a process each distinct box is written once;
+    4. each process commits (data durable, then ranks/<rank>.json);
+    5. after a barrier, process 0 writes xckpt.json (``xckpt.finalize``), and a
+       last barrier makes every process return only once the save is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+import jax
+import numpy as np
+
+from xckpt.errors import ObjectError, UnsupportedPlacementError
+from xckpt.layout import Box, choose_writer
+from xckpt.manifest import DTYPES, Manifest
+from xckpt.writer import Writer, finalize
+
+from ._tree import device_boxes, flatten, placement_info
+
+__all__ = ["save"]
+
+_OBJECT_TYPES = (bool, int, float, str, bytes)
+
+
+def _agree_save_id(save_id: str | int | None) -> str | None:
+    if jax.process_count() == 1:
+        return None if save_id is None else str(save_id)
+    if save_id is not None:
+        return str(save_id)
+    from jax.experimental import multihost_utils
+
+    # uint32 words survive jax's default 32-bit mode unchanged.
+    mine = np.frombuffer(secrets.token_bytes(16), dtype=np.uint32).copy()
+    agreed = multihost_utils.broadcast_one_to_all(mine)
+    return "jax-" + np.asarray(agreed, dtype=np.uint32).tobytes().hex()
+
+
+def _barrier(tag: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(tag)
+
+
+def _check_dtype(name: str, dtype: Any) -> None:
+    if np.dtype(dtype).name not in DTYPES:
+        raise ObjectError(
+            f"tensor {name!r} has dtype {np.dtype(dtype)}, which xckpt cannot store; supported: "
+            f"{', '.join(DTYPES)}. Cast it (e.g. x.astype(jnp.float32)) before saving"
+        )
+
+
+def _plan_jax_array(w: Writer, name: str, arr: jax.Array, me: int) -> list[tuple[Box, Any]]:
+    """Declare ``name`` and return the (box, shard) pairs this process writes."""
+    shape = tuple(int(s) for s in arr.shape)
+    _check_dtype(name, arr.dtype)
+    w.declare(name, np.dtype(arr.dtype), shape, placement=placement_info(arr.sharding, len(shape)))
+    holders: dict[Box, set[int]] = {}
+    for dev, box in device_boxes(arr.sharding, shape, name, addressable=False).items():
+        holders.setdefault(box, set()).add(dev.process_index)
+    mine = device_boxes(arr.sharding, shape, name, addressable=True)
+    local: dict[Box, Any] = {}
+    for shard in arr.addressable_shards:
+        local.setdefault(mine[shard.device], shard)
+    out = []
+    for i, box in enumerate(sorted(holders, key=lambda b: (b.offset, b.shape))):
+        if box.empty or choose_writer(name, i, sorted(holders[box])) != me:
+            continue
+        shard = local.get(box)
+        if shard is None:  # cannot happen for a consistent sharding; fail loudly if it does
+            raise UnsupportedPlacementError(
+                f"tensor {name!r}: process {me} was chosen to write box {box} but holds no "
+                "device with it; the array's sharding disagrees with its addressable shards"
+            )
+        out.append((box, shard))
+    return out
+
+
+def save(
+    tree: Any,
+    path: str | os.PathLike[str],
+    *,
+    save_id: str | int | None = None,
+    overwrite: bool = False,
+    storage: str = "ocdbt",
+    metadata: dict[str, Any] | None = None,
+) -> Manifest:
+    """Save a pytree of jax.Arrays, numpy arrays and scalars to ``path``.
+
+    Every process of a multi-process job must call this with the same tree
+    structure. Each process writes only its addressable shards, and of a box
+    held by several devices only the copy the layout rule assigns to it.
+
+    Args:
+        tree: nested dicts, lists and tuples whose leaves are jax.Arrays (any
+            sharding), numpy arrays or numpy scalars (stored as tensors), or
+            Python ``bool``/``int``/``float``/``str``/``bytes`` (stored as
+            objects). Names are key paths joined with ``"."``.
+        path: directory or kvstore URL.
+        save_id: shared id of this save; default: process 0's random id,
+            broadcast (one process: derived from the location).
+        overwrite: replace an existing checkpoint at ``path``.
+        storage: ``"ocdbt"`` (default) or ``"plain"``.
+        metadata: JSON-able user metadata stored in the manifest.
+
+    Returns:
+        This process's manifest (the whole checkpoint's when single-process).
+
+    Raises:
+        ObjectError: a leaf has an unsupported type or dtype.
+        CheckpointExistsError: ``path`` holds a save and ``overwrite`` is False.
+    """
+    named, _ = flatten(tree)
+    for name, leaf in named:
+        if name == "":
+            raise ObjectError(
+                "save() got a bare array, not a tree: wrap it in a dict, e.g. {'x': array}, so "
+                "it has a name"
+            )
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic) + _OBJECT_TYPES):
+            raise ObjectError(
+                f"leaf {name!r} is a {type(leaf).__name__}; xckpt.jax.save stores jax.Arrays, "
+                "numpy arrays and bool/int/float/str/bytes. Convert it, or leave it out"
+            )
+    me, world = jax.process_index(), jax.process_count()
+    sid = _agree_save_id(save_id)
+    if overwrite and world == 1 and sid is None:
+        sid = "s-" + secrets.token_hex(8)
+    w = Writer(path, rank=me, world_size=world, save_id=sid, overwrite=overwrite, storage=storage,
+               metadata=metadata)
+    _barrier(f"xckpt-open-{w.save_id}")
+    plans: list[tuple[str, tuple[int, ...], list[tuple[Box, Any]]]] = []
+    for name, leaf in named:  # declared in tree order, so the manifest lists names that way
+        if isinstance(leaf, jax.Array):
+            plans.append((name, tuple(leaf.shape), _plan_jax_array(w, name, leaf, me)))
+        elif isinstance(leaf, (np.ndarray, np.generic)):
+            arr = np.asarray(leaf)
+            _check_dtype(name, arr.dtype)
+            w.declare(name, arr.dtype, arr.shape)
+            if choose_writer(name, 0, range(world)) == me:
+                w.write(name, arr)
+        else:
+            w.write_object(name, leaf)
+    # Start every device-to-host copy before the first one is waited for.
+    for _, _, parts in plans:
+        for _, shard in parts:
+            shard.data.copy_to_host_async()
+    for name, shape, parts in plans:
+        for box, shard in parts:
+            w.write(name, np.asarray(shard.data), global_shape=shape, offset=box.offset)
+    manifest = w.commit()
+    if world > 1:
+        _barrier(f"xckpt-commit-{w.save_id}")
+        if me == 0:
+            finalize(path, world, w.save_id)
+        _barrier(f"xckpt-final-{w.save_id}")
+    return manifest
