@@ -46,6 +46,12 @@ _CONTEXT_LOCK = threading.Lock()
 #: sequential, small enough that a partial load reads little more than it needs.
 INNER_CHUNK_BYTES = 16 << 20
 
+#: Size at which an OCDBT database starts a new data file. A writer-side knob
+#: only (readers follow the B-tree): tensorstore writes the data files of one
+#: commit concurrently, so files of 64 MiB instead of one large file halve the
+#: time of a 1 GiB save on local disk (bench/io.py) at about 16 files per GiB.
+OCDBT_DATA_FILE_BYTES = 64 << 20
+
 
 def default_context() -> Any:
     """The process-wide tensorstore Context (no chunk cache; fsync on commit)."""
@@ -166,17 +172,28 @@ class Storage:
                 "driver": "ocdbt",
                 "base": f"{self.url}data/{parts[1]}/",
                 "path": parts[2] + "/",
+                "target_data_file_size": OCDBT_DATA_FILE_BYTES,
             }
         return f"{self.url}{key}/"
 
     def create_array(
-        self, key: str, storage: str, dtype: str, shape: Sequence[int], grid: Sequence[int]
+        self,
+        key: str,
+        storage: str,
+        dtype: str,
+        shape: Sequence[int],
+        grid: Sequence[int],
+        transaction: Any = None,
     ) -> Any:
-        """A future for a new zarr v3 array at ``key``."""
+        """A future for a new zarr v3 array at ``key`` (inside ``transaction`` if given)."""
         spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid)
         # Readers treat a missing zarr chunk as damage, so all-zero chunks must be stored too.
         spec["store_data_equal_to_fill_value"] = True
-        return self._ts.open(spec, create=True, context=self.context)
+        return self._ts.open(spec, create=True, context=self.context, transaction=transaction)
+
+    def transaction(self) -> Any:
+        """A tensorstore transaction: its writes commit together (one OCDBT commit)."""
+        return self._ts.Transaction()
 
     def open_array(
         self, key: str, storage: str, dtype: str, shape: Sequence[int], grid: Sequence[int]
