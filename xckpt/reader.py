@@ -28,7 +28,15 @@ from xckpt.errors import (
     ShapeMismatchError,
 )
 from xckpt.layout import Box, box_from_index, check_coverage, plan_reads
-from xckpt.manifest import Chunk, Manifest, ObjectEntry, TensorEntry, decode_value, merge_manifests
+from xckpt.manifest import (
+    Chunk,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    decode_value,
+    merge_manifests,
+    paused_gc,
+)
 from xckpt.storage import Storage, corrupt
 
 __all__ = ["Checkpoint", "open", "load", "read_rank_manifests"]
@@ -153,6 +161,7 @@ class Checkpoint:
         self.read_into([(name, box, out)])
         return out
 
+    @paused_gc()
     def read_into(
         self,
         items: Iterable[tuple[str, Box, np.ndarray]],
@@ -167,8 +176,11 @@ class Checkpoint:
         array_jobs: list[tuple[str, Chunk, Any, np.ndarray]] = []
         packed_jobs: dict[str, list[tuple[str, Chunk, Any, np.ndarray]]] = defaultdict(list)
         total = 0
+        tensors = self.manifest.tensors
         for name, box, out in items:
-            t = self.info(name)
+            t = tensors.get(name)
+            if t is None:
+                t = self.info(name)  # raises MissingEntryError
             if out.dtype != t.np_dtype:
                 raise DtypeMismatchError(
                     f"checkpoint {self.path!r}, tensor {name!r}: saved as {t.dtype}, target is "
@@ -179,6 +191,13 @@ class Checkpoint:
                     f"checkpoint {self.path!r}, tensor {name!r}: target box {box} (out shape "
                     f"{tuple(out.shape)}) does not fit the saved shape {t.shape}"
                 )
+            c = t.chunks[0] if len(t.chunks) == 1 else None
+            if c is not None and c.form == "packed" and box.shape == t.shape and out.flags.c_contiguous:
+                # A whole small tensor (the many-small-tensors case): one memcpy from the
+                # packed bytes and no read planning (req None).
+                packed_jobs[c.key].append((name, c, None, out))
+                total += c.nbytes
+                continue
             for req in plan_reads(t.boxes, box):
                 c = t.chunks[req.chunk]
                 job = (name, c, req, out)
@@ -269,12 +288,14 @@ class Checkpoint:
                         f"{self._where(name, c)}: packed bytes fail their crc32 check. The "
                         "checkpoint is damaged: restore it from a copy or load an earlier one"
                     )
-                if req.box.shape == c.shape == out.shape and out.flags.c_contiguous:
+                if req is None or (req.box.shape == c.shape == out.shape and out.flags.c_contiguous):
                     out.reshape(-1).view(np.uint8)[:] = raw  # the whole chunk: one memcpy
+                    bar.update(c.nbytes)
                 else:
                     out[req.target_slices] = raw.view(out.dtype).reshape(c.shape)[req.chunk_slices]
-                bar.update(req.box.volume * out.itemsize)
+                    bar.update(req.box.volume * out.itemsize)
 
+    @paused_gc()
     def read_all(self, names: Sequence[str] | None = None, *, show_progress: bool | None = None) -> dict[str, np.ndarray]:
         """Whole tensors by name, read concurrently."""
         names = self.names() if names is None else list(names)
