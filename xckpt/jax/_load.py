@@ -1,5 +1,8 @@
 """Load a checkpoint into jax.Arrays of any sharding, or into numpy on the host.
 
+Tensors of a value group (DESIGN.md section 4) are loaded by value instead,
+each device getting the rows a torch rank would (see ``_value_groups``).
+
 For every target array, each addressable device's box is computed from its
 sharding; identical boxes (replicas) are read once; all boxes of a batch are
 read concurrently with :meth:`xckpt.Checkpoint.read_into`, which opens only the
@@ -26,6 +29,7 @@ from xckpt.reader import Checkpoint
 from xckpt.reader import open as open_checkpoint
 
 from ._tree import device_boxes, flatten
+from ._value_groups import load_group_arrays, row_members
 
 __all__ = ["load"]
 
@@ -138,6 +142,7 @@ def load(
     per_rank: str = "error",
     host_budget: int = HOST_BUDGET,
     show_progress: bool | None = None,
+    strict_capacity: bool = False,
     context: Any = None,
 ) -> Any:
     """Load a checkpoint into jax.Arrays laid out as ``target`` says.
@@ -157,6 +162,8 @@ def load(
             :meth:`xckpt.Checkpoint.objects`).
         host_budget: host bytes read per batch before arrays are built.
         show_progress: progress bar (default: when stderr is a TTY).
+        strict_capacity: for value groups (DESIGN.md section 4), raise
+            ValueRangeError instead of evicting entries that do not fit.
         context: tensorstore context (default: xckpt's process-wide one).
 
     Returns:
@@ -179,14 +186,22 @@ def load(
     named, treedef = flatten(target)
     out: list[Any] = [None] * len(named)
     jobs: list[_ArrayJob] = []
+    members = row_members(ck) if any(t.value_range for t in ck.manifest.tensors.values()) else {}
+    group_jobs: list[tuple[int, str, Sharding]] = []
     objects: dict[str, Any] | None = None
     for i, (name, leaf) in enumerate(named):
-        if isinstance(leaf, Sharding):
-            jobs.append(_ArrayJob(ck, i, name, ck.info(name), leaf))
-        elif isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
+        if isinstance(leaf, (Sharding, jax.ShapeDtypeStruct, jax.Array)):
             entry = ck.info(name)
-            _check(ck, name, entry, leaf.shape, leaf.dtype)
-            jobs.append(_ArrayJob(ck, i, name, entry, _sharding_of(ck, name, leaf)))
+            if isinstance(leaf, Sharding):
+                sharding = leaf
+            else:
+                _check(ck, name, entry, leaf.shape, leaf.dtype)
+                sharding = _sharding_of(ck, name, leaf)
+            if name in members:
+                _check_representable(ck, name, entry)
+                group_jobs.append((i, name, sharding))
+            else:
+                jobs.append(_ArrayJob(ck, i, name, entry, sharding))
         elif isinstance(leaf, np.ndarray) or name in ck:
             out[i] = _host_read(ck, name, leaf)
         else:
@@ -200,6 +215,8 @@ def load(
                 )
             out[i] = _object_for(ck, name, objects[name])
     _read_jobs(ck, jobs, out, host_budget, show_progress)
+    if group_jobs:
+        load_group_arrays(ck, group_jobs, members, out, strict_capacity=strict_capacity)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

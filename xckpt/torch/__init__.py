@@ -25,11 +25,12 @@ __all__ = [
     "PerRank",
     "LoadResult",
     "ManagedCollision",
+    "ValueGroup",
     "managed_collision_groups",
     "redistribute_by_value",
 ]
 
-_LAZY = ("ManagedCollision", "managed_collision_groups", "redistribute_by_value")
+_LAZY = ("ManagedCollision", "ValueGroup", "managed_collision_groups", "redistribute_by_value")
 
 
 def __getattr__(name: str) -> Any:
