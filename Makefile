@@ -26,7 +26,7 @@ DEMO_DIR ?= /tmp/xckpt-demo
 demo: venv
 	$(BIN)/python examples/demo_core.py $(DEMO_DIR)
 	$(BIN)/python examples/demo_torch.py $(DEMO_DIR)/torch
-	$(BIN)/python examples/demo_value_groups.py $(DEMO_DIR)/value_groups
+	$(BIN)/python examples/demo_value_groups.py
 	$(BIN)/python examples/demo_jax.py $(DEMO_DIR)/torch
 
 lint: venv
