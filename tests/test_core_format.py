@@ -417,3 +417,11 @@ def test_all_zero_chunks_are_stored(tmp_path, storage):
     z = np.zeros((1200, 300), dtype=np.float32)
     xckpt.save(tmp_path / "c", {"z": z}, storage=storage)
     assert same_bits(xckpt.load(tmp_path / "c")["z"], z)
+
+
+@pytest.mark.parametrize("shape", [(6,), (1200, 300)], ids=["packed", "array"])
+def test_big_endian_arrays_keep_their_values(tmp_path, shape):
+    a = np.arange(np.prod(shape), dtype=">f4").reshape(shape)
+    xckpt.save(tmp_path / "c", {"be": a})
+    got = xckpt.load(tmp_path / "c")["be"]
+    assert got.dtype == np.float32 and np.array_equal(got, a)

@@ -244,6 +244,9 @@ class Writer:
             return
         if self._committed:
             raise XckptError("this Writer has committed; start a new Writer for a new save")
+        if not arr.dtype.isnative:
+            # Chunks are little-endian bytes; a big-endian array is converted, not reinterpreted.
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
         nbytes = arr.nbytes

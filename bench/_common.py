@@ -1,0 +1,217 @@
+"""Shared helpers for the benchmarks in ``bench/``.
+
+Small on purpose; every benchmark may import these (run scripts from the repo
+root as ``python bench/<name>.py``, which puts ``bench/`` on ``sys.path``):
+
+- :func:`out_dir` -- ``bench/out/`` (git-ignored), created on demand.
+- :func:`drop_caches` -- ``sync`` and drop the page cache; False when not allowed.
+- :func:`dd_ceiling` -- direct-I/O ``dd`` write and read bandwidth of a directory's disk.
+- :func:`run_child` -- run ``python script args...`` in a fresh process, return the
+  JSON object it printed last on stdout (a child prints one with :func:`emit`).
+- :func:`peak_rss_mib` / :func:`current_rss_mib` -- this process's peak and current RSS;
+  :func:`cpu_seconds` -- its user + system CPU time (steadier than wall time on a busy machine).
+- :func:`fsync_tree` -- fsync every file and directory under a path.
+- :func:`median`, :func:`markdown_table`, :func:`load_average`, :func:`remove`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BENCH_DIR",
+    "out_dir",
+    "drop_caches",
+    "dd_ceiling",
+    "run_child",
+    "emit",
+    "peak_rss_mib",
+    "cpu_seconds",
+    "current_rss_mib",
+    "fsync_tree",
+    "median",
+    "markdown_table",
+    "load_average",
+    "remove",
+]
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def out_dir() -> Path:
+    """``bench/out/``: on the repo's disk and git-ignored."""
+    d = BENCH_DIR / "out"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def drop_caches() -> bool:
+    """``sync`` and drop the page cache (needs root). Returns whether it worked."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def dd_ceiling(directory: str | os.PathLike[str], size_mib: int = 1024) -> dict[str, float]:
+    """Write then read ``size_mib`` MiB with ``dd`` and direct I/O in ``directory``.
+
+    The write uses ``oflag=direct conv=fsync``, the read ``iflag=direct``, both
+    with 16 MiB blocks, so neither the page cache nor dirty-page writeback is
+    measured. Returns ``{"bytes", "write_s", "read_s", "write_gbps", "read_gbps"}``
+    (GB = 1e9 bytes).
+    """
+    path = Path(directory) / "dd_ceiling.bin"
+    count = max(1, size_mib // 16)
+    nbytes = count * (16 << 20)
+    try:
+        t0 = time.perf_counter()
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "oflag=direct",
+             "conv=fsync", "status=none"],
+            check=True,
+        )
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        subprocess.run(
+            ["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct", "status=none"], check=True
+        )
+        read_s = time.perf_counter() - t0
+    finally:
+        path.unlink(missing_ok=True)
+    return {
+        "bytes": nbytes,
+        "write_s": write_s,
+        "read_s": read_s,
+        "write_gbps": nbytes / write_s / 1e9,
+        "read_gbps": nbytes / read_s / 1e9,
+    }
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Print a child's result as the last line of stdout (read by :func:`run_child`)."""
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def run_child(
+    script: str | os.PathLike[str],
+    args: Sequence[str],
+    *,
+    timeout: float = 1800,
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Run ``prefix... python script args...`` in a fresh process; its :func:`emit` result.
+
+    Raises RuntimeError with the child's output tail when it fails or emits nothing.
+    """
+    cmd = [*prefix, sys.executable, os.fspath(script), *args]
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    last = None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            last = line
+            break
+    if proc.returncode != 0 or last is None:
+        tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]).strip()
+        raise RuntimeError(f"child {' '.join(cmd)} failed (rc {proc.returncode}):\n{tail}")
+    return json.loads(last)
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (``ru_maxrss``), MiB."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024 if sys.platform != "darwin" else kib / (1 << 20)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all threads."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def current_rss_mib() -> float:
+    """Current resident set size of this process, MiB (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> int:
+    """fsync every file and directory under ``path`` (or the file and its directory).
+
+    Returns the number of fsync calls made.
+    """
+    p = Path(path)
+    n = 0
+
+    def sync(q: Path, flags: int) -> None:
+        nonlocal n
+        fd = os.open(q, flags)
+        try:
+            os.fsync(fd)
+            n += 1
+        finally:
+            os.close(fd)
+
+    if p.is_dir():
+        for root, _dirs, files in os.walk(p):
+            for name in files:
+                sync(Path(root) / name, os.O_RDONLY)
+            sync(Path(root), os.O_RDONLY | os.O_DIRECTORY)
+    else:
+        sync(p, os.O_RDONLY)
+    sync(p.parent, os.O_RDONLY | os.O_DIRECTORY)
+    return n
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats are printed with 3 significant digits."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            if v != v:
+                return "-"
+            if abs(v) >= 100:
+                return f"{v:.0f}"
+            return f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def load_average() -> str:
+    """``uptime``'s load averages, e.g. ``"0.52 0.61 0.70"``."""
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Remove a file or directory tree if it exists."""
+    p = Path(path)
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()
