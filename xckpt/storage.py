@@ -45,6 +45,9 @@ _CONTEXT_LOCK = threading.Lock()
 #: Target size of one zarr chunk inside a stored box: large enough that I/O is
 #: sequential, small enough that a partial load reads little more than it needs.
 INNER_CHUNK_BYTES = 16 << 20
+#: Boxes larger than this many inner chunks' worth are split in at least this many.
+INNER_SPLITS = 8
+MIN_INNER_BYTES = 1 << 20
 
 #: Size at which an OCDBT database starts a new data file. A writer-side knob
 #: only (readers follow the B-tree): tensorstore writes the data files of one
@@ -87,7 +90,11 @@ def location_url(path: str | os.PathLike[str]) -> str:
 
 
 def inner_chunk_shape(shape: Sequence[int], itemsize: int, target: int = INNER_CHUNK_BYTES) -> list[int]:
-    """zarr chunk shape for one stored box: split leading dims to about ``target`` bytes."""
+    """zarr chunk shape for one stored box: split leading dims to about ``target`` bytes,
+    and boxes over ``MIN_INNER_BYTES * INNER_SPLITS`` into at least ``INNER_SPLITS`` pieces,
+    so a rank loading 1/W' of the rows reads little more than its share."""
+    nbytes = itemsize * math.prod(shape)
+    target = min(target, max(MIN_INNER_BYTES, nbytes // INNER_SPLITS))
     cs = [max(1, s) for s in shape]
     for d in range(len(cs)):
         rest = itemsize * math.prod(cs[d + 1 :])
