@@ -386,3 +386,18 @@ def iter_tensor_names(leaves: Mapping[str, Any]) -> Iterator[str]:
     for n, v in leaves.items():
         if isinstance(v, (torch.Tensor, np.ndarray)):
             yield n
+
+
+def raise_for_ranks(msgs: Sequence[str | None], error: type[Exception], what: str, fix: str) -> None:
+    """Raise ``error`` naming every rank whose exchanged outcome ``msgs[r]`` is a failure.
+
+    Used after an all-gather of outcomes, so every rank raises together and
+    none is left waiting in a collective.
+    """
+    bad = {r: m for r, m in enumerate(msgs) if m is not None}
+    if bad:
+        raise error(
+            f"{what} failed on ranks {sorted(bad)}: "
+            + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
+            + f". {fix}"
+        )

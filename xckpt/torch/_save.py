@@ -53,6 +53,7 @@ from xckpt.torch._common import (
     flatten,
     global_info,
     local_pieces,
+    raise_for_ranks,
 )
 
 __all__ = ["save"]
@@ -264,13 +265,12 @@ def save(
         dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}", group=side)
         if err is not None:
             raise err
-        bad = {r: m for r, m in enumerate(msgs) if m is not None}
-        if bad:
-            raise XckptError(
-                f"save to {loc_path!r} failed on ranks {sorted(bad)}: "
-                + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
-                + ". The location is not a complete checkpoint; fix the error and save again"
-            )
+        raise_for_ranks(
+            msgs,
+            XckptError,
+            f"save to {loc_path!r}",
+            "The location is not a complete checkpoint; fix the error and save again",
+        )
 
     def finish() -> None:
         if not coordinated:

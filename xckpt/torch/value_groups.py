@@ -46,7 +46,7 @@ import torch
 
 from xckpt import value_ranges as V
 from xckpt.errors import ShapeMismatchError, UnsupportedPlacementError, ValueRangeError
-from xckpt.torch._common import as_numpy, is_dtensor, is_sharded_tensor
+from xckpt.torch._common import as_numpy, is_dtensor, is_sharded_tensor, raise_for_ranks
 
 __all__ = [
     "ManagedCollision",
@@ -529,13 +529,9 @@ def load_value_groups(
     msgs = _exchange(err, process_group, world_size)
     if first is not None:
         raise first
-    bad = {r: m for r, m in enumerate(msgs) if m is not None}
-    if bad:
-        raise ValueRangeError(
-            f"checkpoint {where!r}: loading value groups failed on ranks {sorted(bad)}: "
-            + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
-            + ". Nothing of the groups was loaded"
-        )
+    raise_for_ranks(
+        msgs, ValueRangeError, f"checkpoint {where!r}: loading value groups", "Nothing of the groups was loaded"
+    )
     evicted: dict[str, int] = {}
     for g, ra in results:
         for n, a in ra.arrays.items():
