@@ -281,3 +281,17 @@ def test_coverage_errors_name_the_tensor_and_box():
         check_coverage((4,), [Box((0,), (4,)), Box((4,), (0,))], name="w")
     check_coverage((0, 3), [], name="empty")  # a zero-size tensor has zero chunks
     check_coverage((), [Box((), ())], name="scalar")
+
+
+@EXAMPLES
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=3), st.sampled_from([1, 2, 4, 8]), st.integers(64, 1 << 22))
+def test_inner_chunks_respect_the_target_and_waste_little(shape, itemsize, target):
+    """zarr pads edge chunks to full size: pieces are equal, so padding stays under one piece per dim."""
+    from xckpt.storage import inner_chunk_shape
+
+    grid = inner_chunk_shape(shape, itemsize, target)
+    assert len(grid) == len(shape) and all(1 <= g <= s for g, s in zip(grid, shape))
+    assert itemsize * np.prod(grid, dtype=np.int64) <= target
+    for g, s in zip(grid, shape):
+        pieces = -(-s // g)
+        assert pieces * g - s < pieces  # less than one element of padding per piece
