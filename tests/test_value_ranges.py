@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -412,20 +413,27 @@ def test_load_rejects_disagreeing_annotation_and_loads_nothing(tmp_path: os.Path
     states = [make_rank_state(N, 2, r, I_SMALL, seed=1) for r in range(2)]
     save_sim(str(tmp_path), [named(s) for s in states], [_decl(I_SMALL, chunk_rows=4)])
     _edit_manifest(str(tmp_path), _corrupt(kind))
-    ckpt = xckpt.open(str(tmp_path))
+    raised = _errors_loading_at_3_ranks(xckpt.open(str(tmp_path)))
+    assert raised, "no rank raised"
+    assert str(tmp_path) in raised[0] or RAW in raised[0]
+    assert re.search(msg, raised[0]), raised[0]
+
+
+def _errors_loading_at_3_ranks(ckpt: xckpt.Checkpoint) -> list[str]:
+    """Load the group at each of 3 simulated ranks; the ValueRangeError messages raised.
+
+    A rank that raises must have left every target as it was (nothing partly loaded).
+    """
+    raised = []
     for r in range(3):
         tgt = {k: torch.from_numpy(v) for k, v in empty_target(N, 3, r).items()}
         before = {k: v.clone() for k, v in tgt.items()}
         try:
             load_value_groups(ckpt, tgt, r, 3, None, False)
         except ValueRangeError as e:
-            assert str(tmp_path) in str(e) or RAW in str(e)
-            import re
-
-            assert re.search(msg, str(e)), str(e)
-            assert all(torch.equal(tgt[k], before[k]) for k in tgt)  # nothing partly loaded
-            return
-    pytest.fail("no rank raised")
+            raised.append(str(e))
+            assert all(torch.equal(tgt[k], before[k]) for k in tgt)
+    return raised
 
 
 def test_target_of_wrong_size_raises_before_filling(tmp_path: os.PathLike) -> None:
@@ -518,19 +526,8 @@ def test_bad_data_in_a_checkpoint_raises_naming_the_tensor(tmp_path: os.PathLike
     states = [make_rank_state(N, 2, r, I_SMALL, seed=2) for r in range(2)]
     save_sim(good, [named(s) for s in states], [_decl(I_SMALL, chunk_rows=6)])
     _rewrite(good, bad, mutate)
-    ckpt = xckpt.open(bad)
-    raised = []
-    for r in range(3):
-        tgt = {k: torch.from_numpy(v) for k, v in empty_target(N, 3, r).items()}
-        before = {k: v.clone() for k, v in tgt.items()}
-        try:
-            load_value_groups(ckpt, tgt, r, 3, None, False)
-        except ValueRangeError as e:
-            raised.append(str(e))
-            assert all(torch.equal(tgt[k], before[k]) for k in tgt)
+    raised = _errors_loading_at_3_ranks(xckpt.open(bad))
     assert raised and all(PREFIX in m for m in raised)
-    import re
-
     assert any(re.search(msg, m) for m in raised), raised
 
 
