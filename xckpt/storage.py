@@ -178,13 +178,17 @@ class Storage:
         if len(parts) != 3 or parts[0] != "data":
             raise XckptError(f"{key!r} is not a data key")
         if storage == "ocdbt":
-            return {
-                "driver": "ocdbt",
-                "base": f"{self.url}data/{parts[1]}/",
-                "path": parts[2] + "/",
-                "target_data_file_size": OCDBT_DATA_FILE_BYTES,
-            }
+            return {**self._ocdbt_spec(parts[1]), "path": parts[2] + "/"}
         return f"{self.url}{key}/"
+
+    def _ocdbt_spec(self, rank: str) -> dict[str, Any]:
+        """Rank ``rank``'s OCDBT database: one spec for arrays and bytes alike, so a
+        process opens it once (the same tensorstore driver instance)."""
+        return {
+            "driver": "ocdbt",
+            "base": f"{self.url}data/{rank}/",
+            "target_data_file_size": OCDBT_DATA_FILE_BYTES,
+        }
 
     def create_array(
         self,
@@ -221,25 +225,23 @@ class Storage:
         """A writable TensorStore view of ``out`` (no copy), to read into."""
         return self._ts.array(out, copy=False, write=True, context=self.context)
 
+    def _byte_store(self, key: str, storage: str) -> tuple[Any, str]:
+        """The kvstore holding data key ``key`` as plain bytes, and its key there."""
+        if storage == "ocdbt":
+            parts = key.split("/", 2)
+            kv = self._ts.KvStore.open(self._ocdbt_spec(parts[1]), context=self.context).result()
+            return kv, parts[2]
+        return self._kv, key
+
     def write_bytes(self, key: str, storage: str, data: bytes) -> Any:
         """Store raw bytes (a large object) under a data key; returns a future."""
-        if storage == "ocdbt":
-            parts = key.split("/", 2)
-            kv = self._ts.KvStore.open(
-                {"driver": "ocdbt", "base": f"{self.url}data/{parts[1]}/"}, context=self.context
-            ).result()
-            return kv.write(parts[2], data)
-        return self._kv.write(key, data)
+        kv, k = self._byte_store(key, storage)
+        return kv.write(k, data)
 
     def read_bytes(self, key: str, storage: str) -> bytes | None:
-        if storage == "ocdbt":
-            parts = key.split("/", 2)
-            kv = self._ts.KvStore.open(
-                {"driver": "ocdbt", "base": f"{self.url}data/{parts[1]}/"}, context=self.context
-            ).result()
-            r = kv.read(parts[2]).result()
-        else:
-            r = self._kv.read(key).result()
+        """Raw bytes under a data key, or None when they do not exist."""
+        kv, k = self._byte_store(key, storage)
+        r = kv.read(k).result()
         return bytes(r.value) if r.state == "value" else None
 
 
