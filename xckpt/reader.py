@@ -244,16 +244,7 @@ class Checkpoint:
     def _read_packed(self, key: str, jobs: list[tuple[str, Chunk, Any, np.ndarray]], bar: Any) -> None:
         rank = jobs[0][1].rank
         try:
-            store = self.storage._ts.open(
-                {
-                    "driver": "zarr3",
-                    "kvstore": self.storage.data_kvstore(key, self.manifest.storage.get(rank, "ocdbt")),
-                    "fill_missing_data_reads": False,
-                },
-                open=True,
-                read=True,
-                context=self.storage.context,
-            ).result()
+            store = self.storage.open_packed(key, self.manifest.storage.get(rank, "ocdbt")).result()
         except ValueError as e:
             raise corrupt(f"checkpoint {self.path!r}, packed chunks of rank {rank} ({key})", e) from None
         jobs.sort(key=lambda j: j[1].byte_offset)  # type: ignore[arg-type, return-value]

@@ -221,6 +221,11 @@ class Storage:
             spec, open=True, assume_metadata=True, read=True, context=self.context
         )
 
+    def open_packed(self, key: str, storage: str) -> Any:
+        """A future for a rank's packed byte array (its size comes from its zarr.json)."""
+        spec = {"driver": "zarr3", "kvstore": self.data_kvstore(key, storage), "fill_missing_data_reads": False}
+        return self._ts.open(spec, open=True, read=True, context=self.context)
+
     def wrap(self, out: np.ndarray) -> Any:
         """A writable TensorStore view of ``out`` (no copy), to read into."""
         return self._ts.array(out, copy=False, write=True, context=self.context)
