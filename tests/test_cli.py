@@ -45,7 +45,7 @@ def test_diff(tmp_path, ckpt, capsys):
 
 def test_errors_exit_2_with_the_reason(tmp_path, capsys):
     assert main(["ls", str(tmp_path / "none")]) == 2
-    assert "no xckpt checkpoint at" in capsys.readouterr().err
+    assert "no checkpoint recognised at" in capsys.readouterr().err
 
 
 def test_help_teaches(capsys):

@@ -9,9 +9,11 @@ adapters live in :mod:`xckpt.torch` and :mod:`xckpt.jax`.
 from __future__ import annotations
 
 from xckpt import errors, layout
+from xckpt.formats import load, open
 from xckpt.layout import Box
 from xckpt.manifest import Manifest, TensorEntry
-from xckpt.reader import Checkpoint, load, open
+from xckpt.reader import Checkpoint
+from xckpt.source import Source
 from xckpt.writer import Writer, finalize, save
 
 __version__ = "0.1.0"
@@ -20,6 +22,7 @@ __all__ = [
     "Box",
     "Checkpoint",
     "Manifest",
+    "Source",
     "TensorEntry",
     "Writer",
     "errors",

@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 
 from xckpt.errors import XckptError
-from xckpt.reader import Checkpoint
+from xckpt.formats import open as open_source
+from xckpt.source import Source
 
 
 def _human(n: int) -> str:
@@ -28,7 +29,7 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _ls(ck: Checkpoint, args: argparse.Namespace) -> int:
+def _ls(ck: Source, args: argparse.Namespace) -> int:
     rows = [("name", "dtype", "shape", "chunks", "bytes")]
     total = 0
     for name in ck.names():
@@ -48,7 +49,7 @@ def _ls(ck: Checkpoint, args: argparse.Namespace) -> int:
     return 0
 
 
-def _show(ck: Checkpoint, args: argparse.Namespace) -> int:
+def _show(ck: Source, args: argparse.Namespace) -> int:
     t = ck.info(args.name)
     print(f"{t.name}: {t.dtype}{list(t.shape)}, {len(t.chunks)} chunks, {_human(t.nbytes)}")
     if t.placement is not None:
@@ -63,7 +64,7 @@ def _show(ck: Checkpoint, args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify(ck: Checkpoint, args: argparse.Namespace) -> int:
+def _verify(ck: Source, args: argparse.Namespace) -> int:
     problems = ck.verify()
     for p in problems:
         print("PROBLEM:", p)
@@ -72,7 +73,7 @@ def _verify(ck: Checkpoint, args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def _diff(a: Checkpoint, b: Checkpoint) -> int:
+def _diff(a: Source, b: Source) -> int:
     differ = 0
     for name in sorted(set(a.names()) | set(b.names())):
         if name not in b:
@@ -114,8 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "diff":
-            return _diff(Checkpoint(args.a), Checkpoint(args.b))
-        ck = Checkpoint(args.path)
+            return _diff(open_source(args.a), open_source(args.b))
+        ck = open_source(args.path)
         return {"ls": _ls, "show": _show, "verify": _verify}[args.cmd](ck, args)
     except XckptError as e:
         print(f"xckpt {args.cmd}: error: {e}", file=sys.stderr)

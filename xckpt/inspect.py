@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from xckpt.errors import XckptError
 
 if TYPE_CHECKING:
-    from xckpt.reader import Checkpoint
+    from xckpt.source import Source
 
 __all__ = ["text_table", "html_table", "plot_layout", "plot_value_ranges"]
 
@@ -20,7 +20,7 @@ __all__ = ["text_table", "html_table", "plot_layout", "plot_value_ranges"]
 MAX_ROWS = 200
 
 
-def _rows(ck: Checkpoint) -> list[tuple[str, str, str, int, int, str]]:
+def _rows(ck: Source) -> list[tuple[str, str, str, int, int, str]]:
     out = []
     for name in ck.names():
         t = ck.info(name)
@@ -30,7 +30,7 @@ def _rows(ck: Checkpoint) -> list[tuple[str, str, str, int, int, str]]:
     return out
 
 
-def _summary(ck: Checkpoint) -> str:
+def _summary(ck: Source) -> str:
     total = sum(ck.info(n).nbytes for n in ck.names())
     return (
         f"xckpt checkpoint {ck.path}: {len(ck.names())} tensors ({total / 2**20:.1f} MiB), "
@@ -38,7 +38,7 @@ def _summary(ck: Checkpoint) -> str:
     )
 
 
-def text_table(ck: Checkpoint, max_rows: int = MAX_ROWS) -> str:
+def text_table(ck: Source, max_rows: int = MAX_ROWS) -> str:
     """Plain-text table of tensors, at most ``max_rows`` rows."""
     rows = _rows(ck)
     lines = [_summary(ck)]
@@ -49,7 +49,7 @@ def text_table(ck: Checkpoint, max_rows: int = MAX_ROWS) -> str:
     return "\n".join(lines)
 
 
-def html_table(ck: Checkpoint, max_rows: int = MAX_ROWS) -> str:
+def html_table(ck: Source, max_rows: int = MAX_ROWS) -> str:
     """Escaped HTML table of tensors, at most ``max_rows`` rows."""
     rows = _rows(ck)
     e = html.escape
@@ -74,7 +74,7 @@ def _colors(n: int) -> list[Any]:
     return [cmap(i % cmap.N) for i in range(max(n, 1))]
 
 
-def plot_layout(ck: Checkpoint, name: str, ax: Any = None) -> Any:
+def plot_layout(ck: Source, name: str, ax: Any = None) -> Any:
     """Draw a tensor's chunk boxes coloured by writer rank; returns the Axes.
 
     1-D tensors are drawn as one row; for more than 2 dims the boxes are
@@ -110,7 +110,7 @@ def plot_layout(ck: Checkpoint, name: str, ax: Any = None) -> Any:
     return ax
 
 
-def plot_value_ranges(ck: Checkpoint, name: str, ax: Any = None) -> Any:
+def plot_value_ranges(ck: Source, name: str, ax: Any = None) -> Any:
     """Draw each chunk's key value range [lo, hi) coloured by writer rank; returns the Axes."""
     import matplotlib.pyplot as plt
 

@@ -1,4 +1,4 @@
-"""Framework-free read side: open a checkpoint, read boxes of tensors, numpy out.
+"""The xckpt format's reader: open a checkpoint, read boxes of tensors, numpy out.
 
 :func:`open` accepts a checkpoint only when it is complete: ``xckpt.json`` when
 present, else rank manifests 0..W-1 with one save_id, merged here. Every
@@ -11,35 +11,24 @@ from __future__ import annotations
 import os
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from xckpt._progress import progress
 from xckpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
-    DtypeMismatchError,
     IncompleteCheckpointError,
     ManifestError,
-    MissingEntryError,
     ObjectError,
-    ShapeMismatchError,
 )
-from xckpt.layout import Box, box_from_index, check_coverage, plan_reads
-from xckpt.manifest import (
-    Chunk,
-    Manifest,
-    ObjectEntry,
-    TensorEntry,
-    decode_value,
-    merge_manifests,
-    paused_gc,
-)
+from xckpt.layout import check_coverage
+from xckpt.manifest import Chunk, Manifest, ObjectEntry, TensorEntry, decode_value, merge_manifests
+from xckpt.source import ChunkRead, Source, whole_request
 from xckpt.storage import Storage, corrupt
 
-__all__ = ["Checkpoint", "open", "load", "read_rank_manifests"]
+__all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 
 #: Packed byte ranges closer than this are fetched in one read.
 _COALESCE_GAP = 1 << 20
@@ -103,11 +92,13 @@ def validate(m: Manifest, where: str) -> None:
         check_coverage(t.shape, [c.box for c in t.chunks], name=name, where=where)
 
 
-class Checkpoint:
-    """A complete checkpoint opened for reading.
+class Checkpoint(Source):
+    """An xckpt checkpoint opened for reading: the format's :class:`~xckpt.source.Source`.
 
     Cheap to open (manifests only). Tensors are read by box; nothing else is read.
     """
+
+    format = "xckpt"
 
     def __init__(self, path: str | os.PathLike[str], *, context: Any = None) -> None:
         self.storage = Storage(path, context)
@@ -133,83 +124,37 @@ class Checkpoint:
     def save_id(self) -> str:
         return self.manifest.save_id
 
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self.manifest.metadata
+
     def names(self) -> list[str]:
         """Tensor names in save order."""
         return list(self.manifest.tensors)
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self.manifest.tensors
 
     def info(self, name: str) -> TensorEntry:
         """dtype, shape, chunks, placement and value_range of a tensor."""
         t = self.manifest.tensors.get(name)
         if t is None:
-            hint = " (it is an object: see objects())" if self._object_entries(name) else ""
-            raise MissingEntryError(
-                f"checkpoint {self.path!r} has no tensor {name!r}{hint}; it holds "
-                f"{len(self.manifest.tensors)} tensors, e.g. {self.names()[:5]}"
-            )
+            raise self._missing(name)
         return t
 
     # -- tensors ------------------------------------------------------------
 
-    def read(self, name: str, index: Any = None) -> np.ndarray:
-        """The whole tensor, or the box selected by ``index`` (ints and unit-step slices)."""
-        t = self.info(name)
-        box = box_from_index(t.shape, index)
-        out = np.empty(box.shape, dtype=t.np_dtype)
-        self.read_into([(name, box, out)])
-        return out
-
-    @paused_gc()
-    def read_into(
-        self,
-        items: Iterable[tuple[str, Box, np.ndarray]],
-        *,
-        show_progress: bool | None = None,
-    ) -> None:
-        """Fill each ``out`` with box ``box`` of tensor ``name``; all reads run concurrently.
-
-        Only chunks that overlap a box are read. ``out`` must have the box's shape
-        and the saved dtype.
-        """
-        array_jobs: list[tuple[str, Chunk, Any, np.ndarray]] = []
-        packed_jobs: dict[str, list[tuple[str, Chunk, Any, np.ndarray]]] = defaultdict(list)
-        total = 0
-        tensors = self.manifest.tensors
-        for name, box, out in items:
-            t = tensors.get(name)
-            if t is None:
-                t = self.info(name)  # raises MissingEntryError
-            if out.dtype != t.np_dtype:
-                raise DtypeMismatchError(
-                    f"checkpoint {self.path!r}, tensor {name!r}: saved as {t.dtype}, target is "
-                    f"{out.dtype}; load into a {t.dtype} tensor and cast after loading"
-                )
-            if out.shape != box.shape or not (box.shape == t.shape or t.box.contains(box)):
-                raise ShapeMismatchError(
-                    f"checkpoint {self.path!r}, tensor {name!r}: target box {box} (out shape "
-                    f"{tuple(out.shape)}) does not fit the saved shape {t.shape}"
-                )
-            c = t.chunks[0] if len(t.chunks) == 1 else None
-            if c is not None and c.form == "packed" and box.shape == t.shape and out.flags.c_contiguous:
-                # A whole small tensor (the many-small-tensors case): one memcpy from the
-                # packed bytes and no read planning (req None).
-                packed_jobs[c.key].append((name, c, None, out))
-                total += c.nbytes
-                continue
-            for req in plan_reads(t.boxes, box):
-                c = t.chunks[req.chunk]
-                job = (name, c, req, out)
-                if c.form == "packed":
-                    packed_jobs[c.key].append(job)
-                else:
-                    array_jobs.append(job)
-                total += req.box.volume * out.itemsize
-        with progress(total, "xckpt load", show_progress) as bar:
-            self._read_arrays(array_jobs, bar)
-            for key, jobs in packed_jobs.items():
-                self._read_packed(key, jobs, bar)
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
+        array_jobs: list[ChunkRead] = []
+        packed_jobs: dict[str, list[ChunkRead]] = defaultdict(list)
+        for job in jobs:
+            if job.chunk.form == "packed":
+                packed_jobs[job.chunk.key].append(job)
+            else:
+                array_jobs.append(job if job.req is not None else job._replace(req=whole_request(job.chunk)))
+        self._read_arrays(array_jobs, bar)
+        for key, pj in packed_jobs.items():
+            self._read_packed(key, pj, bar)
 
     def _where(self, name: str, c: Chunk) -> str:
         return f"checkpoint {self.path!r}, tensor {name!r}, chunk {c.box} ({c.key})"
@@ -224,7 +169,7 @@ class Checkpoint:
             self._arrays[c.key] = fut
         return fut
 
-    def _read_arrays(self, jobs: list[tuple[str, Chunk, Any, np.ndarray]], bar: Any) -> None:
+    def _read_arrays(self, jobs: list[ChunkRead], bar: Any) -> None:
         opened = [(job, self._open(job[0], job[1])) for job in jobs]
         writes = []
         for (name, c, req, out), fut in opened:
@@ -241,7 +186,7 @@ class Checkpoint:
                 raise corrupt(self._where(name, c), e) from None
             bar.update(req.box.volume * itemsize)
 
-    def _read_packed(self, key: str, jobs: list[tuple[str, Chunk, Any, np.ndarray]], bar: Any) -> None:
+    def _read_packed(self, key: str, jobs: list[ChunkRead], bar: Any) -> None:
         rank = jobs[0][1].rank
         try:
             store = self.storage.open_packed(key, self.manifest.storage.get(rank, "ocdbt")).result()
@@ -286,19 +231,6 @@ class Checkpoint:
                     out[req.target_slices] = raw.view(out.dtype).reshape(c.shape)[req.chunk_slices]
                     bar.update(req.box.volume * out.itemsize)
 
-    @paused_gc()
-    def read_all(self, names: Sequence[str] | None = None, *, show_progress: bool | None = None) -> dict[str, np.ndarray]:
-        """Whole tensors by name, read concurrently."""
-        names = self.names() if names is None else list(names)
-        outs = {}
-        items = []
-        for n in names:
-            t = self.info(n)
-            outs[n] = np.empty(t.shape, dtype=t.np_dtype)
-            items.append((n, t.box, outs[n]))
-        self.read_into(items, show_progress=show_progress)
-        return outs
-
     # -- objects ------------------------------------------------------------
 
     def _object_entries(self, name: str) -> list[ObjectEntry]:
@@ -321,8 +253,18 @@ class Checkpoint:
             )
         return data
 
-    def objects(self, *, rank: int = 0, world_size: int | None = None, per_rank: str = "error") -> dict[str, Any]:
-        """Non-tensor values by name.
+    def per_rank_objects(self) -> set[str]:
+        return {o.name for o in self.manifest.objects if o.per_rank}
+
+    def objects(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int | None = None,
+        per_rank: str = "error",
+    ) -> dict[str, Any]:
+        """Non-tensor values by name (all, or ``names``).
 
         Replicated objects come back as saved. A per-rank object comes back as
         ``rank``'s value when ``world_size`` (default: the saved one) equals the
@@ -333,8 +275,10 @@ class Checkpoint:
             raise ValueError("per_rank must be 'error' or 'list'")
         world = self.world_size if world_size is None else world_size
         out: dict[str, Any] = {}
-        for name in self.object_names():
+        for name in self.object_names() if names is None else names:
             entries = self._object_entries(name)
+            if not entries:
+                raise self._missing_object(name)
             if not entries[0].per_rank:
                 out[name] = self._object_value(entries[0])
                 continue
@@ -356,59 +300,11 @@ class Checkpoint:
                 )
         return out
 
-    # -- verification -------------------------------------------------------
-
-    def verify(self) -> list[str]:
-        """Read every chunk and object; a list of problems, empty when the checkpoint is sound."""
-        problems: list[str] = []
-        for name, t in self.manifest.tensors.items():
-            for c in t.chunks:
-                out = np.empty(c.shape, dtype=t.np_dtype)
-                try:
-                    self.read_into([(name, c.box, out)], show_progress=False)
-                except CorruptChunkError as e:
-                    problems.append(str(e))
+    def _verify_objects(self) -> list[str]:
+        problems = []
         for o in self.manifest.objects:
             try:
                 self._object_value(o)
             except CorruptChunkError as e:
                 problems.append(str(e))
         return problems
-
-    # -- notebook view --------------------------------------------------------
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        from xckpt import inspect
-
-        return {"text/plain": inspect.text_table(self), "text/html": inspect.html_table(self)}
-
-    def plot_layout(self, name: str, ax: Any = None) -> Any:
-        """Chunk boxes of ``name`` coloured by writer rank (matplotlib Axes)."""
-        from xckpt import inspect
-
-        return inspect.plot_layout(self, name, ax)
-
-    def plot_value_ranges(self, name: str, ax: Any = None) -> Any:
-        """Key value ranges of ``name``'s chunks, for value-group tensors (matplotlib Axes)."""
-        from xckpt import inspect
-
-        return inspect.plot_value_ranges(self, name, ax)
-
-    def __repr__(self) -> str:
-        return (
-            f"<xckpt.Checkpoint {self.path!r}: {len(self.manifest.tensors)} tensors, "
-            f"{len(self.object_names())} objects, world_size {self.world_size}>"
-        )
-
-
-def open(path: str | os.PathLike[str], *, context: Any = None) -> Checkpoint:  # noqa: A001
-    """Open a complete checkpoint for reading (manifests only; no chunk is read)."""
-    return Checkpoint(path, context=context)
-
-
-def load(path: str | os.PathLike[str], *, per_rank: str = "error", show_progress: bool | None = None) -> dict[str, Any]:
-    """Every tensor (numpy) and object of a checkpoint, by name, in one process."""
-    ck = open(path)
-    out: dict[str, Any] = dict(ck.read_all(show_progress=show_progress))
-    out.update(ck.objects(world_size=1 if per_rank == "error" else None, per_rank=per_rank))
-    return out

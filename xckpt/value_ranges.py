@@ -618,7 +618,7 @@ def read_group_rank(
     Generic: the key and its columns, ``capacity`` rows.
 
     Args:
-        ckpt: an open :class:`xckpt.Checkpoint`.
+        ckpt: an open :class:`xckpt.source.Source`.
         key: the group's key tensor name.
         rank, world: the new rank and world size.
         row_bounds: managed collision: the new row boundaries (default ceil split).
@@ -639,7 +639,7 @@ def read_group_rank(
             capacity overflow with ``strict_capacity``.
     """
     where = str(ckpt.path)
-    g = group_info(ckpt.manifest.tensors, key, where)
+    g = group_info({n: ckpt.info(n) for n in ckpt.names()}, key, where)
     want = set(g.names() if names is None else names)
     if g.kind == GENERIC_KIND:
         return _generic_rank(ckpt, g, rank, world, capacity, strict_capacity, stats)

@@ -5,7 +5,7 @@ each device getting the rows a torch rank would (see ``_value_groups``).
 
 For every target array, each addressable device's box is computed from its
 sharding; identical boxes (replicas) are read once; all boxes of a batch are
-read concurrently with :meth:`xckpt.Checkpoint.read_into`, which opens only the
+read concurrently with :meth:`xckpt.source.Source.read_into`, which opens only the
 saved chunks that overlap a box and, inside a chunk, only the zarr chunks the
 box touches. The arrays are then built with ``jax.make_array_from_callback``
 from those host buffers. Host memory is bounded by ``host_budget`` per batch
@@ -23,10 +23,10 @@ import numpy as np
 from jax.sharding import Sharding
 
 from xckpt.errors import DtypeMismatchError, MissingEntryError, ShapeMismatchError, XckptError
+from xckpt.formats import open as open_source
 from xckpt.layout import Box, box_from_index
 from xckpt.manifest import TensorEntry
-from xckpt.reader import Checkpoint
-from xckpt.reader import open as open_checkpoint
+from xckpt.source import Source
 
 from ._tree import device_boxes, flatten
 from ._value_groups import load_group_arrays, row_members
@@ -42,7 +42,7 @@ class _ArrayJob:
     __slots__ = ("index", "name", "entry", "sharding", "shape", "dtype", "boxes", "nbytes")
 
     def __init__(
-        self, ck: Checkpoint, index: int, name: str, entry: TensorEntry, sharding: Sharding
+        self, ck: Source, index: int, name: str, entry: TensorEntry, sharding: Sharding
     ) -> None:
         self.index, self.name, self.entry, self.sharding = index, name, entry, sharding
         _check_representable(ck, name, entry)
@@ -55,7 +55,7 @@ class _ArrayJob:
         self.nbytes = sum(b.volume for b in self.boxes) * self.dtype.itemsize
 
 
-def _check_representable(ck: Checkpoint, name: str, entry: TensorEntry) -> None:
+def _check_representable(ck: Source, name: str, entry: TensorEntry) -> None:
     # Without jax_enable_x64, jax would silently turn int64/float64 into 32 bits.
     if jax.dtypes.canonicalize_dtype(entry.np_dtype) != entry.np_dtype:
         raise DtypeMismatchError(
@@ -67,7 +67,7 @@ def _check_representable(ck: Checkpoint, name: str, entry: TensorEntry) -> None:
         )
 
 
-def _check(ck: Checkpoint, name: str, entry: TensorEntry, shape: Any, dtype: Any) -> None:
+def _check(ck: Source, name: str, entry: TensorEntry, shape: Any, dtype: Any) -> None:
     if tuple(int(s) for s in shape) != tuple(entry.shape):
         raise ShapeMismatchError(
             f"checkpoint {ck.path!r}, tensor {name!r}: saved with shape {tuple(entry.shape)}, the "
@@ -81,7 +81,7 @@ def _check(ck: Checkpoint, name: str, entry: TensorEntry, shape: Any, dtype: Any
         )
 
 
-def _sharding_of(ck: Checkpoint, name: str, leaf: Any) -> Sharding:
+def _sharding_of(ck: Source, name: str, leaf: Any) -> Sharding:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, Sharding):
         raise XckptError(
@@ -92,7 +92,7 @@ def _sharding_of(ck: Checkpoint, name: str, leaf: Any) -> Sharding:
     return sharding
 
 
-def _host_read(ck: Checkpoint, name: str, leaf: Any) -> np.ndarray:
+def _host_read(ck: Source, name: str, leaf: Any) -> np.ndarray:
     entry = ck.info(name)
     if isinstance(leaf, np.ndarray):
         _check(ck, name, entry, leaf.shape, leaf.dtype)
@@ -121,7 +121,7 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _run_batch(ck: Checkpoint, batch: list[_ArrayJob], out: list[Any], show_progress: bool | None) -> None:
+def _run_batch(ck: Source, batch: list[_ArrayJob], out: list[Any], show_progress: bool | None) -> None:
     bufs: dict[str, dict[Box, np.ndarray]] = {}
     items = []
     for job in batch:
@@ -144,6 +144,9 @@ def load(
     show_progress: bool | None = None,
     strict_capacity: bool = False,
     context: Any = None,
+    format: str | None = None,  # noqa: A002
+    allow_pickle: bool = False,
+    rules: Any = None,
 ) -> Any:
     """Load a checkpoint into jax.Arrays laid out as ``target`` says.
 
@@ -159,12 +162,14 @@ def load(
             target, every tensor comes back as numpy and every object as saved,
             in a flat dict by name.
         per_rank: with no target, how per-rank objects come back (see
-            :meth:`xckpt.Checkpoint.objects`).
+            :meth:`xckpt.source.Source.objects`).
         host_budget: host bytes read per batch before arrays are built.
         show_progress: progress bar (default: when stderr is a TTY).
         strict_capacity: for value groups (DESIGN.md section 4), raise
             ValueRangeError instead of evicting entries that do not fit.
         context: tensorstore context (default: xckpt's process-wide one).
+        format, allow_pickle, rules: as for :func:`xckpt.open`; ``path`` may be
+            any format it reads, or an open :class:`xckpt.source.Source`.
 
     Returns:
         The same structure as ``target`` filled with jax.Arrays (numpy or
@@ -176,7 +181,10 @@ def load(
             saved shape or dtype.
         UnsupportedPlacementError: a sharding cannot lay out the saved shape.
     """
-    ck = open_checkpoint(path, context=context)
+    if isinstance(path, Source):
+        ck = path
+    else:
+        ck = open_source(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context)
     if target is None:
         result: dict[str, Any] = dict(ck.read_all(show_progress=show_progress))
         result.update(
@@ -186,7 +194,7 @@ def load(
     named, treedef = flatten(target)
     out: list[Any] = [None] * len(named)
     jobs: list[_ArrayJob] = []
-    members = row_members(ck) if any(t.value_range for t in ck.manifest.tensors.values()) else {}
+    members = row_members(ck) if any(ck.info(n).value_range for n in ck.names()) else {}
     group_jobs: list[tuple[int, str, Sharding]] = []
     objects: dict[str, Any] | None = None
     for i, (name, leaf) in enumerate(named):
@@ -220,15 +228,14 @@ def load(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _object_for(ck: Checkpoint, name: str, value: Any) -> Any:
-    entries = [o for o in ck.manifest.objects if o.name == name]
-    if not entries[0].per_rank:
+def _object_for(ck: Source, name: str, value: Any) -> Any:
+    if name not in ck.per_rank_objects():
         return value
     return ck.objects(rank=jax.process_index(), world_size=jax.process_count())[name]
 
 
 def _read_jobs(
-    ck: Checkpoint,
+    ck: Source,
     jobs: list[_ArrayJob],
     out: list[Any],
     host_budget: int,

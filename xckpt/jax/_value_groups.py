@@ -25,7 +25,7 @@ from jax.sharding import Sharding
 from xckpt import value_ranges as V
 from xckpt.errors import UnsupportedPlacementError
 from xckpt.layout import Box, box_from_index
-from xckpt.reader import Checkpoint
+from xckpt.source import Source
 
 from ._tree import device_boxes
 
@@ -36,14 +36,15 @@ log = logging.getLogger("xckpt.jax")
 _ROW_ROLES = ("rows", "metadata", "columns", "weight", "row_aligned")
 
 
-def row_members(ck: Checkpoint) -> dict[str, str]:
+def row_members(ck: Source) -> dict[str, str]:
     """{tensor name: key name of its group} for every row tensor of every value group."""
     out: dict[str, str] = {}
-    for key, entry in ck.manifest.tensors.items():
+    tensors = {n: ck.info(n) for n in ck.names()}
+    for key, entry in tensors.items():
         vr = entry.value_range
         if vr is None or vr.role != "key":
             continue
-        g = V.group_info(ck.manifest.tensors, key, ck.path)
+        g = V.group_info(tensors, key, ck.path)
         out[key] = key
         for role in _ROW_ROLES:
             names = g.members.get(role)
@@ -52,7 +53,7 @@ def row_members(ck: Checkpoint) -> dict[str, str]:
     return out
 
 
-def _row_ranges(ck: Checkpoint, name: str, boxes: dict[Any, Box], n_rows: int) -> tuple[int, ...]:
+def _row_ranges(ck: Source, name: str, boxes: dict[Any, Box], n_rows: int) -> tuple[int, ...]:
     ranges = sorted({(b.offset[0], b.end[0]) for b in boxes.values()})
     bounds = [0]
     for lo, hi in ranges:
@@ -72,7 +73,7 @@ def _row_ranges(ck: Checkpoint, name: str, boxes: dict[Any, Box], n_rows: int) -
 
 
 def load_group_arrays(
-    ck: Checkpoint,
+    ck: Source,
     jobs: list[tuple[int, str, Sharding]],
     members: dict[str, str],
     out: list[Any],

@@ -9,7 +9,6 @@ read into pinned host buffers and copied with ``non_blocking=True``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from xckpt.errors import (
     UnsupportedPlacementError,
     XckptError,
 )
+from xckpt.source import Source
 from xckpt.torch._common import (
     PerRank,
     Piece,
@@ -51,11 +51,21 @@ class LoadResult:
         missing: names the caller asked for that the checkpoint lacks.
         unexpected: names the checkpoint holds that the caller did not ask for.
         evicted: per value group (prefix), entries this rank dropped for capacity.
+        skipped: pickled objects left unread (their placeholders untouched)
+            because the load did not pass ``allow_pickle=True``.
     """
 
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     evicted: dict[str, int] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _source(path: Any, **kwargs: Any) -> Source:
+    """``path`` itself when it is an open source, else ``xckpt.open(path, **kwargs)``."""
+    if isinstance(path, Source):
+        return path
+    return xckpt.open(path, **kwargs)
 
 
 def _check(ckpt: Any, name: str, target: Any) -> None:
@@ -76,23 +86,19 @@ def _check(ckpt: Any, name: str, target: Any) -> None:
         )
 
 
-def _object_value(ckpt: Any, name: str, placeholder: Any, world: int, rank: int) -> Any:
-    entries = ckpt._object_entries(name)
-    if not entries[0].per_rank:
-        value = ckpt._object_value(entries[0])
+def _object_value(ckpt: Source, name: str, placeholder: Any, world: int, rank: int) -> Any:
+    if name not in ckpt.per_rank_objects():
+        value = ckpt.objects([name])[name]
         return PerRank(value) if isinstance(placeholder, PerRank) else value
-    by_rank = {o.rank: o for o in entries}
     if isinstance(placeholder, PerRank) and placeholder.all_ranks:
-        return PerRank([ckpt._object_value(by_rank[r]) for r in sorted(by_rank)], all_ranks=True)
+        return PerRank(ckpt.objects([name], per_rank="list")[name], all_ranks=True)
     if world != ckpt.world_size:
         raise ObjectError(
             f"checkpoint {ckpt.path!r}: object {name!r} was saved per rank by {ckpt.world_size} "
             f"ranks and is loaded at world size {world}; there is no rank-for-rank match. Put "
             "xckpt.torch.PerRank(all_ranks=True) in its place to receive every rank's value"
         )
-    if rank not in by_rank:
-        raise ObjectError(f"checkpoint {ckpt.path!r}: per-rank object {name!r} has no value for rank {rank}")
-    value = ckpt._object_value(by_rank[rank])
+    value = ckpt.objects([name], rank=rank)[name]
     return PerRank(value) if isinstance(placeholder, PerRank) else value
 
 
@@ -147,12 +153,15 @@ class _Reads:
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: Any,
     state_dict: Mapping[str, Any],
     *,
     process_group: Any = None,
     strict: bool = True,
     strict_capacity: bool = False,
+    format: str | None = None,  # noqa: A002
+    allow_pickle: bool = False,
+    rules: Any = None,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from a checkpoint; put objects in place.
 
@@ -163,16 +172,21 @@ def load(
     comes back as a whole CPU tensor).
 
     Args:
-        path: the checkpoint location.
+        path: the checkpoint location (any format :func:`xckpt.open` reads), or an
+            open :class:`xckpt.source.Source`.
         state_dict: the caller's (nested) state dict, flattened with "." as on save.
         process_group: the group whose ranks load together (default: world);
             only used for ranks and value groups.
         strict: raise when the checkpoint lacks a name the caller asks for.
         strict_capacity: value groups: raise instead of evicting when a rank's
             capacity is exceeded.
+        format, allow_pickle, rules: as for :func:`xckpt.open`. Without
+            ``allow_pickle`` a pickled object (DCP's non-tensor values) is not
+            read: its placeholder is left untouched and its name is reported in
+            :attr:`LoadResult.skipped`.
 
     Returns:
-        :class:`LoadResult` with missing, unexpected and evicted.
+        :class:`LoadResult` with missing, unexpected, evicted and skipped.
 
     Raises:
         MissingEntryError: ``strict`` and names are missing (nothing is read then).
@@ -182,20 +196,22 @@ def load(
     from xckpt.torch.value_groups import load_value_groups
 
     rank, world, group_rank = rank_world(process_group)
-    ckpt = xckpt.open(path)
+    ckpt = _source(path, format=format, allow_pickle=allow_pickle, rules=rules)
     flat, slots = flatten(state_dict)
     handled: set[str] = set()
     evicted: dict[str, int] = {}
     # Only a checkpoint with value groups needs them (their load may exchange
     # outcomes between ranks); the test is on the manifest, so all ranks agree.
-    if any(t.value_range is not None for t in ckpt.manifest.tensors.values()):
+    saved_tensors = set(ckpt.names())
+    if any(ckpt.info(n).value_range is not None for n in saved_tensors):
         names, evicted = load_value_groups(ckpt, flat, rank, world, process_group, strict_capacity)
         handled = set(names)
-    saved_tensors = ckpt.manifest.tensors
     saved_objects = set(ckpt.object_names())
+    pickled = ckpt.pickled_objects() if not allow_pickle else set()
+    skipped: list[str] = []
     missing = [n for n in flat if n not in handled and n not in saved_tensors and n not in saved_objects]
     missing_set = set(missing)
-    unexpected = [n for n in list(saved_tensors) + sorted(saved_objects) if n not in flat and n not in handled]
+    unexpected = [n for n in ckpt.names() + sorted(saved_objects) if n not in flat and n not in handled]
     if strict and missing:
         raise MissingEntryError(
             f"checkpoint {str(ckpt.path)!r} lacks {len(missing)} requested entries: {missing[:10]}"
@@ -222,6 +238,9 @@ def load(
                     f"checkpoint {str(ckpt.path)!r}: {name!r} is saved as an object, but the "
                     f"target is a tensor; put a placeholder (e.g. None) there to receive it"
                 )
+            if name in pickled:
+                skipped.append(name)
+                continue
             later.append((name, _object_value(ckpt, name, target, world, rank)))
     reads.run(ckpt)
     whole = [n for n, v in later if v is None and n in saved_tensors]
@@ -230,26 +249,31 @@ def load(
         later = [(n, full[n] if n in full else v) for n, v in later]
     for name, value in later:
         _set(slots[name], name, value)
-    return LoadResult(missing=missing, unexpected=unexpected, evicted=dict(evicted))
+    return LoadResult(missing=missing, unexpected=unexpected, evicted=dict(evicted), skipped=skipped)
 
 
 def load_full(
-    path: str | os.PathLike[str] | Any,
+    path: Any,
     names: Sequence[str] | None = None,
     device: str | torch.device = "cpu",
+    *,
+    format: str | None = None,  # noqa: A002
+    allow_pickle: bool = False,
+    rules: Any = None,
 ) -> dict[str, Any]:
     """Whole tensors (and objects) for one process, by flat name.
 
     Args:
-        path: the checkpoint location (or an open :class:`xckpt.Checkpoint`).
+        path: the checkpoint location, any format (or an open :class:`xckpt.source.Source`).
         names: which entries (default: every tensor and object).
         device: where the tensors go (CUDA: read into pinned memory, then copied).
+        format, allow_pickle, rules: as for :func:`xckpt.open`.
 
     Returns:
         ``{name: torch.Tensor or object}``; a per-rank object comes back as the
         list of every rank's value.
     """
-    ckpt = path if isinstance(path, xckpt.Checkpoint) else xckpt.open(path)
+    ckpt = _source(path, format=format, allow_pickle=allow_pickle, rules=rules)
     saved_objects = ckpt.object_names()
     if names is None:
         names = ckpt.names() + saved_objects
@@ -258,6 +282,7 @@ def load_full(
         raise UnsupportedPlacementError("load_full cannot load into the meta device")
     out: dict[str, Any] = {}
     reads = _Reads()
+    objects = []
     for name in names:
         if name in ckpt:
             t = ckpt.info(name)
@@ -266,16 +291,15 @@ def load_full(
                 reads.items.append((name, L.Box.full(t.shape), as_numpy(host)))
             out[name] = host
         elif name in saved_objects:
-            entries = ckpt._object_entries(name)
-            if entries[0].per_rank:
-                out[name] = [ckpt._object_value(o) for o in sorted(entries, key=lambda o: o.rank)]
-            else:
-                out[name] = ckpt._object_value(entries[0])
+            objects.append(name)
+            out[name] = None
         else:
             raise MissingEntryError(
                 f"checkpoint {str(ckpt.path)!r} has no tensor or object {name!r}; it holds "
                 f"{ckpt.names()[:5] + saved_objects[:5]} ..."
             )
+    if objects:
+        out.update(ckpt.objects(objects, per_rank="list"))
     reads.run(ckpt)
     if dev.type != "cpu":
         out = {n: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for n, v in out.items()}

@@ -501,7 +501,8 @@ def load_value_groups(
         (names handled, {group prefix: entries this rank evicted}).
     """
     where = str(ckpt.path)
-    all_keys = V.groups_in(ckpt.manifest.tensors)
+    tensors = {n: ckpt.info(n) for n in ckpt.names()}
+    all_keys = V.groups_in(tensors)
     if not all_keys:  # a pure function of the manifest: every rank returns here alike
         return set(), {}
     keys = [k for k in all_keys if k in flat]
@@ -511,7 +512,7 @@ def load_value_groups(
     first: Exception | None = None
     try:
         for key in keys:
-            g = V.group_info(ckpt.manifest.tensors, key, where)
+            g = V.group_info(tensors, key, where)
             names = [n for n in g.names() if n in flat]
             handled |= set(names)
             if g.kind == V.MC_KIND:

@@ -1,0 +1,303 @@
+"""The read protocol: what every checkpoint format presents to the rest of xckpt.
+
+A :class:`Source` is one opened checkpoint of any format (xckpt, torch DCP,
+orbax, safetensors, torch.save). The torch and JAX loaders, ``plan_load``, the
+CLI, the notebook view and ``convert`` use only this protocol, so none of them
+special-cases a format.
+
+Call contract (who calls what, what an implementation may assume):
+
+1. ``open`` builds the source from the format's own metadata only: no tensor
+   bytes are read and nothing is allocated in proportion to a claimed size
+   before the claim is checked against what storage holds. Every tensor is
+   described as a :class:`~xckpt.manifest.TensorEntry`: dtype (a name from
+   :data:`xckpt.manifest.DTYPES`), global shape, and ``chunks`` whose boxes are
+   disjoint and tile the shape exactly (checked once, at open). A chunk's
+   ``rank`` is its writer (a DCP rank, an orbax process, 0 for one file) and its
+   ``key`` is a human-readable location (for messages, tables, ``xckpt show``).
+2. Callers read through :meth:`Source.read_into` (or :meth:`read` /
+   :meth:`read_all`, which call it). The base class checks dtypes and shapes,
+   plans which chunks each target box touches (:func:`xckpt.layout.plan_reads`)
+   and calls :meth:`Source._read_chunks` once per ``read_into`` with every
+   :class:`ChunkRead`. An implementation fills ``out[req.target_slices]`` from
+   ``chunk[req.chunk_slices]`` for each, reading only those bytes where its
+   format allows; ``req is None`` means the chunk is the whole tensor and
+   ``out`` is the whole tensor. It calls ``bar.update(nbytes)`` as data lands.
+   Bytes that fail a checksum or cannot be decoded raise
+   :class:`~xckpt.errors.CorruptChunkError` naming the checkpoint and tensor.
+3. Objects (non-tensor values) are listed by :meth:`object_names` and read by
+   :meth:`objects`. A format whose objects are pickles reads them only when
+   opened with ``allow_pickle=True`` and otherwise raises
+   :class:`~xckpt.errors.ObjectError` naming the object and the flag.
+4. :meth:`verify` reads every chunk and object and returns the problems found.
+
+Sources are used from one thread at a time; an implementation may run its own
+reads concurrently inside ``_read_chunks``. ``close`` releases file handles and
+mappings; sources are context managers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from xckpt._progress import progress
+from xckpt.errors import CorruptChunkError, DtypeMismatchError, MissingEntryError, ShapeMismatchError
+from xckpt.layout import Box, ReadRequest, box_from_index, plan_reads
+from xckpt.manifest import Chunk, TensorEntry, paused_gc
+
+__all__ = ["Source", "ChunkRead", "whole_request", "local_path"]
+
+
+class ChunkRead(NamedTuple):
+    """Read ``req.chunk_slices`` of ``chunk`` into ``out[req.target_slices]``.
+
+    ``req is None``: the chunk is the whole tensor and ``out`` the whole tensor.
+    """
+
+    name: str
+    chunk: Chunk
+    req: ReadRequest | None
+    out: np.ndarray
+
+
+def whole_request(chunk: Chunk) -> ReadRequest:
+    """The request that reads all of ``chunk`` into an output of its shape."""
+    full = tuple(slice(0, s) for s in chunk.shape)
+    return ReadRequest(0, chunk.box, full, full)
+
+
+class Source:
+    """One opened checkpoint of any format; see the module docstring for the contract.
+
+    Subclasses set :attr:`format`, :attr:`path` and implement :meth:`names`,
+    :meth:`info` and :meth:`_read_chunks`; objects, metadata and ``verify``
+    have defaults that fit formats without objects.
+    """
+
+    #: The format's name: ``xckpt``, ``torch-dcp``, ``orbax``, ``safetensors``, ``torch``.
+    format: str = ""
+    #: The location as given (a string; a kvstore spec is shown as JSON).
+    path: str = ""
+
+    # -- metadata -------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """How many writers produced the checkpoint (1 for a single file)."""
+        return 1
+
+    @property
+    def save_id(self) -> str | None:
+        """An identifier of the save, when the format records one."""
+        return None
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        """Free-form metadata the format records (safetensors' ``__metadata__``, ...)."""
+        return {}
+
+    def names(self) -> list[str]:
+        """Tensor names, in the format's order."""
+        raise NotImplementedError
+
+    def info(self, name: str) -> TensorEntry:
+        """dtype, global shape and chunk boxes of tensor ``name`` (MissingEntryError if absent)."""
+        raise NotImplementedError
+
+    def __contains__(self, name: object) -> bool:
+        return name in set(self.names())
+
+    def _missing(self, name: str) -> MissingEntryError:
+        names = self.names()
+        hint = " (it is an object: see objects())" if name in self.object_names() else ""
+        return MissingEntryError(
+            f"checkpoint {self.path!r} has no tensor {name!r}{hint}; this {self.format} checkpoint "
+            f"holds {len(names)} tensors, e.g. {names[:5]}"
+        )
+
+    # -- tensors --------------------------------------------------------------
+
+    def read(self, name: str, index: Any = None) -> np.ndarray:
+        """The whole tensor, or the box selected by ``index`` (ints and unit-step slices)."""
+        t = self.info(name)
+        box = box_from_index(t.shape, index)
+        out = np.empty(box.shape, dtype=t.np_dtype)
+        self.read_into([(name, box, out)])
+        return out
+
+    @paused_gc()
+    def read_into(
+        self,
+        items: Iterable[tuple[str, Box, np.ndarray]],
+        *,
+        show_progress: bool | None = None,
+    ) -> None:
+        """Fill each ``out`` with box ``box`` of tensor ``name``; reads may run concurrently.
+
+        Only chunks that overlap a box are read. ``out`` must have the box's shape
+        and the saved dtype.
+
+        Raises:
+            MissingEntryError: a name is not a tensor of the checkpoint.
+            DtypeMismatchError, ShapeMismatchError: ``out`` does not fit.
+            CorruptChunkError: stored bytes fail their checksum or cannot be decoded.
+        """
+        jobs: list[ChunkRead] = []
+        total = 0
+        for name, box, out in items:
+            t = self.info(name)
+            if out.dtype != t.np_dtype:
+                raise DtypeMismatchError(
+                    f"checkpoint {self.path!r}, tensor {name!r}: saved as {t.dtype}, target is "
+                    f"{out.dtype}; load into a {t.dtype} tensor and cast after loading"
+                )
+            whole = box.shape == t.shape
+            if out.shape != box.shape or not (whole or t.box.contains(box)):
+                raise ShapeMismatchError(
+                    f"checkpoint {self.path!r}, tensor {name!r}: target box {box} (out shape "
+                    f"{tuple(out.shape)}) does not fit the saved shape {t.shape}"
+                )
+            if whole and len(t.chunks) == 1 and out.flags.c_contiguous:
+                # A whole tensor stored as one chunk (the many-small-tensors case): no planning.
+                jobs.append(ChunkRead(name, t.chunks[0], None, out))
+                total += t.chunks[0].nbytes
+                continue
+            for req in plan_reads(t.boxes, box):
+                jobs.append(ChunkRead(name, t.chunks[req.chunk], req, out))
+                total += req.box.volume * out.itemsize
+        with progress(total, f"{self.format or 'xckpt'} load", show_progress) as bar:
+            self._read_chunks(jobs, bar)
+
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
+        """Fill every job's target slice (see the module docstring, step 2)."""
+        raise NotImplementedError
+
+    @paused_gc()
+    def read_all(
+        self, names: Sequence[str] | None = None, *, show_progress: bool | None = None
+    ) -> dict[str, np.ndarray]:
+        """Whole tensors by name, read concurrently."""
+        names = self.names() if names is None else list(names)
+        outs = {}
+        items = []
+        for n in names:
+            t = self.info(n)
+            outs[n] = np.empty(t.shape, dtype=t.np_dtype)
+            items.append((n, t.box, outs[n]))
+        self.read_into(items, show_progress=show_progress)
+        return outs
+
+    # -- objects --------------------------------------------------------------
+
+    def object_names(self) -> list[str]:
+        """Names of non-tensor values."""
+        return []
+
+    def objects(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int | None = None,
+        per_rank: str = "error",
+    ) -> dict[str, Any]:
+        """Non-tensor values by name (all, or ``names``).
+
+        A per-rank object comes back as ``rank``'s value when ``world_size``
+        (default: the saved one) equals the saved world size; otherwise
+        ``per_rank="list"`` returns every rank's value in rank order and the
+        default raises :class:`~xckpt.errors.ObjectError`.
+        """
+        if names:
+            raise self._missing_object(names[0])
+        return {}
+
+    def pickled_objects(self) -> set[str]:
+        """Names of objects stored as pickles: read only with ``allow_pickle=True``."""
+        return set()
+
+    def per_rank_objects(self) -> set[str]:
+        """Names of objects saved per rank (each rank its own value)."""
+        return set()
+
+    def _missing_object(self, name: str) -> MissingEntryError:
+        return MissingEntryError(
+            f"checkpoint {self.path!r} has no object {name!r}; this {self.format} checkpoint's objects are "
+            f"{self.object_names()[:10]}"
+        )
+
+    # -- verification ---------------------------------------------------------
+
+    def verify(self, *, show_progress: bool | None = None) -> list[str]:
+        """Read every chunk and object; a list of problems, empty when the checkpoint is sound."""
+        problems: list[str] = []
+        names = self.names()
+        total = sum(self.info(n).nbytes for n in names)
+        with progress(total, f"{self.format or 'xckpt'} verify", show_progress) as bar:
+            for name in names:
+                t = self.info(name)
+                for c in t.chunks:
+                    out = np.empty(c.shape, dtype=t.np_dtype)
+                    try:
+                        self.read_into([(name, c.box, out)], show_progress=False)
+                    except CorruptChunkError as e:
+                        problems.append(str(e))
+                    bar.update(c.nbytes)
+        problems.extend(self._verify_objects())
+        return problems
+
+    def _verify_objects(self) -> list[str]:
+        return []
+
+    # -- lifetime ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release file handles and mappings (idempotent)."""
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- notebook view --------------------------------------------------------
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        from xckpt import inspect
+
+        return {"text/plain": inspect.text_table(self), "text/html": inspect.html_table(self)}
+
+    def plot_layout(self, name: str, ax: Any = None, **kwargs: Any) -> Any:
+        """Chunk boxes of ``name`` coloured by writer (matplotlib Axes)."""
+        from xckpt import inspect
+
+        return inspect.plot_layout(self, name, ax, **kwargs)
+
+    def plot_value_ranges(self, name: str, ax: Any = None, **kwargs: Any) -> Any:
+        """Key value ranges of ``name``'s chunks, for value-group tensors (matplotlib Axes)."""
+        from xckpt import inspect
+
+        return inspect.plot_value_ranges(self, name, ax, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"<xckpt source {self.path!r} ({self.format}): {len(self.names())} tensors, "
+            f"{len(self.object_names())} objects, world_size {self.world_size}>"
+        )
+
+
+def local_path(path: Any) -> str | None:
+    """``path`` as a local filesystem path, or None for URLs other than file:// and specs."""
+    if isinstance(path, os.PathLike):
+        return os.fspath(path)
+    if isinstance(path, str):
+        if path.startswith("file://"):
+            return path[len("file://") :]
+        if "://" in path:
+            return None
+        return path
+    return None
