@@ -1,4 +1,7 @@
-"""The ``xckpt`` command: look into checkpoints from a terminal.
+"""The ``xckpt`` command: look into checkpoints of any format from a terminal.
+
+Every command reads xckpt, torch DCP, orbax, safetensors (a file or a Hugging Face
+directory) and torch.save checkpoints; the format is detected (``--format`` forces one).
 
 Examples::
 
@@ -6,16 +9,25 @@ Examples::
     xckpt show /ckpt/step-100 layers.0.w # one tensor: placement and every chunk box
     xckpt verify /ckpt/step-100          # read every chunk; exit 1 if any is damaged
     xckpt diff /ckpt/a /ckpt/b           # names, dtypes and shapes that differ
+    xckpt diff --values dcp/ conv/       # ... and every element (exit 0 equal, 1 differ)
+    xckpt ls model.safetensors           # foreign formats alike
+
+Exit codes: 0 success (diff: equal), 1 damage found (verify) or a difference (diff),
+2 an error (the message says what and how to fix it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
+import numpy as np
+
 from xckpt.errors import XckptError
+from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
 from xckpt.source import Source
 
@@ -41,8 +53,8 @@ def _ls(ck: Source, args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     objs = ck.object_names()
     print(
-        f"\n{len(ck.names())} tensors ({_human(total)}), {len(objs)} objects, world size "
-        f"{ck.world_size}, save {ck.save_id}"
+        f"\n{ck.format} checkpoint: {len(ck.names())} tensors ({_human(total)}), {len(objs)} objects, "
+        f"world size {ck.world_size}" + (f", save {ck.save_id}" if ck.save_id else "")
     )
     if objs:
         print("objects:", ", ".join(objs))
@@ -73,7 +85,36 @@ def _verify(ck: Source, args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def _diff(a: Source, b: Source) -> int:
+#: Bytes of each tensor compared at a time by ``diff --values`` (per side).
+_DIFF_SLAB = 64 << 20
+
+
+def _slabs(shape: tuple[int, ...], itemsize: int) -> list[tuple[slice, ...]]:
+    """Row ranges of dim 0 of at most about ``_DIFF_SLAB`` bytes each (the whole tensor for 0-d)."""
+    if not shape or shape[0] == 0:
+        return [tuple(slice(0, s) for s in shape)]
+    row = itemsize * math.prod(shape[1:])
+    step = max(1, _DIFF_SLAB // max(1, row))
+    return [(slice(lo, min(lo + step, shape[0])),) for lo in range(0, shape[0], step)]
+
+
+def _values_differ(a: Source, b: Source, name: str) -> str | None:
+    """Where the values of tensor ``name`` first differ (bit for bit), or None when equal."""
+    t = a.info(name)
+    for index in _slabs(t.shape, t.np_dtype.itemsize):
+        va, vb = a.read(name, index), b.read(name, index)
+        if va.tobytes() != vb.tobytes():  # bit for bit: NaNs and -0.0 compare as stored
+            ba = va.reshape(-1).view(np.uint8).reshape(va.size, -1)
+            bb = vb.reshape(-1).view(np.uint8).reshape(vb.size, -1)
+            i = int(np.flatnonzero((ba != bb).any(axis=1))[0])
+            where = [int(x) for x in np.unravel_index(i, va.shape)]
+            if where and index:
+                where[0] += index[0].start
+            return f"values differ, first at {where}"
+    return None
+
+
+def _diff(a: Source, b: Source, values: bool = False) -> int:
     differ = 0
     for name in sorted(set(a.names()) | set(b.names())):
         if name not in b:
@@ -82,12 +123,29 @@ def _diff(a: Source, b: Source) -> int:
             print(f"+ {name}")
         else:
             ta, tb = a.info(name), b.info(name)
-            if (ta.dtype, ta.shape) == (tb.dtype, tb.shape):
+            if (ta.dtype, ta.shape) != (tb.dtype, tb.shape):
+                print(f"~ {name}: {ta.dtype}{list(ta.shape)} -> {tb.dtype}{list(tb.shape)}")
+            elif values and (why := _values_differ(a, b, name)) is not None:
+                print(f"~ {name}: {why}")
+            else:
                 continue
-            print(f"~ {name}: {ta.dtype}{list(ta.shape)} -> {tb.dtype}{list(tb.shape)}")
         differ += 1
-    print(f"{differ} tensors differ")
-    return 1 if differ else 0
+    objects = 0
+    names_a, names_b = set(a.object_names()), set(b.object_names())
+    for name in sorted(names_a ^ names_b):
+        print(f"{'-' if name in names_a else '+'} {name} (object)")
+        objects += 1
+    if values:
+        readable = sorted((names_a & names_b) - a.pickled_objects() - b.pickled_objects())
+        va = a.objects(readable, per_rank="list")
+        vb = b.objects(readable, per_rank="list")
+        for name in readable:
+            if va[name] != vb[name]:
+                print(f"~ {name} (object): {va[name]!r} -> {vb[name]!r}")
+                objects += 1
+    what = "values compared" if values else "names, dtypes and shapes compared; --values compares elements"
+    print(f"{differ} tensors and {objects} objects differ ({what})")
+    return 1 if differ or objects else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,26 +155,50 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
+    where = "checkpoint: a directory, a file (.safetensors, torch.save), or a kvstore URL"
+
+    def source_args(s: argparse.ArgumentParser) -> None:
+        s.add_argument(
+            "--format",
+            choices=list(FORMATS),
+            help="read as this format instead of detecting it",
+        )
+        s.add_argument(
+            "--allow-pickle",
+            action="store_true",
+            help="read pickled objects (DCP's non-tensor values); tensors never need it",
+        )
+
     s = sub.add_parser("ls", help="list tensors and objects")
-    s.add_argument("path", help="checkpoint directory or kvstore URL (file://, memory://, gs://, s3://)")
+    s.add_argument("path", help=where + " (file://, memory://, gs://, s3://)")
+    source_args(s)
     s = sub.add_parser("show", help="one tensor's placement and chunk boxes")
-    s.add_argument("path")
+    s.add_argument("path", help=where)
     s.add_argument("name", help="tensor name, as `xckpt ls` prints it")
     s.add_argument("--limit", type=int, default=50, help="chunks to print (default 50)")
+    source_args(s)
     s = sub.add_parser("verify", help="read every chunk and check its checksum; exit 1 on damage")
-    s.add_argument("path")
-    s = sub.add_parser("diff", help="compare names, dtypes and shapes of two checkpoints")
-    s.add_argument("a")
-    s.add_argument("b")
+    s.add_argument("path", help=where)
+    source_args(s)
+    s = sub.add_parser(
+        "diff",
+        help="compare two checkpoints (any formats): names, dtypes, shapes; --values: every element",
+    )
+    s.add_argument("a", help=where)
+    s.add_argument("b", help=where)
+    s.add_argument("--values", action="store_true", help="also compare every element, bit for bit, and objects")
+    source_args(s)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        opts = {"format": args.format, "allow_pickle": args.allow_pickle}
         if args.cmd == "diff":
-            return _diff(open_source(args.a), open_source(args.b))
-        ck = open_source(args.path)
+            with open_source(args.a, **opts) as a, open_source(args.b, **opts) as b:
+                return _diff(a, b, values=args.values)
+        ck = open_source(args.path, **opts)
         return {"ls": _ls, "show": _show, "verify": _verify}[args.cmd](ck, args)
     except XckptError as e:
         print(f"xckpt {args.cmd}: error: {e}", file=sys.stderr)
