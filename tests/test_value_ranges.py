@@ -245,6 +245,18 @@ def test_simulated_reshard_keeps_every_lookup(tmp_path: os.PathLike, w: int, w2:
     assert all(int(st[ITER][0]) == 7 + w - 1 for st in loaded)  # max over saved ranks
 
 
+@pytest.mark.parametrize("prefix", [PREFIX, PREFIX + "."], ids=["bare", "trailing-dot"])
+def test_managed_collision_prefix_with_or_without_trailing_dot(tmp_path: os.PathLike, prefix: str) -> None:
+    decl = ManagedCollision(prefix, weight=WEIGHT, input_size=I_SMALL, row_aligned=[MOM], chunk_rows=5)
+    assert decl.prefix == PREFIX  # stored without the dot torch prints in state-dict keys
+    states = [make_rank_state(N, 2, r, I_SMALL, seed=5) for r in range(2)]
+    table = id_table(states, ceil_bounds(N, 2))
+    save_sim(str(tmp_path), [named(s) for s in states], [decl])
+    assert xckpt.open(str(tmp_path)).info(RAW).value_range.group == PREFIX
+    loaded, ev = load_sim(str(tmp_path), N, 3)
+    assert check_lookups(table, loaded, I_SMALL, N) == sum(e[PREFIX] for e in ev) == 0
+
+
 def test_overflow_through_checkpoint_reports_evictions(tmp_path: os.PathLike) -> None:
     # Rank 1 of 2 is nearly full; at 4 ranks its input block splits unevenly, so some owner overflows.
     states = [make_rank_state(N, 2, r, I_SMALL, fill=1.0, seed=3) for r in range(2)]

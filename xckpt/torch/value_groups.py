@@ -73,7 +73,8 @@ class ManagedCollision:
     """Declares a torchrec managed-collision module's state as a value group.
 
     Args:
-        prefix: the module's buffers' prefix as saved (names ``prefix._mch_...``).
+        prefix: the module's buffers' prefix as saved (names ``prefix._mch_...``),
+            with or without the trailing "." state-dict keys show; stored without it.
         weight: the embedding weight's name (default: torchrec's name rule).
         input_size: the module's ``input_hash_size`` (torchrec's default 2**63-1).
         row_aligned: names of tensors row-aligned with the weight (row-wise
@@ -89,6 +90,10 @@ class ManagedCollision:
     row_aligned: Sequence[str] = ()
     rank_by: Sequence[str] | None = None
     chunk_rows: int = V.DEFAULT_CHUNK_ROWS
+
+    def __post_init__(self) -> None:
+        # "m.t1." (as printed in state-dict keys) and "m.t1" name the same module.
+        object.__setattr__(self, "prefix", self.prefix.rstrip("."))
 
 
 @dataclass(frozen=True)
