@@ -12,6 +12,7 @@ from xckpt import errors, layout
 from xckpt.formats import load, open
 from xckpt.layout import Box
 from xckpt.manifest import Manifest, TensorEntry
+from xckpt.plan import LoadPlan, RankPlan, plan_load
 from xckpt.reader import Checkpoint
 from xckpt.source import Source
 from xckpt.writer import Writer, finalize, save
@@ -21,7 +22,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Box",
     "Checkpoint",
+    "LoadPlan",
     "Manifest",
+    "RankPlan",
     "Source",
     "TensorEntry",
     "Writer",
@@ -30,6 +33,7 @@ __all__ = [
     "layout",
     "load",
     "open",
+    "plan_load",
     "save",
     "__version__",
 ]

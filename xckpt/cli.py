@@ -11,6 +11,8 @@ Examples::
     xckpt diff /ckpt/a /ckpt/b           # names, dtypes and shapes that differ
     xckpt diff --values dcp/ conv/       # ... and every element (exit 0 equal, 1 differ)
     xckpt ls model.safetensors           # foreign formats alike
+    xckpt plan /ckpt --world-size 8      # dry run: what each of 8 ranks would read (Shard(0))
+    xckpt plan /ckpt --mesh 2,4 --placement "Shard(0), Shard(1)" --json
 
 Exit codes: 0 success (diff: equal), 1 damage found (verify) or a difference (diff),
 2 an error (the message says what and how to fix it).
@@ -29,6 +31,7 @@ import numpy as np
 from xckpt.errors import XckptError
 from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
+from xckpt.layout import Shard
 from xckpt.source import Source
 
 
@@ -188,7 +191,41 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("b", help=where)
     s.add_argument("--values", action="store_true", help="also compare every element, bit for bit, and objects")
     source_args(s)
+    s = sub.add_parser(
+        "plan",
+        help="dry-run a load: bytes, reads and over-read per rank, from metadata alone",
+        description="Plan a load of every tensor onto a mesh of ranks, each tensor laid out "
+        "with the same placements (a shard of a dim a tensor lacks replicates it). Nothing "
+        "but metadata is read.",
+    )
+    s.add_argument("path", help=where)
+    s.add_argument("--world-size", type=int, help="ranks on a 1-D mesh (or give --mesh)")
+    s.add_argument("--mesh", help="mesh shape, e.g. 2,4 (default: the world size)")
+    s.add_argument(
+        "--placement",
+        default=None,
+        help='one placement per mesh axis, e.g. "Shard(0)", "Shard(0), Replicate()", '
+        '"_StridedShard(0, sf=2), Shard(0)" (default: Shard(0) on every axis)',
+    )
+    s.add_argument("--include", default="*", help="glob of tensor names to plan (default: all)")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON (for scripts)")
+    source_args(s)
     return p
+
+
+def _plan(ck: Source, args: argparse.Namespace) -> int:
+    from xckpt.plan import parse_placements, plan_load
+
+    if args.mesh:
+        mesh = tuple(int(x) for x in args.mesh.split(","))
+    elif args.world_size:
+        mesh = (args.world_size,)
+    else:
+        raise XckptError("give --world-size N or --mesh A,B: the layout to plan for")
+    placements = parse_placements(args.placement) if args.placement else tuple(Shard(0) for _ in mesh)
+    plan = plan_load(ck, {args.include: (mesh, placements)})
+    print(json.dumps(plan.to_json(), indent=1) if args.json else plan.table())
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open_source(args.a, **opts) as a, open_source(args.b, **opts) as b:
                 return _diff(a, b, values=args.values)
         ck = open_source(args.path, **opts)
-        return {"ls": _ls, "show": _show, "verify": _verify}[args.cmd](ck, args)
+        return {"ls": _ls, "show": _show, "verify": _verify, "plan": _plan}[args.cmd](ck, args)
     except XckptError as e:
         print(f"xckpt {args.cmd}: error: {e}", file=sys.stderr)
         return 2

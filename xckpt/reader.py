@@ -8,10 +8,12 @@ alone, before any chunk is opened or any output allocated.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import zlib
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,10 +25,10 @@ from xckpt.errors import (
     ManifestError,
     ObjectError,
 )
-from xckpt.layout import check_coverage
+from xckpt.layout import Box, check_coverage
 from xckpt.manifest import Chunk, Manifest, ObjectEntry, TensorEntry, decode_value, merge_manifests
 from xckpt.source import ChunkRead, Source, whole_request
-from xckpt.storage import Storage, corrupt
+from xckpt.storage import Storage, corrupt, packed_grid
 
 __all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 
@@ -113,6 +115,7 @@ class Checkpoint(Source):
             m = read_rank_manifests(self.storage)
         self.manifest = m
         self._arrays: dict[str, Any] = {}
+        self._packed_size_cache: dict[str, int] | None = None
 
     # -- metadata -----------------------------------------------------------
 
@@ -155,6 +158,32 @@ class Checkpoint(Source):
         self._read_arrays(array_jobs, bar)
         for key, pj in packed_jobs.items():
             self._read_packed(key, pj, bar)
+
+    def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
+        """A packed chunk is one read of its bytes; an array chunk reads every inner zarr
+        chunk the box touches, each stored whole (edge chunks padded) with a 4-byte crc32c."""
+        if chunk.form == "packed":
+            grid = packed_grid(self._packed_sizes()[chunk.key])
+            first, last = chunk.byte_offset // grid, (chunk.byte_offset + chunk.nbytes - 1) // grid  # type: ignore[operator]
+            return {(chunk.key, i): grid + 4 for i in range(first, last + 1)}
+        grid = chunk.grid or chunk.shape
+        cell = math.prod(grid) * itemsize + 4
+        ranges = [
+            range((o - co) // g, (o - co + s - 1) // g + 1)
+            for o, s, co, g in zip(box.offset, box.shape, chunk.offset, grid)
+        ]
+        return {(chunk.key, idx): cell for idx in itertools.product(*ranges)}
+
+    def _packed_sizes(self) -> dict[str, int]:
+        """Bytes of each rank's packed array (the end of its last packed chunk)."""
+        if self._packed_size_cache is None:
+            sizes: dict[str, int] = {}
+            for t in self.manifest.tensors.values():
+                for c in t.chunks:
+                    if c.form == "packed":
+                        sizes[c.key] = max(sizes.get(c.key, 0), c.byte_offset + c.nbytes)  # type: ignore[operator]
+            self._packed_size_cache = sizes
+        return self._packed_size_cache
 
     def _where(self, name: str, c: Chunk) -> str:
         return f"checkpoint {self.path!r}, tensor {name!r}, chunk {c.box} ({c.key})"

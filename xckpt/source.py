@@ -30,6 +30,8 @@ Call contract (who calls what, what an implementation may assume):
    opened with ``allow_pickle=True`` and otherwise raises
    :class:`~xckpt.errors.ObjectError` naming the object and the flag.
 4. :meth:`verify` reads every chunk and object and returns the problems found.
+5. :meth:`read_units` tells ``plan_load`` which storage reads a box costs, so a
+   plan's byte counts match what ``_read_chunks`` really reads.
 
 Sources are used from one thread at a time; an implementation may run its own
 reads concurrently inside ``_read_chunks``. ``close`` releases file handles and
@@ -39,7 +41,7 @@ mappings; sources are context managers.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -175,6 +177,15 @@ class Source:
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
         """Fill every job's target slice (see the module docstring, step 2)."""
         raise NotImplementedError
+
+    def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
+        """The storage reads that loading ``box`` (inside ``chunk``) makes: unit -> stored bytes.
+
+        Used by :func:`xckpt.plan_load`, which counts each distinct unit once per
+        rank. The default is one read of exactly the box's bytes; a format that
+        reads whole pieces (zarr chunks, packed byte runs) says so by overriding.
+        """
+        return {(name, chunk.key, chunk.offset, box.offset, box.shape): box.volume * itemsize}
 
     @paused_gc()
     def read_all(

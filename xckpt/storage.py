@@ -107,6 +107,18 @@ def inner_chunk_shape(shape: Sequence[int], itemsize: int, target: int = INNER_C
     return cs
 
 
+#: Target size of one zarr chunk of a rank's packed byte array.
+PACKED_CHUNK_BYTES = 4 << 20
+
+
+def packed_grid(size: int) -> int:
+    """The zarr chunk length of a packed byte array of ``size`` bytes: equal pieces of at most
+    :data:`PACKED_CHUNK_BYTES` (zarr stores an edge chunk at full size, so a 2 KiB array in a
+    4 MiB grid would take 4 MiB on disk). Readers derive it from the manifest the same way."""
+    pieces = max(1, -(-size // PACKED_CHUNK_BYTES))
+    return max(1, -(-size // pieces))
+
+
 def _codecs() -> list[dict[str, Any]]:
     return [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 

@@ -1,0 +1,295 @@
+"""``plan_load``: what a load would read, per rank or JAX device, before anything is read.
+
+A dry run on any format the library reads. From the source's metadata and the
+target layout alone (no chunk is read, no target buffer allocated) it computes,
+for every rank (flattened mesh coordinate) or JAX device, the storage reads a
+real load makes: which stored pieces its boxes touch, how many bytes that is,
+and how that compares with what the rank keeps.
+
+The unit of a read is the format's own (:meth:`xckpt.source.Source.read_units`):
+an inner zarr chunk of an xckpt array chunk, a packed chunk, a byte range of a
+safetensors or DCP chunk. A unit one rank needs for several boxes is counted
+once, as a load reads it once. ``peak_host_bytes`` is the host memory the load
+allocates for the rank: its distinct boxes (torch and numpy targets are filled in
+place, so for them it is the targets' own memory; JAX reads into host buffers in
+batches of at most ``host_budget`` bytes before building device arrays).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from xckpt.errors import UnsupportedPlacementError, XckptError
+from xckpt.layout import Box, Placement, Replicate, Shard, StridedShard, mesh_boxes, plan_reads
+from xckpt.source import Source
+
+__all__ = ["RankPlan", "LoadPlan", "plan_load", "parse_placements"]
+
+#: JAX host bytes per read batch (xckpt.jax.load's default ``host_budget``).
+JAX_HOST_BUDGET = 2 << 30
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank (or JAX device) would read.
+
+    Attributes:
+        rank: the flattened mesh coordinate, or the JAX device id.
+        bytes_to_read: stored bytes the rank's reads fetch.
+        reads: storage reads (distinct read units).
+        bytes_kept: bytes of the boxes the rank holds after the load.
+        over_read: ``bytes_to_read / bytes_kept`` (1.0 when both are 0).
+        peak_host_bytes: host memory the load allocates for the rank.
+    """
+
+    rank: int
+    bytes_to_read: int
+    reads: int
+    bytes_kept: int
+    over_read: float
+    peak_host_bytes: int
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """The per-rank plan of a load; ``ranks`` is ordered by rank.
+
+    Attributes:
+        path: the checkpoint.
+        format: its format.
+        target: "torch" (ranks of a mesh) or "jax" (devices).
+        ranks: one :class:`RankPlan` per rank or device.
+        tensors: the tensors the plan covers.
+        skipped: saved tensors the target does not ask for (not read).
+        stored_bytes: bytes of the covered tensors in the checkpoint.
+    """
+
+    path: str
+    format: str
+    target: str
+    ranks: tuple[RankPlan, ...]
+    tensors: tuple[str, ...]
+    skipped: tuple[str, ...]
+    stored_bytes: int
+
+    @property
+    def total_bytes_to_read(self) -> int:
+        return sum(r.bytes_to_read for r in self.ranks)
+
+    @property
+    def max_rank(self) -> RankPlan:
+        """The rank that reads the most."""
+        return max(self.ranks, key=lambda r: (r.bytes_to_read, -r.rank))
+
+    @property
+    def over_read(self) -> float:
+        kept = sum(r.bytes_kept for r in self.ranks)
+        return self.total_bytes_to_read / kept if kept else 1.0
+
+    def summary(self) -> str:
+        """One line: total, the busiest rank, over-read."""
+        m = self.max_rank if self.ranks else None
+        busiest = f"; max rank {m.rank} reads {_human(m.bytes_to_read)}" if m else ""
+        return (
+            f"{len(self.ranks)} {'devices' if self.target == 'jax' else 'ranks'} read "
+            f"{_human(self.total_bytes_to_read)} of {_human(self.stored_bytes)} stored "
+            f"({len(self.tensors)} tensors){busiest}; over-read {self.over_read:.2f}x"
+        )
+
+    def table(self) -> str:
+        """A per-rank text table and the summary line."""
+        head = ("device" if self.target == "jax" else "rank", "bytes to read", "reads", "kept", "over-read", "peak host")
+        rows = [head] + [
+            (
+                str(r.rank),
+                _human(r.bytes_to_read),
+                str(r.reads),
+                _human(r.bytes_kept),
+                f"{r.over_read:.2f}x",
+                _human(r.peak_host_bytes),
+            )
+            for r in self.ranks
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+        return "\n".join(lines + ["", self.summary()])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "target": self.target,
+            "tensors": len(self.tensors),
+            "skipped": list(self.skipped),
+            "stored_bytes": self.stored_bytes,
+            "total_bytes_to_read": self.total_bytes_to_read,
+            "over_read": self.over_read,
+            "ranks": [r.__dict__ for r in self.ranks],
+        }
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        import html
+
+        return {"text/plain": self.table(), "text/html": f"<pre>{html.escape(self.table())}</pre>"}
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def parse_placements(text: str) -> tuple[Placement, ...]:
+    """``"Shard(0), Replicate()"`` -> placements (also ``_StridedShard(0, sf=2)``)."""
+    from xckpt.layout import parse_placement
+
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    out = tuple(parse_placement(p.strip()) for p in parts if p.strip())
+    if not out:
+        raise UnsupportedPlacementError(f"no placement in {text!r}; e.g. 'Shard(0)' or 'Shard(0), Replicate()'")
+    return out
+
+
+def _fit(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
+    """Placements that shard a dim the tensor lacks replicate it instead (0-d tensors, biases)."""
+    out: list[Placement] = []
+    for p in placements:
+        if isinstance(p, (Shard, StridedShard)) and p.dim >= ndim:
+            out.append(Replicate())
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _torch_boxes(src: Source, target: Mapping[str, Any]) -> dict[str, dict[int, tuple[Box, ...]]]:
+    """name -> rank -> boxes, for targets given as names/globs -> (mesh_shape, placements)."""
+    out: dict[str, dict[int, tuple[Box, ...]]] = {}
+    for name in src.names():
+        spec = target.get(name)
+        if spec is None:
+            spec = next((v for k, v in target.items() if fnmatch.fnmatchcase(name, k)), None)
+        if spec is None:
+            continue
+        try:
+            mesh_shape, placements = spec
+        except (TypeError, ValueError):
+            raise XckptError(
+                f"plan target for {name!r} must be (mesh_shape, placements), got {spec!r}"
+            ) from None
+        mesh_shape = tuple(int(n) for n in mesh_shape)
+        if isinstance(placements, str):
+            placements = parse_placements(placements)
+        if len(placements) != len(mesh_shape):
+            raise UnsupportedPlacementError(
+                f"plan target for {name!r}: {len(placements)} placements for a mesh of {len(mesh_shape)} axes"
+            )
+        shape = src.info(name).shape
+        by_coord = mesh_boxes(shape, mesh_shape, _fit(placements, len(shape)))
+        strides = [math.prod(mesh_shape[i + 1 :]) for i in range(len(mesh_shape))]
+        out[name] = {sum(c * s for c, s in zip(coord, strides)): boxes for coord, boxes in by_coord.items()}
+    return out
+
+
+def _jax_boxes(src: Source, target: Any) -> dict[str, dict[int, tuple[Box, ...]]]:
+    import jax
+
+    from xckpt.jax._tree import device_boxes, flatten
+
+    named, _ = flatten(target)
+    out: dict[str, dict[int, tuple[Box, ...]]] = {}
+    for name, leaf in named:
+        if isinstance(leaf, jax.sharding.Sharding):
+            sharding = leaf
+        elif getattr(leaf, "sharding", None) is not None:
+            sharding = leaf.sharding
+        else:
+            continue  # objects and host leaves are not device loads
+        shape = src.info(name).shape
+        per: dict[int, set[Box]] = {}
+        for dev, box in device_boxes(sharding, tuple(shape), name, addressable=False).items():
+            per.setdefault(dev.id, set()).add(box)
+        out[name] = {d: tuple(sorted(b, key=lambda x: x.offset)) for d, b in per.items()}
+    return out
+
+
+def _is_torch_target(target: Any) -> bool:
+    return isinstance(target, Mapping) and bool(target) and all(isinstance(v, (tuple, list)) for v in target.values())
+
+
+def plan_load(
+    path: Any,
+    target: Any,
+    *,
+    format: str | None = None,  # noqa: A002
+    rules: Any = None,
+    host_budget: int = JAX_HOST_BUDGET,
+) -> LoadPlan:
+    """Dry-run a load of ``path`` into ``target``: per rank or device, what it would read.
+
+    Args:
+        path: a checkpoint of any format (or an open :class:`~xckpt.source.Source`).
+        target: either a dict from tensor names or glob patterns to
+            ``(mesh_shape, placements)`` (placements as :mod:`xckpt.layout`
+            descriptors or a string like ``"Shard(0), Replicate()"``; a shard of a dim
+            the tensor lacks replicates it), planned per rank (flattened mesh
+            coordinate); or a JAX pytree / flat dict of shardings or
+            ``ShapeDtypeStruct``s, planned per device.
+        format, rules: as for :func:`xckpt.open`.
+        host_budget: JAX targets: host bytes read per batch (as ``xckpt.jax.load``).
+
+    Returns:
+        A :class:`LoadPlan`.
+    """
+    from xckpt.formats import open as open_source
+
+    src = path if isinstance(path, Source) else open_source(path, format=format, rules=rules)
+    kind = "torch" if _is_torch_target(target) else "jax"
+    boxes = _torch_boxes(src, target) if kind == "torch" else _jax_boxes(src, target)
+    ranks = sorted({r for per in boxes.values() for r in per})
+    units: dict[int, dict[Hashable, int]] = {r: {} for r in ranks}
+    kept = dict.fromkeys(ranks, 0)
+    largest = dict.fromkeys(ranks, 0)
+    for name, per in boxes.items():
+        t = src.info(name)
+        itemsize = t.np_dtype.itemsize
+        for rank, bs in per.items():
+            share = 0
+            for box in bs:
+                share += box.volume * itemsize
+                for req in plan_reads(t.boxes, box):
+                    units[rank].update(src.read_units(name, t.chunks[req.chunk], req.box, itemsize))
+            kept[rank] += share
+            largest[rank] = max(largest[rank], share)
+    plans = []
+    for r in ranks:
+        read = sum(units[r].values())
+        peak = kept[r] if kind == "torch" else min(kept[r], max(host_budget, largest[r]))
+        over = read / kept[r] if kept[r] else 1.0
+        plans.append(RankPlan(r, read, len(units[r]), kept[r], over, peak))
+    names = tuple(boxes)
+    return LoadPlan(
+        path=str(src.path),
+        format=src.format,
+        target=kind,
+        ranks=tuple(plans),
+        tensors=names,
+        skipped=tuple(n for n in src.names() if n not in boxes),
+        stored_bytes=sum(src.info(n).nbytes for n in names),
+    )
