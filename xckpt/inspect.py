@@ -1,7 +1,17 @@
-"""Notebook views of a checkpoint: a bounded text/HTML table and layout plots.
+"""Notebook views of a checkpoint of any format: a bounded text/HTML table and plots.
 
-The table renders from the manifest alone (no chunk is read); plots need
-matplotlib (the ``notebook`` extra), imported only when a plot is drawn.
+The table renders from metadata alone (no chunk is read), like zarr's tree view:
+at most ``max_rows`` tensors, then a visible "N more" line. Each row has the
+bytes each writer holds and a layout glyph (chunks per dim in text, the boxes in
+a small SVG in HTML). Plots need matplotlib (the ``notebook`` extra), imported
+only when one is drawn:
+
+* :func:`plot_layout`: saved boxes coloured by writer; a target layout's boxes
+  outlined, shaded and labelled by rank; N-D tensors projected onto two dims;
+* :func:`plot_plan`: bytes each rank of a :class:`~xckpt.plan.LoadPlan` reads,
+  with what it keeps and the even share marked;
+* :func:`plot_value_ranges`: a value group's chunks over its key domain, with the
+  owners of each part of the domain at another world size.
 """
 
 from __future__ import annotations
@@ -10,42 +20,105 @@ import html
 from typing import TYPE_CHECKING, Any
 
 from xckpt.errors import XckptError
+from xckpt.layout import Box, chunk_sizes
 
 if TYPE_CHECKING:
+    from xckpt.plan import LoadPlan
     from xckpt.source import Source
 
-__all__ = ["text_table", "html_table", "plot_layout", "plot_value_ranges"]
+__all__ = ["text_table", "html_table", "plot_layout", "plot_plan", "plot_value_ranges", "glyph"]
 
 #: Rows shown before the table says it is truncated.
 MAX_ROWS = 200
+#: Boxes drawn in one HTML glyph before it says "+N".
+GLYPH_BOXES = 64
+#: Writers listed per row before the rest are summed.
+WRITERS_SHOWN = 4
+
+_PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+)  # fmt: skip
 
 
-def _rows(ck: Source) -> list[tuple[str, str, str, int, int, str]]:
-    out = []
-    for name in ck.names():
-        t = ck.info(name)
-        ranks = sorted({c.rank for c in t.chunks})
-        rk = ",".join(map(str, ranks)) if len(ranks) <= 6 else f"{len(ranks)} ranks"
-        out.append((name, t.dtype, str(list(t.shape)), len(t.chunks), t.nbytes, rk))
-    return out
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _per_writer(t: Any) -> str:
+    by: dict[int, int] = {}
+    for c in t.chunks:
+        by[c.rank] = by.get(c.rank, 0) + c.nbytes
+    parts = [f"r{r} {_human(b)}" for r, b in sorted(by.items())[:WRITERS_SHOWN]]
+    if len(by) > WRITERS_SHOWN:
+        rest = sum(b for _, b in sorted(by.items())[WRITERS_SHOWN:])
+        parts.append(f"+{len(by) - WRITERS_SHOWN} more {_human(rest)}")
+    return ", ".join(parts) or "-"
+
+
+def glyph(t: Any) -> str:
+    """Chunks per dim, e.g. ``4x1`` (a row split in 4); ``-`` for a tensor without chunks."""
+    if not t.chunks:
+        return "-"
+    if not t.shape:
+        return "1"
+    return "x".join(str(len({c.offset[d] for c in t.chunks})) for d in range(len(t.shape)))
+
+
+def _svg(t: Any, width: int = 64, height: int = 28) -> str:
+    """A small SVG of the boxes, projected on dims 0 (down) and 1 (across)."""
+    shape = tuple(t.shape) if len(t.shape) >= 2 else (1, t.shape[0] if t.shape else 1)
+    sy, sx = height / max(shape[0], 1), width / max(shape[1], 1)
+    rects = []
+    for c in t.chunks[:GLYPH_BOXES]:
+        off = c.offset if len(c.offset) >= 2 else (0, c.offset[0] if c.offset else 0)
+        shp = c.shape if len(c.shape) >= 2 else (1, c.shape[0] if c.shape else 1)
+        rects.append(
+            f'<rect x="{off[1] * sx:.1f}" y="{off[0] * sy:.1f}" width="{max(shp[1] * sx, 0.5):.1f}" '
+            f'height="{max(shp[0] * sy, 0.5):.1f}" fill="{_PALETTE[c.rank % len(_PALETTE)]}" '
+            'stroke="black" stroke-width="0.5"/>'
+        )
+    more = len(t.chunks) - GLYPH_BOXES
+    tail = f'<text x="2" y="{height - 2}" font-size="9">+{more}</text>' if more > 0 else ""
+    return (
+        f'<svg width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">'
+        f'{"".join(rects)}{tail}</svg>'
+    )
+
+
+def _rows(ck: Source) -> list[tuple[str, Any]]:
+    return [(name, ck.info(name)) for name in ck.names()]
 
 
 def _summary(ck: Source) -> str:
-    total = sum(ck.info(n).nbytes for n in ck.names())
+    names = ck.names()
+    total = sum(ck.info(n).nbytes for n in names)
+    save = f", save {ck.save_id}" if ck.save_id else ""
     return (
-        f"xckpt checkpoint {ck.path}: {len(ck.names())} tensors ({total / 2**20:.1f} MiB), "
-        f"{len(ck.object_names())} objects, world size {ck.world_size}, save {ck.save_id}"
+        f"{ck.format} checkpoint {ck.path}: {len(names)} tensors ({_human(total)}), "
+        f"{len(ck.object_names())} objects, {ck.world_size} writers{save}"
     )
+
+
+def _more(n: int) -> str:
+    return f"... truncated: {n} more tensors (ck.names() lists all)"
 
 
 def text_table(ck: Source, max_rows: int = MAX_ROWS) -> str:
     """Plain-text table of tensors, at most ``max_rows`` rows."""
     rows = _rows(ck)
     lines = [_summary(ck)]
-    for name, dtype, shape, n, nbytes, ranks in rows[:max_rows]:
-        lines.append(f"  {name}  {dtype}{shape}  chunks={n}  bytes={nbytes}  ranks={ranks}")
+    for name, t in rows[:max_rows]:
+        lines.append(
+            f"  {name}  {t.dtype}{list(t.shape)}  chunks={len(t.chunks)} ({glyph(t)})  "
+            f"bytes={t.nbytes}  writers: {_per_writer(t)}"
+        )
     if len(rows) > max_rows:
-        lines.append(f"  ... truncated: {len(rows) - max_rows} more tensors (ck.names() lists all)")
+        lines.append("  " + _more(len(rows) - max_rows))
     return "\n".join(lines)
 
 
@@ -54,16 +127,16 @@ def html_table(ck: Source, max_rows: int = MAX_ROWS) -> str:
     rows = _rows(ck)
     e = html.escape
     body = "".join(
-        f"<tr><td>{e(n)}</td><td>{e(d)}</td><td>{e(s)}</td><td>{c}</td><td>{b}</td><td>{e(r)}</td></tr>"
-        for n, d, s, c, b, r in rows[:max_rows]
+        f"<tr><td>{e(n)}</td><td>{e(t.dtype)}</td><td>{e(str(list(t.shape)))}</td>"
+        f"<td>{len(t.chunks)} ({e(glyph(t))})</td><td>{_svg(t)}</td><td>{e(_human(t.nbytes))}</td>"
+        f"<td>{e(_per_writer(t))}</td></tr>"
+        for n, t in rows[:max_rows]
     )
-    more = ""
-    if len(rows) > max_rows:
-        more = f"<p>... truncated: {len(rows) - max_rows} more tensors (ck.names() lists all)</p>"
+    more = f"<p>{e(_more(len(rows) - max_rows))}</p>" if len(rows) > max_rows else ""
     return (
         f"<div><p><b>{e(_summary(ck))}</b></p><table><thead><tr><th>name</th><th>dtype</th>"
-        f"<th>shape</th><th>chunks</th><th>bytes</th><th>writer ranks</th></tr></thead>"
-        f"<tbody>{body}</tbody></table>{more}</div>"
+        f"<th>shape</th><th>chunks</th><th>layout</th><th>bytes</th><th>bytes per writer</th>"
+        f"</tr></thead><tbody>{body}</tbody></table>{more}</div>"
     )
 
 
@@ -74,45 +147,119 @@ def _colors(n: int) -> list[Any]:
     return [cmap(i % cmap.N) for i in range(max(n, 1))]
 
 
-def plot_layout(ck: Source, name: str, ax: Any = None) -> Any:
-    """Draw a tensor's chunk boxes coloured by writer rank; returns the Axes.
+def _xy(box: Box) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(row, col) offset and extent of ``box`` projected on dims 0 and 1 (1-D: one row)."""
+    if len(box.shape) >= 2:
+        return (box.offset[0], box.offset[1]), (box.shape[0], box.shape[1])
+    if len(box.shape) == 1:
+        return (0, box.offset[0]), (1, box.shape[0])
+    return (0, 0), (1, 1)
 
-    1-D tensors are drawn as one row; for more than 2 dims the boxes are
-    projected onto dims 0 and 1.
+
+def _target_boxes(ck: Source, name: str, target: Any) -> dict[int, tuple[Box, ...]]:
+    from xckpt.plan import _is_torch_target, _jax_boxes, _torch_boxes
+
+    if isinstance(target, tuple) and len(target) == 2:
+        target = {name: target}
+    elif not isinstance(target, dict):
+        target = {name: target}
+    boxes = _torch_boxes(ck, target) if _is_torch_target(target) else _jax_boxes(ck, target)
+    if name not in boxes:
+        raise XckptError(f"plot_layout: the target does not lay out tensor {name!r}")
+    return boxes[name]
+
+
+def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) -> Any:
+    """Draw a tensor's saved chunk boxes coloured by writer; returns the Axes.
+
+    Args:
+        ck: any source.
+        name: the tensor.
+        ax: matplotlib Axes to draw on (default: a new figure).
+        target: a layout to draw over the saved one: ``(mesh_shape, placements)``
+            (torch ranks) or a JAX sharding; each rank's boxes are outlined, shaded
+            and labelled with the rank.
+
+    1-D tensors are drawn as one row; for more than 2 dims the boxes are projected
+    onto dims 0 and 1 (the title says so).
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
     t = ck.info(name)
     if ax is None:
-        _, ax = plt.subplots(figsize=(5, 4))
-    shape = tuple(t.shape) if len(t.shape) >= 2 else (1, t.shape[0] if t.shape else 1)
-    colors = _colors(ck.world_size)
+        _, ax = plt.subplots(figsize=(6.5, 4))
+    (_, _), (rows, cols) = _xy(Box.full(t.shape))
+    writers = sorted({c.rank for c in t.chunks})
+    colors = _colors(max(writers, default=0) + 1)
     for c in t.chunks:
-        off = c.offset if len(c.offset) >= 2 else (0, c.offset[0] if c.offset else 0)
-        shp = c.shape if len(c.shape) >= 2 else (1, c.shape[0] if c.shape else 1)
-        ax.add_patch(
-            Rectangle((off[1], off[0]), shp[1], shp[0], facecolor=colors[c.rank], edgecolor="black", alpha=0.8)
-        )
-    ax.set_xlim(0, max(shape[1], 1))
-    ax.set_ylim(max(shape[0], 1), 0)
-    ax.set_xlabel("dim 1" if len(t.shape) >= 2 else "dim 0")
-    ax.set_ylabel("dim 0" if len(t.shape) >= 2 else "")
-    proj = " (projected on dims 0, 1)" if len(t.shape) > 2 else ""
-    ax.set_title(f"{name} {t.dtype}{list(t.shape)}: {len(t.chunks)} chunks{proj}")
-    ranks = sorted({c.rank for c in t.chunks})
-    ax.legend(
-        handles=[Patch(color=colors[r], label=f"rank {r}") for r in ranks[:20]],
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1),
-        fontsize="small",
-    )
+        (y, x), (h, w) = _xy(c.box)
+        ax.add_patch(Rectangle((x, y), w, h, facecolor=colors[c.rank], edgecolor="black", alpha=0.75))
+    handles = [Patch(facecolor=colors[r], edgecolor="black", label=f"writer {r}") for r in writers[:20]]
+    title = f"{name} {t.dtype}{list(t.shape)}: {len(t.chunks)} saved chunks"
+    if target is not None:
+        per_rank = _target_boxes(ck, name, target)
+        for rank, boxes in sorted(per_rank.items()):
+            for b in boxes:
+                if b.empty:
+                    continue
+                (y, x), (h, w) = _xy(b)
+                ax.add_patch(
+                    Rectangle((x, y), w, h, fill=True, facecolor=(0, 0, 0, 0.08), hatch="//",
+                              edgecolor="black", linewidth=2.0, linestyle="--")
+                )
+                ax.text(x + w / 2, y + h / 2, f"rank {rank}", ha="center", va="center",
+                        fontsize="small", fontweight="bold",
+                        bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+        handles.append(Patch(facecolor=(0, 0, 0, 0.08), hatch="//", edgecolor="black", linestyle="--",
+                             label="target box (what a rank reads)"))
+        title += f" vs a target of {len(per_rank)} ranks"
+    ax.set_xlim(0, max(cols, 1))
+    ax.set_ylim(max(rows, 1), 0)
+    if len(t.shape) >= 2:
+        ax.set_xlabel("columns (dim 1)")
+        ax.set_ylabel("rows (dim 0)")
+    else:
+        ax.set_xlabel("elements (dim 0)")
+        ax.set_yticks([])
+    if len(t.shape) > 2:
+        title += f"\nprojected on dims 0 and 1 (dims 2..{len(t.shape) - 1} collapsed)"
+    ax.set_title(title, fontsize="medium")
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return ax
 
 
-def plot_value_ranges(ck: Source, name: str, ax: Any = None) -> Any:
-    """Draw each chunk's key value range [lo, hi) coloured by writer rank; returns the Axes."""
+def plot_plan(plan: LoadPlan, ax: Any = None) -> Any:
+    """Bytes each rank (or device) of ``plan`` reads, as bars; what it keeps and the even share marked."""
     import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(plan.ranks) + 2), 3.5))
+    ranks = [r.rank for r in plan.ranks]
+    scale, unit = (2**20, "MiB") if plan.stored_bytes >= 2**20 else (2**10, "KiB")
+    ax.bar(range(len(ranks)), [r.bytes_to_read / scale for r in plan.ranks], color="#1f77b4", label="bytes read")
+    ax.scatter(range(len(ranks)), [r.bytes_kept / scale for r in plan.ranks], color="black", marker="_",
+               s=400, zorder=3, label="bytes kept")
+    if ranks:
+        ax.axhline(plan.stored_bytes / len(ranks) / scale, color="#d62728", linestyle="--",
+                   label="even share of the checkpoint")
+    who = "device" if plan.target == "jax" else "rank"
+    ax.set_xticks(range(len(ranks)), [str(r) for r in ranks])
+    ax.set_xlabel(who)
+    ax.set_ylabel(unit)
+    ax.set_title(f"plan: {plan.summary()}", fontsize="small", wrap=True)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    return ax
+
+
+def plot_value_ranges(ck: Source, name: str, ax: Any = None, *, world_size: int | None = None) -> Any:
+    """Draw each chunk's key value range [lo, hi) coloured by writer; returns the Axes.
+
+    With ``world_size``, the key domain is split as a load at that world size splits
+    it (torchrec's ceil split) and each part is shaded and labelled with its new owner.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     t = ck.info(name)
     ranged = [c for c in t.chunks if c.value_range is not None]
@@ -122,13 +269,31 @@ def plot_value_ranges(ck: Source, name: str, ax: Any = None) -> Any:
             "plot_value_ranges applies to tensors of a value group (see info(name).value_range)"
         )
     if ax is None:
-        _, ax = plt.subplots(figsize=(6, 2 + 0.2 * len(ranged)))
-    colors = _colors(ck.world_size)
+        _, ax = plt.subplots(figsize=(7, 2 + 0.3 * len(ranged)))
+    writers = sorted({c.rank for c in ranged})
+    colors = _colors(max(writers) + 1)
     for i, c in enumerate(ranged):
         lo, hi = c.value_range  # type: ignore[misc]
-        ax.barh(i, hi - lo, left=lo, color=colors[c.rank], edgecolor="black")
-        ax.text(lo, i, f" rank {c.rank}", va="center", fontsize="small")
-    ax.set_yticks(range(len(ranged)), [str(c.box) for c in ranged])
-    ax.set_xlabel("key value")
-    ax.set_title(f"{name}: value ranges of {len(ranged)} chunks (group {t.value_range.group})")
+        ax.barh(i, hi - lo, left=lo, color=colors[c.rank], edgecolor="black", height=0.6)
+    ax.set_yticks(range(len(ranged)), [f"rows {c.offset[0]}:{c.offset[0] + c.shape[0]}" for c in ranged])
+    handles = [Patch(facecolor=colors[r], edgecolor="black", label=f"saved by rank {r}") for r in writers]
+    title = f"{name}: key ranges of {len(ranged)} chunks (group {t.value_range.group})"
+    domain = t.value_range.domain
+    if world_size is not None:
+        if domain is None:
+            raise XckptError(f"tensor {name!r}: its annotation records no key domain to split")
+        lo0, hi0 = domain
+        for r, (start, size) in enumerate(chunk_sizes(hi0 - lo0, world_size)):
+            if size == 0:
+                continue
+            ax.axvspan(lo0 + start, lo0 + start + size, color="grey" if r % 2 else "white", alpha=0.15)
+            ax.axvline(lo0 + start, color="black", linestyle=":", linewidth=1)
+            ax.text(lo0 + start + size / 2, len(ranged) - 0.4, f"new rank {r}", ha="center", fontsize="small")
+        title += f"\nowners at world size {world_size}: the input domain in {world_size} blocks"
+    if domain is not None:
+        ax.set_xlim(domain[0], domain[1])
+    ax.set_xlabel("key value (raw id)")
+    ax.set_ylabel("saved chunk")
+    ax.set_title(title, fontsize="medium")
+    ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return ax

@@ -134,6 +134,12 @@ class LoadPlan:
     def __str__(self) -> str:
         return self.table()
 
+    def plot(self, ax: Any = None) -> Any:
+        """Bytes per rank as bars, with what each keeps and the even share (matplotlib Axes)."""
+        from xckpt.inspect import plot_plan
+
+        return plot_plan(self, ax)
+
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         import html
 

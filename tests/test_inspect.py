@@ -1,0 +1,84 @@
+"""The notebook view on any source: bounded tables with per-writer bytes and glyphs, and the plots."""
+
+from __future__ import annotations
+
+import jax
+import matplotlib
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import xckpt
+from xckpt import inspect
+from xckpt.errors import XckptError
+from xckpt.layout import Shard
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture
+def ck(tmp_path):
+    path = str(tmp_path / "c")
+    w = np.arange(12 * 6, dtype=np.float32).reshape(12, 6)
+    cube = np.zeros((4, 6, 2), np.float16)
+    for rank, (lo, hi) in enumerate([(0, 5), (5, 10), (10, 12)]):
+        wr = xckpt.Writer(path, rank=rank, world_size=3, save_id="s")
+        wr.write("w", w[lo:hi], global_shape=w.shape, offset=(lo, 0))
+        if rank == 0:
+            wr.write("cube", cube)
+            wr.write_object("step", 1)
+        else:
+            wr.declare("cube", cube.dtype, cube.shape)
+        wr.commit()
+    return xckpt.open(path)
+
+
+def test_table_has_writers_and_glyphs(ck):
+    text = inspect.text_table(ck)
+    assert text.startswith("xckpt checkpoint ") and "2 tensors" in text and "3 writers" in text
+    assert "w  float32[12, 6]  chunks=3 (3x1)  bytes=288  writers: r0 120 B, r1 120 B, r2 48 B" in text
+    html = ck._repr_mimebundle_()["text/html"]
+    assert html.count("<svg") == 2 and "bytes per writer" in html and "r2 48 B" in html
+
+
+def test_table_bounds_writers_and_rows(tmp_path):
+    path = str(tmp_path / "many")
+    for rank in range(6):
+        wr = xckpt.Writer(path, rank=rank, world_size=6, save_id="s")
+        wr.write("t", np.zeros((1, 2)), global_shape=(6, 2), offset=(rank, 0))
+        for i in range(4):
+            if rank == 0:
+                wr.write(f"<x{i}>", np.zeros(1))
+            else:
+                wr.declare(f"<x{i}>", np.float64, (1,))
+        wr.commit()
+    src = xckpt.open(path)
+    assert "r3 16 B, +2 more 32 B" in inspect.text_table(src)
+    assert "truncated: 3 more tensors" in inspect.text_table(src, max_rows=2)
+    html = inspect.html_table(src, max_rows=2)
+    assert "truncated: 3 more tensors" in html and "&lt;x0&gt;" in html and "<x0>" not in html
+
+
+def test_plot_layout_with_torch_and_jax_targets(ck):
+    ax = ck.plot_layout("w")
+    assert len(ax.patches) == 3 and "3 saved chunks" in ax.get_title()
+    assert ax.get_xlabel() == "columns (dim 1)" and ax.get_ylabel() == "rows (dim 0)"
+    ax = ck.plot_layout("w", target=((4,), (Shard(0),)))
+    assert len(ax.patches) == 3 + 4 and "target of 4 ranks" in ax.get_title()
+    assert {t.get_text() for t in ax.texts} == {"rank 0", "rank 1", "rank 2", "rank 3"}
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    ax = ck.plot_layout("w", target=NamedSharding(mesh, P(None, "x")))
+    assert len(ax.patches) == 3 + 2
+    ax = ck.plot_layout("cube")
+    assert "projected on dims 0 and 1" in ax.get_title()
+    with pytest.raises(XckptError, match="tensor 'w' has no value-range annotation"):
+        ck.plot_value_ranges("w")
+
+
+def test_plot_plan(ck):
+    plan = xckpt.plan_load(ck, {"*": ((4,), "Shard(0)")})
+    ax = plan.plot()
+    assert len(ax.patches) == 4 and ax.get_xlabel() == "rank"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3"]
+    assert "4 ranks read" in ax.get_title()
