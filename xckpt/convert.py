@@ -1,0 +1,583 @@
+"""Convert a checkpoint of any format into any other, streaming with bounded memory.
+
+``xckpt.convert(src, dst)`` opens ``src`` as a :class:`~xckpt.source.Source`
+(any format, rules applied as a view), decides what to write (names after
+``include``/``exclude``, objects), and hands a :class:`WriteJob` to the writer
+of the output format. The writer reads chunk by chunk through the job and lays
+bytes out under a fresh temporary path; the driver then re-reads every written
+box through ``xckpt.open(tmp, format=<out>)`` comparing crc32s (``verify``), and
+renames the result into place. Nothing at ``dst`` is touched before that rename.
+
+Decisions where the design is silent (also in the report):
+
+* ``include``/``exclude`` filter the source's own (un-ruled) names, objects
+  included, through a filtering view; the rules are applied to that view, so a
+  ``stack`` rule sees only the selected pieces.
+* The temporary output is a hidden sibling ``.<dst name>.xckpt-tmp-<hex>``; a
+  killed process may leave one behind (never at ``dst``; delete it freely).
+  ``overwrite`` moves the old output to ``.<dst name>.xckpt-old-<hex>`` for the
+  instant of the swap and removes it after the new one is in place.
+* ``dst`` is a local path. A non-empty directory that holds no checkpoint is
+  never replaced, even with ``overwrite`` (it may be someone's data); ``dst``
+  equal to ``src``, or holding ``src`` inside it, is refused.
+* ``max_shard_size`` is only for Hugging Face directories (safetensors output
+  whose ``dst`` does not end in ``.safetensors``); default 5 GB as
+  ``huggingface_hub`` splits. Such a directory always gets an index, even for
+  one shard.
+* Per-rank objects (saved with a value per rank) travel as the list of every
+  rank's value, except into xckpt, which keeps them per rank.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import os
+import re
+import secrets
+import shutil
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from xckpt._progress import progress
+from xckpt.errors import CheckpointExistsError, CorruptChunkError, XckptError
+from xckpt.layout import Box
+from xckpt.manifest import Chunk, TensorEntry
+from xckpt.source import Source, local_path
+
+__all__ = ["convert", "WriteJob", "WRITERS", "guess_format", "parse_size", "CONVERT_INFLIGHT_BYTES"]
+
+#: Output format -> "module:function" of its writer (imported when used).
+WRITERS: dict[str, str] = {
+    "xckpt": "xckpt.convert:write_xckpt",
+    "safetensors": "xckpt.converters.safetensors_write:write",
+    "torch": "xckpt.converters.torch_save_write:write",
+    "torch-dcp": "xckpt.converters.torch_dcp_write:write",
+    "orbax": "xckpt.converters.orbax_write:write",
+}
+
+#: Bytes the xckpt writer may hold in flight during a conversion.
+CONVERT_INFLIGHT_BYTES = 64 << 20
+#: huggingface_hub's default shard size.
+DEFAULT_SHARD_SIZE = 5 * 10**9
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a size string as ``huggingface_hub`` reads it.
+
+    ``"100KB"`` is 100,000 bytes, ``"5GB"`` 5 * 10**9; binary units as
+    transformers reads them (``"5GiB"`` is 5 * 2**30); a bare number is bytes.
+    """
+    if isinstance(size, bool):
+        raise XckptError(f"max_shard_size must be bytes or a size string like '5GB', got {size!r}")
+    if isinstance(size, int):
+        if size <= 0:
+            raise XckptError(f"max_shard_size must be positive, got {size}")
+        return size
+    m = _SIZE.match(str(size))
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise XckptError(
+            f"max_shard_size {size!r} is not a size: write bytes or a number with a unit "
+            "(KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024), e.g. '5GB'"
+        )
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise XckptError(f"max_shard_size {size!r} is not positive")
+    return n
+
+
+def guess_format(dst: str) -> str:
+    """The output format ``dst``'s name suggests: safetensors, torch, or xckpt."""
+    low = dst.rstrip("/").lower()
+    if low.endswith(".safetensors"):
+        return "safetensors"
+    if low.endswith((".pt", ".pth", ".bin")):
+        return "torch"
+    return "xckpt"
+
+
+def _crc(arr: np.ndarray) -> int:
+    a = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+    return zlib.crc32(a.reshape(-1).view(np.uint8)) if a.size else 0
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """What a format writer receives: everything is decided; it only lays bytes out.
+
+    Attributes:
+        src: the opened source (rules applied, names filtered).
+        dst: a fresh local path (file or directory) that does not exist yet; the
+            driver created its parent and renames it into place afterwards.
+        names: tensors to write, in source order.
+        objects: objects to write (pickled ones already resolved or dropped).
+        max_shard_size: bytes per shard (safetensors Hugging Face directories).
+        bar: progress bar; writers call ``bar.update(nbytes)`` as tensor bytes land.
+        per_rank_objects: names in ``objects`` saved per rank; their value is the
+            list of every rank's value, in rank order.
+    """
+
+    src: Source
+    dst: str
+    names: tuple[str, ...]
+    objects: Mapping[str, Any]
+    max_shard_size: int | None
+    bar: Any
+    per_rank_objects: frozenset[str] = frozenset()
+    _crcs: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def info(self, name: str) -> TensorEntry:
+        """dtype, shape and chunk boxes of ``name`` in the source."""
+        return self.src.info(name)
+
+    def _record(self, name: str, box: Box, arr: np.ndarray) -> None:
+        self._crcs[(name, tuple(box.offset), tuple(box.shape))] = _crc(arr)
+
+    def read_chunk(self, name: str, chunk: Chunk) -> np.ndarray:
+        """One stored chunk of ``name`` in a fresh buffer; records its crc32 for verify."""
+        t = self.src.info(name)
+        out = np.empty(chunk.shape, dtype=t.np_dtype)
+        if out.size:
+            self.src.read_into([(name, chunk.box, out)], show_progress=False)
+        self._record(name, chunk.box, out)
+        return out
+
+    def chunks(self, name: str, *, rank: int | None = None) -> Iterator[tuple[Chunk, np.ndarray]]:
+        """Each stored chunk of ``name`` (of writer ``rank``, or all), one at a time.
+
+        ``chunk.box`` is where it lies in the tensor, ``chunk.rank`` its source
+        writer. Each buffer is fresh: a writer may keep it until it is written.
+        """
+        for c in self.src.info(name).chunks:
+            if rank is None or c.rank == rank:
+                yield c, self.read_chunk(name, c)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The whole tensor (for outputs that cannot hold chunks); crc32 per source box."""
+        t = self.src.info(name)
+        out = np.empty(t.shape, dtype=t.np_dtype)
+        if out.size:
+            self.src.read_into([(name, t.box, out)], show_progress=False)
+        for c in t.chunks:
+            self._record(name, c.box, out[c.box.slices()])
+        return out
+
+    def rows(self, name: str) -> Iterator[np.ndarray]:
+        """The tensor's row-major bytes as C-contiguous pieces, in order.
+
+        Pieces are bands of whole rows (dimension 0) that no source chunk
+        crosses: a row-sharded tensor streams one chunk at a time, a
+        column-sharded one comes as one piece. Records a crc32 per source box.
+        """
+        t = self.src.info(name)
+        chunks = [c for c in t.chunks if c.box.volume]
+        if t.nbytes == 0:
+            return
+        if len(t.shape) == 0 or len(chunks) == 1:
+            yield self.tensor(name)
+            return
+        bands: list[list[Any]] = []  # [start, end, chunks]
+        for c in sorted(chunks, key=lambda c: c.offset[0]):
+            lo, hi = c.offset[0], c.offset[0] + c.shape[0]
+            if bands and lo < bands[-1][1]:
+                bands[-1][1] = max(bands[-1][1], hi)
+                bands[-1][2].append(c)
+            else:
+                bands.append([lo, hi, [c]])
+        for lo, hi, members in bands:
+            if len(members) == 1 and members[0].shape[1:] == t.shape[1:]:
+                yield self.read_chunk(name, members[0])
+                continue
+            box = Box((lo,) + (0,) * (len(t.shape) - 1), (hi - lo,) + tuple(t.shape[1:]))
+            buf = np.empty(box.shape, dtype=t.np_dtype)
+            self.src.read_into([(name, box, buf)], show_progress=False)
+            for c in members:
+                self._record(name, c.box, buf[c.box.slices(box)])
+            yield buf
+
+
+# -- the source side ---------------------------------------------------------------
+
+
+class _Selected(Source):
+    """A view of ``inner`` holding only the selected tensors and objects."""
+
+    def __init__(self, inner: Source, names: Sequence[str], objects: Sequence[str]) -> None:
+        self._inner = inner
+        self.format, self.path = inner.format, inner.path
+        self._names = list(names)
+        self._name_set = set(names)
+        self._objs = list(objects)
+        self._obj_set = set(objects)
+
+    @property
+    def world_size(self) -> int:
+        return self._inner.world_size
+
+    @property
+    def save_id(self) -> str | None:
+        return self._inner.save_id
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self._inner.metadata
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._name_set
+
+    def info(self, name: str) -> TensorEntry:
+        if name not in self._name_set:
+            raise self._missing(name)
+        return self._inner.info(name)
+
+    def _read_chunks(self, jobs: Any, bar: Any) -> None:
+        self._inner._read_chunks(jobs, bar)
+
+    def object_names(self) -> list[str]:
+        return list(self._objs)
+
+    def objects(self, names: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        names = self._objs if names is None else list(names)
+        for n in names:
+            if n not in self._obj_set:
+                raise self._missing_object(n)
+        return self._inner.objects(names, **kwargs) if names else {}
+
+    def pickled_objects(self) -> set[str]:
+        return self._inner.pickled_objects() & self._obj_set
+
+    def per_rank_objects(self) -> set[str]:
+        return self._inner.per_rank_objects() & self._obj_set
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _globs(v: str | Sequence[str] | None, what: str) -> list[str] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return [v]
+    out = list(v)
+    if not all(isinstance(g, str) for g in out):
+        raise XckptError(f"{what} must be a glob or a list of globs, got {v!r}")
+    return out
+
+
+def _selected(name: str, include: list[str] | None, exclude: list[str] | None) -> bool:
+    if include is not None and not any(fnmatch.fnmatchcase(name, g) for g in include):
+        return False
+    return not (exclude and any(fnmatch.fnmatchcase(name, g) for g in exclude))
+
+
+def _check_from_format(src: Any, from_format: str) -> None:
+    from xckpt import formats
+
+    if from_format not in formats.FORMATS:
+        raise XckptError(f"unknown source format {from_format!r}; known formats: {', '.join(formats.FORMATS)}")
+    local = local_path(src)
+    if local is None:
+        if from_format != "xckpt":
+            raise XckptError(f"{src!r}: {from_format} checkpoints are read from local paths")
+        return
+    if from_format == "xckpt":
+        fits = os.path.isdir(local) and formats._has_xckpt(local)
+    else:
+        fits = bool(formats._module(from_format).detect(local))
+    if not fits:
+        try:
+            found = f"it looks like a {formats.detect(local)} checkpoint"
+        except XckptError:
+            found = f"it holds {formats._listing(local)}"
+        raise XckptError(
+            f"{src!r} is not a {from_format} checkpoint ({found}); drop --from/from_format to detect "
+            "the format, or point at the right location. Nothing was written"
+        )
+
+
+def _open(
+    src: Any, from_format: str | None, rules: Any, include: Any, exclude: Any, allow_pickle: bool
+) -> Source:
+    import xckpt
+
+    inc, exc = _globs(include, "include"), _globs(exclude, "exclude")
+    if inc is None and exc is None:
+        return xckpt.open(src, format=from_format, allow_pickle=allow_pickle, rules=rules)
+    raw = xckpt.open(src, format=from_format, allow_pickle=allow_pickle)
+    names = [n for n in raw.names() if _selected(n, inc, exc)]
+    objs = [n for n in raw.object_names() if _selected(n, inc, exc)]
+    view: Source = _Selected(raw, names, objs)
+    if rules is not None:
+        from xckpt.rules import apply_rules
+
+        try:
+            view = apply_rules(view, rules)
+        except BaseException:
+            raw.close()
+            raise
+    return view
+
+
+# -- the output side -----------------------------------------------------------------
+
+
+def _is_checkpoint(path: str) -> bool:
+    from xckpt import formats
+
+    try:
+        formats.detect(path)
+    except XckptError:
+        return False
+    return True
+
+
+def _check_dst(dst: str, src: Any, overwrite: bool) -> bool:
+    """Whether something at ``dst`` is to be replaced; raises when it must not be."""
+    src_local = local_path(src)
+    if src_local is not None:
+        a, b = os.path.realpath(src_local), os.path.realpath(dst)
+        if a == b or (overwrite and a.startswith(b.rstrip(os.sep) + os.sep)):
+            raise XckptError(
+                f"converting {src!r} to {dst!r} would replace the source; write to another path"
+            )
+    if not os.path.lexists(dst):
+        return False
+    if os.path.isdir(dst) and not os.path.islink(dst):
+        if not os.listdir(dst):
+            return True  # an empty directory is not a checkpoint
+        if not _is_checkpoint(dst):
+            raise CheckpointExistsError(
+                f"{dst!r} is a directory holding files that are not a checkpoint; convert will not "
+                "replace it (even with overwrite). Choose another dst, or empty it first"
+            )
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{dst!r} already exists; pass overwrite=True (--overwrite) to replace it, or convert "
+            "to a new path"
+        )
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _commit(tmp: str, dst: str, replace: bool) -> None:
+    """Move the verified output into place; the old one is removed only afterwards."""
+    if not replace:
+        os.rename(tmp, dst)
+        return
+    parent, base = os.path.split(dst)
+    old = os.path.join(parent, f".{base}.xckpt-old-{secrets.token_hex(4)}")
+    os.rename(dst, old)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    _remove(old)
+
+
+def _writer(fmt: str) -> Callable[[WriteJob], None]:
+    mod, fn = WRITERS[fmt].split(":")
+    try:
+        module = importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        raise XckptError(f"the {fmt} writer is not available ({e}); convert to another format") from None
+    return getattr(module, fn)
+
+
+def _verify(job: WriteJob, out_format: str) -> None:
+    import xckpt
+
+    with xckpt.open(job.dst, format=out_format) as out:
+        for (name, offset, shape), crc in job._crcs.items():
+            t = out.info(name)
+            buf = np.empty(shape, dtype=t.np_dtype)
+            if buf.size:
+                out.read_into([(name, Box(offset, shape), buf)], show_progress=False)
+            got = _crc(buf)
+            if got != crc:
+                raise CorruptChunkError(
+                    f"conversion of {job.src.path!r} to {out_format}: tensor {name!r}, box "
+                    f"{Box(offset, shape)} reads back with crc32 {got:08x}, the source's is {crc:08x}; "
+                    "nothing was written to the destination. Check the disk and convert again"
+                )
+
+
+def convert(
+    src: Any,
+    dst: str | os.PathLike[str],
+    *,
+    from_format: str | None = None,
+    to_format: str | None = None,
+    rules: Any = None,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
+    max_shard_size: int | str | None = None,
+    allow_pickle: bool = False,
+    show_progress: bool | None = None,
+) -> str:
+    """Convert the checkpoint at ``src`` (any format) into ``dst``, chunk by chunk.
+
+    Args:
+        src: checkpoint location (local path, or a kvstore URL for xckpt).
+        dst: local output path. Format from ``to_format``, else from the name:
+            ``*.safetensors`` one safetensors file, ``*.pt|*.pth|*.bin`` torch.save,
+            anything else xckpt (``to_format="safetensors"`` with another name
+            writes a Hugging Face directory: index and shards).
+        from_format: force the source format; one that does not fit is an error.
+        to_format: ``xckpt``, ``safetensors``, ``torch``, ``torch-dcp`` or ``orbax``.
+        rules: rename/transpose/stack rules (list of dicts, or a JSON/TOML file).
+        include, exclude: shell globs (``fnmatch``: ``*`` crosses dots) on the
+            source's names, tensors and objects, applied before rules.
+        overwrite: replace an existing checkpoint at ``dst`` (whole, after the new
+            one is written and verified).
+        verify: re-read every written box and compare crc32s with the source's.
+        max_shard_size: bytes or a size string (``"5GB"``, ``"500MiB"``) per shard
+            of a Hugging Face directory; default 5 GB.
+        allow_pickle: convert pickled objects (DCP's non-tensor values); without
+            it they are skipped with a warning naming them.
+        show_progress: progress bar (default: when stderr is a TTY).
+
+    Returns:
+        The output path.
+
+    Raises:
+        CheckpointExistsError: ``dst`` exists and ``overwrite`` is not set.
+        CorruptChunkError: ``verify`` read back bytes that differ from the source's.
+        XckptError: the source cannot be read as asked, or the output cannot hold it.
+    """
+    out = local_path(dst)
+    if out is None:
+        raise XckptError(
+            f"convert writes to local paths; {dst!r} is a URL. Convert locally, then copy, or save "
+            "xckpt checkpoints to remote storage with xckpt.save"
+        )
+    out = out.rstrip(os.sep) or out
+    fmt = to_format if to_format is not None else guess_format(out)
+    if fmt not in WRITERS:
+        raise XckptError(f"unknown output format {fmt!r}; known: {', '.join(WRITERS)}")
+    hf_dir = fmt == "safetensors" and not out.lower().endswith(".safetensors")
+    shard: int | None = None
+    if max_shard_size is not None:
+        if not hf_dir:
+            raise XckptError(
+                "max_shard_size applies to Hugging Face directories (to_format='safetensors' with a "
+                f"dst not ending in .safetensors); {out!r} is written as {fmt}"
+            )
+        shard = parse_size(max_shard_size)
+    elif hf_dir:
+        shard = DEFAULT_SHARD_SIZE
+    if from_format is not None:
+        _check_from_format(src, from_format)
+    replace = _check_dst(out, src, overwrite)
+    writer = _writer(fmt)
+    source = _open(src, from_format, rules, include, exclude, allow_pickle)
+    try:
+        names = tuple(source.names())
+        obj_names = source.object_names()
+        skipped = [] if allow_pickle else sorted(source.pickled_objects() & set(obj_names))
+        if skipped:
+            warnings.warn(
+                f"convert {source.path!r}: skipping pickled objects {skipped}; pass allow_pickle=True "
+                "(--allow-pickle) to convert them (unpickling runs code stored in the checkpoint)",
+                stacklevel=2,
+            )
+        wanted = [n for n in obj_names if n not in set(skipped)]
+        objects = source.objects(wanted, per_rank="list") if wanted else {}
+        per_rank = frozenset(source.per_rank_objects() & set(wanted))
+        parent, base = os.path.split(os.path.abspath(out))
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{base}.xckpt-tmp-{secrets.token_hex(4)}")
+        total = sum(source.info(n).nbytes for n in names)
+        try:
+            with progress(total, f"convert to {fmt}", show_progress) as bar:
+                job = WriteJob(source, tmp, names, objects, shard, bar, per_rank)
+                writer(job)
+            if not os.path.lexists(tmp):
+                raise XckptError(f"the {fmt} writer wrote nothing at {tmp!r}")
+            if verify:
+                _verify(job, fmt)
+            _commit(tmp, os.path.abspath(out), replace)
+        except BaseException:
+            _remove(tmp)
+            raise
+    finally:
+        source.close()
+    return out
+
+
+# -- the xckpt writer ------------------------------------------------------------------
+
+
+def write_xckpt(job: WriteJob) -> None:
+    """xckpt output keeping the source layout: one :class:`~xckpt.Writer` per source writer.
+
+    Ranks are written one after another (each commits before the next starts),
+    so one writer's in-flight budget bounds memory; rank 0 finalizes.
+    """
+    from xckpt.writer import Writer, finalize
+
+    src = job.src
+    infos = {n: src.info(n) for n in job.names}
+    world = max([src.world_size] + [c.rank + 1 for t in infos.values() for c in t.chunks])
+    save_id = "convert-" + secrets.token_hex(8)
+    try:
+        meta = dict(src.metadata)
+    except TypeError:
+        meta = {}
+    for r in range(world):
+        w = Writer(
+            job.dst,
+            rank=r,
+            world_size=world,
+            save_id=save_id,
+            progress=False,
+            metadata=meta,
+            inflight_bytes=CONVERT_INFLIGHT_BYTES,
+        )
+        for name, t in infos.items():
+            w.declare(name, t.dtype, t.shape, placement=t.placement, value_range=t.value_range)
+            for c, arr in job.chunks(name, rank=r):
+                w.write(
+                    name, arr, global_shape=t.shape, offset=c.offset, chunk_value_range=c.value_range
+                )
+                job.bar.update(arr.nbytes)
+        for oname, value in job.objects.items():
+            if oname in job.per_rank_objects and isinstance(value, list) and len(value) == world:
+                w.write_object(oname, value[r], per_rank=True)
+            elif r == 0:
+                w.write_object(oname, value)
+        w.commit()
+    if world > 1:
+        finalize(job.dst, world, save_id)
