@@ -229,7 +229,7 @@ class Xckpt(System):
     def save(self, path: Path, tree: dict[str, Any]) -> None:
         import xckpt
 
-        xckpt.save(path, tree, **self.options)
+        xckpt.save(tree, path, **self.options)
 
     def load(self, path: Path, target: Any) -> dict[str, Any]:
         import xckpt

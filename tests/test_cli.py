@@ -11,7 +11,7 @@ from xckpt.cli import main
 
 @pytest.fixture
 def ckpt(tmp_path):
-    xckpt.save(tmp_path / "c", {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": 3}, storage="plain")
+    xckpt.save({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": 3}, tmp_path / "c", storage="plain")
     return tmp_path / "c"
 
 
@@ -37,7 +37,7 @@ def test_verify_exit_codes(ckpt, capsys):
 
 
 def test_diff(tmp_path, ckpt, capsys):
-    xckpt.save(tmp_path / "d", {"w": np.zeros((3, 5), np.float32), "b": np.zeros(2)})
+    xckpt.save({"w": np.zeros((3, 5), np.float32), "b": np.zeros(2)}, tmp_path / "d")
     assert main(["diff", str(ckpt), str(tmp_path / "d")]) == 1
     out = capsys.readouterr().out
     assert "+ b" in out and "~ w: float32[3, 4] -> float32[3, 5]" in out

@@ -56,7 +56,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 def test_every_dtype_round_trips_bit_exact(tmp_path, dtype, form):
     shape = (40, 7) if form == "packed" else (1200, 300)
     a = random_array(dtype, shape)
-    xckpt.save(tmp_path / "c", {"a": a})
+    xckpt.save({"a": a}, tmp_path / "c")
     ck = xckpt.open(tmp_path / "c")
     assert ck.info("a").chunks[0].form == form
     assert same_bits(ck.read("a"), a)
@@ -76,7 +76,7 @@ def test_scalars_empty_tensors_and_objects(tmp_path, storage):
         "nan": float("nan"),
         "np_scalar": np.int32(7),
     }
-    xckpt.save(tmp_path / "c", data, storage=storage)
+    xckpt.save(data, tmp_path / "c", storage=storage)
     got = xckpt.load(tmp_path / "c")
     assert set(got) == set(data)
     for k in ("scalar", "empty", "bf16"):
@@ -111,9 +111,9 @@ def test_several_writers_read_back_in_another_layout(tmp_path):
 
 def test_memory_and_file_urls(tmp_path):
     a = random_array("int32", (5, 5))
-    xckpt.save("memory://ckpt-test/a", {"a": a})
+    xckpt.save({"a": a}, "memory://ckpt-test/a")
     assert same_bits(xckpt.load("memory://ckpt-test/a")["a"], a)
-    xckpt.save(f"file://{tmp_path}/b", {"a": a})
+    xckpt.save({"a": a}, f"file://{tmp_path}/b")
     assert same_bits(xckpt.load(tmp_path / "b")["a"], a)
 
 
@@ -164,7 +164,7 @@ def chunk_files(root: Path) -> list[Path]:
 @pytest.mark.parametrize("form", ["array", "packed"])
 def test_flipped_byte_is_a_corrupt_chunk_naming_the_tensor(tmp_path, storage, form):
     a = random_array("float32", (300, 300) if form == "array" else (100, 100))
-    xckpt.save(tmp_path / "c", {"weights": a}, storage=storage)
+    xckpt.save({"weights": a}, tmp_path / "c", storage=storage)
     files = [f for f in chunk_files(tmp_path / "c" / "data") if f.stat().st_size >= a.nbytes]
     assert files, "no data file holds the chunk"
     f = files[0]
@@ -183,7 +183,7 @@ def test_flipped_byte_is_a_corrupt_chunk_naming_the_tensor(tmp_path, storage, fo
 
 def test_missing_chunk_data_is_corrupt(tmp_path):
     a = random_array("float32", (300, 300))
-    xckpt.save(tmp_path / "c", {"w": a}, storage="plain")
+    xckpt.save({"w": a}, tmp_path / "c", storage="plain")
     for f in chunk_files(tmp_path / "c" / "data"):
         f.unlink()
     with pytest.raises(CorruptChunkError, match="tensor 'w'"):
@@ -203,7 +203,7 @@ def edit_manifest(root: Path, fn) -> None:
 
 @pytest.fixture
 def saved(tmp_path):
-    xckpt.save(tmp_path / "c", {"big": random_array("float32", (300, 300)), "small": np.arange(4)})
+    xckpt.save({"big": random_array("float32", (300, 300)), "small": np.arange(4)}, tmp_path / "c")
     return tmp_path / "c"
 
 
@@ -269,8 +269,8 @@ def test_loading_never_unpickles(saved, monkeypatch):
 
 def test_save_refuses_to_overwrite(saved):
     with pytest.raises(CheckpointExistsError, match="pass overwrite=True"):
-        xckpt.save(saved, {"x": np.zeros(3)})
-    xckpt.save(saved, {"x": np.ones(3)}, overwrite=True)
+        xckpt.save({"x": np.zeros(3)}, saved)
+    xckpt.save({"x": np.ones(3)}, saved, overwrite=True)
     got = xckpt.load(saved)
     assert list(got) == ["x"] and same_bits(got["x"], np.ones(3))
 
@@ -328,7 +328,7 @@ def test_replicated_object_disagreeing_between_ranks(tmp_path):
 
 def test_unstorable_object(tmp_path):
     with pytest.raises(ObjectError, match=r"object 'fn' of type function cannot be stored.*never pickles"):
-        xckpt.save(tmp_path / "c", {"fn": lambda: 0})
+        xckpt.save({"fn": lambda: 0}, tmp_path / "c")
 
 
 def test_read_errors_name_the_tensor(saved):
@@ -355,8 +355,8 @@ def test_writer_rejects_inconsistent_boxes(tmp_path):
 def test_structure_change_between_saves_is_saved_whole(tmp_path):
     first = {"a": np.arange(3), "step": 1}
     second = {"a": np.arange(3), "b": np.ones((2, 2)), "step": 2, "sched": {"warmup": 10}}
-    xckpt.save(tmp_path / "one", first)
-    xckpt.save(tmp_path / "two", second)
+    xckpt.save(first, tmp_path / "one")
+    xckpt.save(second, tmp_path / "two")
     got = xckpt.load(tmp_path / "two")
     assert set(got) == set(second) and got["sched"] == {"warmup": 10}
     assert set(xckpt.load(tmp_path / "one")) == set(first)
@@ -364,7 +364,7 @@ def test_structure_change_between_saves_is_saved_whole(tmp_path):
 
 def test_many_small_tensors_are_packed_into_few_files(tmp_path):
     data = {f"layer{i}.bias": np.full(256, i, np.float32) for i in range(2000)}
-    xckpt.save(tmp_path / "c", data)
+    xckpt.save(data, tmp_path / "c")
     files = [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
     assert len(files) < 20
     got = xckpt.load(tmp_path / "c")
@@ -376,7 +376,7 @@ def test_chunks_readable_with_plain_tensorstore(tmp_path):
     import tensorstore as ts
 
     a = random_array("float32", (300, 300))
-    xckpt.save(tmp_path / "c", {"w": a})
+    xckpt.save({"w": a}, tmp_path / "c")
     m = json.loads((tmp_path / "c" / "xckpt.json").read_text())
     chunk = m["tensors"]["w"]["chunks"][0]
     rank_dir, rest = chunk["key"].split("/", 2)[1], chunk["key"].split("/", 2)[2]
@@ -415,13 +415,13 @@ def test_all_zero_chunks_are_stored(tmp_path, storage):
     """tensorstore skips chunks equal to the fill value unless told otherwise; a reader
     that treats a missing chunk as damage needs them on disk."""
     z = np.zeros((1200, 300), dtype=np.float32)
-    xckpt.save(tmp_path / "c", {"z": z}, storage=storage)
+    xckpt.save({"z": z}, tmp_path / "c", storage=storage)
     assert same_bits(xckpt.load(tmp_path / "c")["z"], z)
 
 
 @pytest.mark.parametrize("shape", [(6,), (1200, 300)], ids=["packed", "array"])
 def test_big_endian_arrays_keep_their_values(tmp_path, shape):
     a = np.arange(np.prod(shape), dtype=">f4").reshape(shape)
-    xckpt.save(tmp_path / "c", {"be": a})
+    xckpt.save({"be": a}, tmp_path / "c")
     got = xckpt.load(tmp_path / "c")["be"]
     assert got.dtype == np.float32 and np.array_equal(got, a)

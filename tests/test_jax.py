@@ -240,7 +240,7 @@ def test_dtype_round_trip_bit_exact(tmp_path: object, dtype: str) -> None:
 def test_64bit_dtypes_with_x64(tmp_path: object, dtype: str) -> None:
     dt = np.dtype(dtype)
     arr = np.random.default_rng(5).integers(0, 256, size=(8, 8 * dt.itemsize), dtype=np.uint8).view(dt)
-    xckpt.save(str(tmp_path), {"x": arr})
+    xckpt.save({"x": arr}, str(tmp_path))
     with pytest.raises(DtypeMismatchError, match=rf"tensor 'x': saved as {dtype}.*jax_enable_x64"):
         xj.load(str(tmp_path), {"x": sharding("8")})
     with jax.enable_x64(True):

@@ -27,7 +27,7 @@ def test_notebook_executes(nb_path, monkeypatch):
 
 
 def test_view_is_bounded_and_escaped(tmp_path):
-    xckpt.save(tmp_path / "c", {f"<t{i}>": np.zeros(2) for i in range(5)})
+    xckpt.save({f"<t{i}>": np.zeros(2) for i in range(5)}, tmp_path / "c")
     ck = xckpt.open(tmp_path / "c")
     text = inspect.text_table(ck, max_rows=3)
     assert "truncated: 2 more tensors" in text
@@ -40,7 +40,7 @@ def test_plots(tmp_path, monkeypatch):
     import matplotlib
 
     matplotlib.use("Agg")
-    xckpt.save(tmp_path / "c", {"cube": np.zeros((4, 3, 2)), "v": np.zeros(5)})
+    xckpt.save({"cube": np.zeros((4, 3, 2)), "v": np.zeros(5)}, tmp_path / "c")
     ck = xckpt.open(tmp_path / "c")
     assert len(ck.plot_layout("cube").patches) == 1
     assert "projected" in ck.plot_layout("cube").get_title()

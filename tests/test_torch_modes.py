@@ -89,7 +89,16 @@ def _modes_rank(rank: int, world: int, root: str) -> dict:
     fut = xt.save(sd, p("async"), async_save=True)
     w.to_local().add_(1000.0)
     plain.add_(1000.0)
-    fut.result(timeout=60)
+    manifest = fut.result(timeout=60)
+    # The future resolves to this rank's manifest, as a sync save returns it.
+    out["async_returns_manifest"] = (
+        None
+        if (manifest.rank, manifest.world_size, sorted(manifest.tensors)) == (rank, 2, ["p", "w"])
+        and fut.done()
+        else f"future resolved to {manifest!r:.200}"
+    )
+    sync = xt.save({"x": torch.ones(2)}, p("sync_manifest"))
+    out["sync_returns_manifest"] = None if list(sync.tensors) == ["x"] else f"sync save returned {sync!r:.200}"
     got = xt.load_full(p("async"))
     out["async_overlap"] = (
         None
@@ -192,6 +201,8 @@ def modes(tmp_path_factory) -> dict:
     [
         "async_overlap",
         "async_second_waits",
+        "async_returns_manifest",
+        "sync_returns_manifest",
         "structure_change",
         "rank_local_no_collectives",
         "load_no_collectives",

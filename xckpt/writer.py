@@ -14,6 +14,7 @@ a rank-local save nobody does and readers merge the rank manifests.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import os
 import secrets
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from xckpt._async import submit, wait_pending
 from xckpt._progress import progress
 from xckpt.errors import (
     CheckpointExistsError,
@@ -439,25 +441,63 @@ def finalize(path: str | os.PathLike[str], world_size: int, save_id: str, contex
     return merged
 
 
-@paused_gc()
 def save(
-    path: str | os.PathLike[str],
     mapping: Mapping[str, Any],
+    path: str | os.PathLike[str],
     *,
     overwrite: bool = False,
-    save_id: str | None = None,
+    save_id: str | int | None = None,
+    show_progress: bool | None = None,
+    async_save: bool = False,
     **writer_options: Any,
-) -> Manifest:
+) -> Manifest | cf.Future[Manifest]:
     """Save a dict of numpy arrays (tensors) and other values (objects) from one process.
 
-    Returns the manifest. ``writer_options`` go to :class:`Writer`.
+    Data first, location second, as ``xckpt.torch.save(state_dict, path)`` and
+    ``xckpt.jax.save(tree, path)`` (and torch DCP, ``torch.save``, safetensors).
+
+    Args:
+        mapping: names to numpy arrays (stored as tensors) or JSON values / bytes
+            (stored as objects).
+        path: directory or kvstore URL of the checkpoint.
+        overwrite: replace an existing checkpoint at ``path``.
+        save_id: id of this save (default: derived from the location; random
+            when overwriting).
+        show_progress: progress bar (default: when stderr is a TTY).
+        async_save: return a future once the arrays are copied; the write runs
+            on the save thread (see :mod:`xckpt._async`).
+        writer_options: go to :class:`Writer` (``storage=``, ``metadata=``, ...).
+
+    Returns:
+        The manifest, or with ``async_save`` a :class:`concurrent.futures.Future`
+        that resolves to it once the checkpoint is complete.
+
+    Raises:
+        XckptError: the arguments are in the old (path, mapping) order.
+        CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
+        ObjectError: a value cannot be stored.
     """
+    if isinstance(path, Mapping) and not isinstance(mapping, Mapping):
+        raise XckptError(
+            "xckpt.save takes the data first and the location second: xckpt.save(mapping, path), "
+            "as xckpt.torch.save(state_dict, path) and xckpt.jax.save(tree, path) do"
+        )
+    wait_pending()
     if overwrite and save_id is None:
         save_id = "s-" + secrets.token_hex(8)
-    w = Writer(path, save_id=save_id, overwrite=overwrite, **writer_options)
+    w = Writer(path, save_id=save_id, overwrite=overwrite, progress=show_progress, **writer_options)
+    arrays: list[tuple[str, np.ndarray]] = []
     for name, value in mapping.items():
         if isinstance(value, np.ndarray):
-            w.write(name, value)
+            # An async save copies: the caller may change its arrays once we return.
+            arrays.append((name, value.copy() if async_save else value))
         else:
             w.write_object(name, value)
-    return w.commit()
+
+    def write() -> Manifest:
+        with paused_gc():
+            for name, arr in arrays:
+                w.write(name, arr)
+            return w.commit()
+
+    return submit(write) if async_save else write()

@@ -15,10 +15,22 @@ with the same tree structure)::
     4. each process commits (data durable, then ranks/<rank>.json);
     5. after a barrier, process 0 writes xckpt.json (``xckpt.finalize``), and a
        last barrier makes every process return only once the save is complete.
+
+With ``async_save=True`` steps 1-2 and the device-to-host copies of step 3
+run before ``save`` returns (the host copies are owned by the save: a later
+donation or deletion of the arrays cannot change the checkpoint); the writes,
+the commit and step 5 run on the save thread (:mod:`xckpt._async`), and the
+returned future resolves once the checkpoint is complete. The save thread's
+barriers go through the JAX distributed client's key-value barrier (as orbax's
+async checkpointer does), not a device collective that could interleave with
+the training step's; a process that fails there makes the others raise after
+:data:`BARRIER_TIMEOUT_S`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import itertools
 import os
 import secrets
 from typing import Any
@@ -26,7 +38,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from xckpt.errors import ObjectError, UnsupportedPlacementError
+from xckpt._async import submit, wait_pending
+from xckpt.errors import ObjectError, UnsupportedPlacementError, XckptError
 from xckpt.layout import Box, choose_writer
 from xckpt.manifest import DTYPES, Manifest
 from xckpt.writer import Writer, finalize
@@ -36,6 +49,11 @@ from ._tree import device_boxes, flatten, placement_info
 __all__ = ["save"]
 
 _OBJECT_TYPES = (bool, int, float, str, bytes)
+#: How long the save thread of an async multi-process save waits at a barrier.
+BARRIER_TIMEOUT_S = 600
+# Saves of this process, numbered: every process saves in the same order, so the
+# number makes each save's key-value barrier ids unique even when a save_id repeats.
+_seq = itertools.count()
 
 
 def _agree_save_id(save_id: str | int | None) -> str | None:
@@ -56,6 +74,21 @@ def _barrier(tag: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(tag)
+
+
+def _thread_barrier(tag: str) -> None:
+    """A barrier the save thread may call: the distributed client's, no device work."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise XckptError(
+            "an async multi-process save needs jax.distributed.initialize() (its key-value barrier); "
+            "initialise it, or save with async_save=False"
+        )
+    client.wait_at_barrier(tag, BARRIER_TIMEOUT_S * 1000)
 
 
 def _check_dtype(name: str, dtype: Any) -> None:
@@ -100,7 +133,9 @@ def save(
     overwrite: bool = False,
     storage: str = "ocdbt",
     metadata: dict[str, Any] | None = None,
-) -> Manifest:
+    show_progress: bool | None = None,
+    async_save: bool = False,
+) -> Manifest | cf.Future[Manifest]:
     """Save a pytree of jax.Arrays, numpy arrays and scalars to ``path``.
 
     Every process of a multi-process job must call this with the same tree
@@ -118,9 +153,14 @@ def save(
         overwrite: replace an existing checkpoint at ``path``.
         storage: ``"ocdbt"`` (default) or ``"plain"``.
         metadata: JSON-able user metadata stored in the manifest.
+        show_progress: progress bar (default: when stderr is a TTY).
+        async_save: return a future once every shard this process writes is
+            copied to host; the write runs on the save thread.
 
     Returns:
-        This process's manifest (the whole checkpoint's when single-process).
+        This process's manifest (the whole checkpoint's when single-process),
+        or with ``async_save`` a :class:`concurrent.futures.Future` that
+        resolves to it once the checkpoint is complete.
 
     Raises:
         ObjectError: a leaf has an unsupported type or dtype.
@@ -138,14 +178,16 @@ def save(
                 f"leaf {name!r} is a {type(leaf).__name__}; xckpt.jax.save stores jax.Arrays, "
                 "numpy arrays and bool/int/float/str/bytes. Convert it, or leave it out"
             )
+    wait_pending()
     me, world = jax.process_index(), jax.process_count()
     sid = _agree_save_id(save_id)
     if overwrite and world == 1 and sid is None:
         sid = "s-" + secrets.token_hex(8)
     w = Writer(path, rank=me, world_size=world, save_id=sid, overwrite=overwrite, storage=storage,
-               metadata=metadata)
+               metadata=metadata, progress=show_progress)
     _barrier(f"xckpt-open-{w.save_id}")
     plans: list[tuple[str, tuple[int, ...], list[tuple[Box, Any]]]] = []
+    host: list[tuple[str, np.ndarray, tuple[int, ...] | None, tuple[int, ...] | None]] = []
     for name, leaf in named:  # declared in tree order, so the manifest lists names that way
         if isinstance(leaf, jax.Array):
             plans.append((name, tuple(leaf.shape), _plan_jax_array(w, name, leaf, me)))
@@ -154,7 +196,7 @@ def save(
             _check_dtype(name, arr.dtype)
             w.declare(name, arr.dtype, arr.shape)
             if choose_writer(name, 0, range(world)) == me:
-                w.write(name, arr)
+                host.append((name, arr.copy() if async_save else arr, None, None))
         else:
             w.write_object(name, leaf)
     # Start every device-to-host copy before the first one is waited for.
@@ -163,11 +205,23 @@ def save(
             shard.data.copy_to_host_async()
     for name, shape, parts in plans:
         for box, shard in parts:
-            w.write(name, np.asarray(shard.data), global_shape=shape, offset=box.offset)
-    manifest = w.commit()
-    if world > 1:
-        _barrier(f"xckpt-commit-{w.save_id}")
-        if me == 0:
-            finalize(path, world, w.save_id)
-        _barrier(f"xckpt-final-{w.save_id}")
-    return manifest
+            # An async save owns its copy: np.asarray may alias a CPU device buffer
+            # that a later donation reuses.
+            data = np.array(shard.data, copy=True) if async_save else np.asarray(shard.data)
+            host.append((name, data, shape, box.offset))
+    path_s = os.fspath(path)
+    n = next(_seq)
+
+    def write() -> Manifest:
+        for name, arr, shape, offset in host:
+            w.write(name, arr, global_shape=shape, offset=offset)
+        manifest = w.commit()
+        if world > 1:
+            barrier = _thread_barrier if async_save else _barrier
+            barrier(f"xckpt-commit-{w.save_id}-{n}")
+            if me == 0:
+                finalize(path_s, world, w.save_id)
+            barrier(f"xckpt-final-{w.save_id}-{n}")
+        return manifest
+
+    return submit(write) if async_save else write()

@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import secrets
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,8 +42,9 @@ import numpy as np
 import torch
 
 from xckpt import layout as L
+from xckpt._async import submit, wait_pending
 from xckpt.errors import XckptError
-from xckpt.manifest import PlacementInfo
+from xckpt.manifest import Manifest, PlacementInfo
 from xckpt.torch._common import (
     Local,
     PerRank,
@@ -58,19 +58,7 @@ from xckpt.torch._common import (
 
 __all__ = ["save"]
 
-_lock = threading.Lock()
-_pending: cf.Future | None = None
-_executor: cf.ThreadPoolExecutor | None = None
 _side_groups: dict[Any, Any] = {}
-
-
-def _wait_pending() -> None:
-    """A save waits for the previous async save (its error stays with its future)."""
-    global _pending
-    with _lock:
-        fut, _pending = _pending, None
-    if fut is not None:
-        cf.wait([fut])
 
 
 def _dist() -> Any:
@@ -209,7 +197,8 @@ def save(
     value_groups: Sequence[Any] | None = None,
     save_id: str | int | None = None,
     overwrite: bool = False,
-) -> cf.Future | None:
+    show_progress: bool | None = None,
+) -> Manifest | cf.Future[Manifest]:
     """Save this rank's state dict; every rank of the group calls it.
 
     Args:
@@ -227,10 +216,12 @@ def save(
         save_id: id shared by all ranks (default: random in coordinated mode,
             derived from the location in rank-local mode).
         overwrite: replace an existing checkpoint at ``path``.
+        show_progress: progress bar (default: when stderr is a TTY).
 
     Returns:
-        ``None``, or with ``async_save`` a :class:`concurrent.futures.Future`
-        that resolves when the checkpoint is complete.
+        This rank's manifest, or with ``async_save`` a
+        :class:`concurrent.futures.Future` that resolves to it once the
+        checkpoint is complete (on every rank).
 
     Raises:
         UnsupportedPlacementError: a DTensor has a ``Partial`` placement.
@@ -238,11 +229,10 @@ def save(
         ObjectError: a value cannot be stored.
         CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
     """
-    global _pending, _executor
     from xckpt.torch.value_groups import save_value_groups, split_value_groups
     from xckpt.writer import Writer, finalize
 
-    _wait_pending()
+    wait_pending()
     rank, world, group_rank = rank_world(process_group)
     dist = _dist()
     coordinated = dist is not None and not rank_local and world > 1
@@ -294,7 +284,9 @@ def save(
         flat, _ = flatten(state_dict)
         plans, owned = split_value_groups(flat, value_groups)
         jobs, objects = _plan(flat, set(owned), rank, world, group_rank)
-        writer = Writer(loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite)
+        writer = Writer(
+            loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite, progress=show_progress
+        )
         events = []
         for job in jobs:
             for box, part in job.boxes:
@@ -311,8 +303,9 @@ def save(
         fail_all(e)
         raise
 
-    def write() -> None:
+    def write() -> Manifest:
         err: BaseException | None = None
+        manifest: Manifest | None = None
         try:
             for job in jobs:
                 writer.declare(job.name, _np_dtype(job.dtype), job.shape, placement=job.placement)
@@ -320,21 +313,16 @@ def save(
                 writer.write(job.name, arr, global_shape=job.shape, offset=box.offset, placement=job.placement)
             for name, value, per_rank in objects:
                 writer.write_object(name, value, per_rank=per_rank)
-            writer.commit()
+            manifest = writer.commit()
         except Exception as e:  # exchanged with the other ranks, then re-raised
             err = e
         fail_all(err)
         finish()
+        if manifest is None:  # fail_all raised for any failure; this guards the type only
+            raise XckptError(f"save to {loc_path!r}: the writer committed no manifest")
+        return manifest
 
-    if not async_save:
-        write()
-        return None
-    with _lock:
-        if _executor is None:
-            _executor = cf.ThreadPoolExecutor(1, thread_name_prefix="xckpt-async-save")
-        fut = _executor.submit(write)
-        _pending = fut
-    return fut
+    return submit(write) if async_save else write()
 
 
 def _np_dtype(name: str) -> Any:
