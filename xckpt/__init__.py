@@ -9,6 +9,7 @@ adapters live in :mod:`xckpt.torch` and :mod:`xckpt.jax`.
 from __future__ import annotations
 
 from xckpt import errors, layout
+from xckpt.convert import convert
 from xckpt.formats import load, open
 from xckpt.layout import Box
 from xckpt.manifest import Manifest, TensorEntry
@@ -27,6 +28,7 @@ __all__ = [
     "RankPlan",
     "Source",
     "TensorEntry",
+    "convert",
     "Writer",
     "errors",
     "finalize",

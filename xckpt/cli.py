@@ -13,8 +13,10 @@ Examples::
     xckpt ls model.safetensors           # foreign formats alike
     xckpt plan /ckpt --world-size 8      # dry run: what each of 8 ranks would read (Shard(0))
     xckpt plan /ckpt --mesh 2,4 --placement "Shard(0), Shard(1)" --json
+    xckpt convert /ckpt/dcp hf-model --to safetensors   # any format to any (see convert --help)
 
-Exit codes: 0 success (diff: equal), 1 damage found (verify) or a difference (diff),
+Exit codes: 0 success (diff: equal), 1 damage found (verify), a difference (diff) or
+an output that does not read back as its source (convert),
 2 an error (the message says what and how to fix it).
 """
 
@@ -210,7 +212,98 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--include", default="*", help="glob of tensor names to plan (default: all)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON (for scripts)")
     source_args(s)
+    _convert_parser(sub)
     return p
+
+
+_CONVERT_EPILOG = """\
+The output format comes from --to, else from DST: *.safetensors is one safetensors
+file, *.pt / *.pth / *.bin a torch.save file, anything else an xckpt checkpoint.
+--to safetensors with a DST not ending in .safetensors writes a Hugging Face
+directory (model.safetensors.index.json and shards of at most --max-shard-size).
+
+Tensors stream chunk by chunk (memory stays near the largest chunk, never the
+checkpoint); a sharded source keeps its writers' layout where the output can hold
+it. The output is written beside DST, re-read and checked (crc32 of every box),
+then renamed into place: an interrupted or failed run leaves nothing at DST.
+
+examples:
+  xckpt convert /ckpt/dcp/step-1000 /ckpt/xckpt/step-1000        # DCP -> xckpt, same 4 writers
+  xckpt convert /ckpt/dcp/step-1000 hf-model --to safetensors \\
+      --exclude 'optim.*' --max-shard-size 5GB                    # model only, HF directory
+  xckpt convert model.safetensors model.pt                        # one torch.save file
+  xckpt convert hf-model flax-ckpt --to orbax --rules torch_to_flax.json
+  xckpt convert old.pt new.safetensors --overwrite --no-verify
+
+exit codes: 0 converted, 1 the written output does not read back as the source
+(nothing at DST), 2 an error (the message says what and how to fix it).
+"""
+
+
+def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from xckpt.convert import WRITERS
+
+    s = sub.add_parser(
+        "convert",
+        help="convert a checkpoint of any format to xckpt, torch-dcp, orbax, safetensors or torch",
+        description="Convert SRC (any format) into DST, streaming with bounded memory.",
+        epilog=_CONVERT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("src", help="checkpoint to read (any format; detected unless --from)")
+    s.add_argument("dst", help="local output path (must not exist unless --overwrite)")
+    s.add_argument("--from", dest="from_format", choices=list(FORMATS), help="read SRC as this format")
+    s.add_argument("--to", dest="to_format", choices=list(WRITERS), help="output format (default: from DST)")
+    s.add_argument("--rules", metavar="FILE", help="rename/transpose/stack rules: a .json or .toml file")
+    s.add_argument(
+        "--include",
+        action="append",
+        metavar="GLOB",
+        help="convert only source names matching GLOB (fnmatch, * crosses dots; repeatable)",
+    )
+    s.add_argument(
+        "--exclude", action="append", metavar="GLOB", help="leave out source names matching GLOB (repeatable)"
+    )
+    s.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="largest shard of a Hugging Face directory: bytes, or 5GB (10^9), 500MiB (2^20); default 5GB",
+    )
+    s.add_argument("--no-verify", action="store_true", help="skip re-reading the output (faster)")
+    s.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST (after success)")
+    s.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="convert pickled objects of a DCP source (unpickling runs code); else they are skipped",
+    )
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from xckpt.convert import VerifyMismatchError, convert, guess_format
+
+    size: int | str | None = args.max_shard_size
+    if isinstance(size, str) and size.strip().isdigit():
+        size = int(size)
+    try:
+        out = convert(
+            args.src,
+            args.dst,
+            from_format=args.from_format,
+            to_format=args.to_format,
+            rules=args.rules,
+            include=args.include,
+            exclude=args.exclude,
+            overwrite=args.overwrite,
+            verify=not args.no_verify,
+            max_shard_size=size,
+            allow_pickle=args.allow_pickle,
+        )
+    except VerifyMismatchError as e:
+        print(f"xckpt convert: verify failed: {e}", file=sys.stderr)
+        return 1
+    fmt = args.to_format or guess_format(out)
+    print(f"{args.src} -> {out} ({fmt}{', verified' if not args.no_verify else ''})")
+    return 0
 
 
 def _plan(ck: Source, args: argparse.Namespace) -> int:
@@ -231,6 +324,8 @@ def _plan(ck: Source, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.cmd == "convert":
+            return _convert(args)
         opts = {"format": args.format, "allow_pickle": args.allow_pickle}
         if args.cmd == "diff":
             with open_source(args.a, **opts) as a, open_source(args.b, **opts) as b:

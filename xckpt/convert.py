@@ -50,7 +50,7 @@ from xckpt.layout import Box
 from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import Source, local_path
 
-__all__ = ["convert", "WriteJob", "WRITERS", "guess_format", "parse_size", "CONVERT_INFLIGHT_BYTES"]
+__all__ = ["convert", "WriteJob", "VerifyMismatchError", "WRITERS", "guess_format", "parse_size", "CONVERT_INFLIGHT_BYTES"]
 
 #: Output format -> "module:function" of its writer (imported when used).
 WRITERS: dict[str, str] = {
@@ -105,6 +105,10 @@ def parse_size(size: int | str) -> int:
     return n
 
 
+class VerifyMismatchError(CorruptChunkError):
+    """A converted output does not read back as its source (``verify=True``); nothing is at ``dst``."""
+
+
 def guess_format(dst: str) -> str:
     """The output format ``dst``'s name suggests: safetensors, torch, or xckpt."""
     low = dst.rstrip("/").lower()
@@ -130,7 +134,8 @@ class WriteJob:
             driver created its parent and renames it into place afterwards.
         names: tensors to write, in source order.
         objects: objects to write (pickled ones already resolved or dropped).
-        max_shard_size: bytes per shard (safetensors Hugging Face directories).
+        max_shard_size: bytes per shard of a safetensors Hugging Face directory (set by
+            the driver only for one; None: the safetensors writer writes one file).
         bar: progress bar; writers call ``bar.update(nbytes)`` as tensor bytes land.
         per_rank_objects: names in ``objects`` saved per rank; their value is the
             list of every rank's value, in rank order.
@@ -425,7 +430,7 @@ def _verify(job: WriteJob, out_format: str) -> None:
                 out.read_into([(name, Box(offset, shape), buf)], show_progress=False)
             got = _crc(buf)
             if got != crc:
-                raise CorruptChunkError(
+                raise VerifyMismatchError(
                     f"conversion of {job.src.path!r} to {out_format}: tensor {name!r}, box "
                     f"{Box(offset, shape)} reads back with crc32 {got:08x}, the source's is {crc:08x}; "
                     "nothing was written to the destination. Check the disk and convert again"

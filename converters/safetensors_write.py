@@ -1,0 +1,137 @@
+"""safetensors output of ``xckpt.convert``: one file, or a Hugging Face directory.
+
+One file: ``job.max_shard_size is None``. A Hugging Face directory (index
+``model.safetensors.index.json`` and shards ``model-0000i-of-0000N.safetensors``,
+each at most ``max_shard_size`` bytes of tensor data unless one tensor alone is
+larger, split greedily in source order as ``huggingface_hub`` splits): otherwise.
+
+The header is written first (every offset is known from the source's metadata),
+then each tensor's bytes stream in row-major order: a row-sharded tensor moves
+one chunk at a time (:meth:`WriteJob.rows`), so memory stays near the largest
+chunk; a column-sharded one is assembled whole. The directory's index is written
+last: until then no reader takes the directory for a complete checkpoint.
+
+``__metadata__`` holds ``{"format": "pt"}`` (what ``save_pretrained`` writes and
+``from_pretrained`` checks), the source's metadata (strings as they are, other
+values as JSON text) and every object as JSON text (:func:`xckpt.manifest.encode_value`,
+so bytes and tuples come back tagged); in a directory these go into the first
+shard. Dtypes safetensors has no name for are an error naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from xckpt.errors import XckptError
+from xckpt.manifest import encode_value
+
+__all__ = ["write", "ST_DTYPES", "plan_shards"]
+
+FORMAT = "safetensors"
+
+#: xckpt dtype name -> safetensors dtype name.
+ST_DTYPES: dict[str, str] = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+INDEX = "model.safetensors.index.json"
+
+
+def _metadata(job: Any) -> dict[str, str]:
+    meta: dict[str, str] = {"format": "pt"}
+    for k, v in dict(job.src.metadata).items():
+        meta[str(k)] = v if isinstance(v, str) else json.dumps(encode_value(v, str(k)))
+    for k, v in job.objects.items():
+        meta[k] = json.dumps(encode_value(v, k))
+    return meta
+
+
+def _header(job: Any, names: list[str], metadata: dict[str, str] | None) -> bytes:
+    head: dict[str, Any] = {}
+    if metadata:
+        head["__metadata__"] = metadata
+    off = 0
+    for n in names:
+        t = job.src.info(n)
+        st = ST_DTYPES.get(t.dtype)
+        if st is None:
+            raise XckptError(
+                f"tensor {n!r} of {job.src.path!r} is {t.dtype}, which safetensors cannot hold "
+                f"(it knows {', '.join(sorted(ST_DTYPES))}); cast it with a rule "
+                f'{{"match": "{n}", "dtype": "float32"}}, exclude it, or convert to xckpt'
+            )
+        head[n] = {"dtype": st, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    raw = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_file(job: Any, path: str, names: list[str], metadata: dict[str, str] | None) -> None:
+    header = _header(job, names, metadata)
+    with open(path, "xb") as f:
+        f.write(header)
+        for n in names:
+            for piece in job.rows(n):
+                f.write(memoryview(piece.reshape(-1).view(np.uint8)))
+                job.bar.update(piece.nbytes)
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Names per shard: greedy in order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[str]] = []
+    cur: list[str] = []
+    size = 0
+    for name, n in sizes:
+        if cur and size + n > max_shard_size:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += n
+    if cur or not shards:
+        shards.append(cur)
+    return shards
+
+
+def write(job: Any) -> None:
+    """Write ``job`` as one safetensors file, or a Hugging Face directory when sharded."""
+    names = list(job.names)
+    meta = _metadata(job)
+    if job.max_shard_size is None:
+        _write_file(job, job.dst, names, meta)
+        return
+    shards = plan_shards([(n, job.src.info(n).nbytes) for n in names], job.max_shard_size)
+    os.makedirs(job.dst)
+    weight_map: dict[str, str] = {}
+    n = len(shards)
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        _write_file(job, os.path.join(job.dst, fname), shard, meta if i == 0 else {"format": "pt"})
+        weight_map.update((name, fname) for name in shard)
+    total = sum(job.src.info(name).nbytes for name in names)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    tmp = os.path.join(job.dst, INDEX + ".partial")
+    with open(tmp, "x") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    os.rename(tmp, os.path.join(job.dst, INDEX))
