@@ -1,13 +1,631 @@
-"""Placeholder: being written (issue 11)."""
+"""orbax checkpoints as an xckpt source (format ``orbax``), read with tensorstore alone.
+
+Neither jax nor orbax is imported: the layout is read from what is on disk
+(REFERENCE.md sections 3 and 9). What is read:
+
+* one pytree item (``StandardCheckpointer``, ``PyTreeCheckpointer``): arrays in
+  an OCDBT database (``manifest.ocdbt`` + ``d/``, per-process databases
+  ``ocdbt.process_<i>/`` merged into the root) or one zarr directory per leaf
+  (``use_ocdbt=False``); zarr v2 (``.zarray``) and zarr3 (``zarr.json``) alike;
+* a composite checkpoint (a ``CheckpointManager`` step: items in subdirectories):
+  each item's names are prefixed by the item's name (``state.b.c``). An item's
+  directory opened alone has bare names (``b.c``).
+
+Decisions (where the design is silent, what an orbax user would expect):
+
+* Names are orbax's parameter names: the key path joined with ``"."``. Each
+  zarr chunk of an array is one box, so a reader of a slice opens only the zarr
+  chunks it touches. A chunk's ``rank`` is the process whose OCDBT database
+  lists its key (several ``ocdbt.process_<i>``), else 0.
+* orbax's metadata files are helpers, not the truth: the tensors are the
+  arrays the OCDBT database lists (or the zarr directories present), with
+  ``_METADATA`` used to tell python scalars, strings and empty containers
+  (objects) from arrays. A ``_METADATA`` entry whose array is absent is an
+  :class:`~xckpt.errors.IncompleteCheckpointError`; so is a missing root
+  ``manifest.ocdbt`` or ``d/``. An array present but not in ``_METADATA`` is
+  still a tensor.
+* A missing zarr chunk is an error (:class:`~xckpt.errors.CorruptChunkError`),
+  never zeros, as orbax itself does when ``_METADATA`` says
+  ``store_array_data_equal_to_fill_value`` (orbax >= 0.6). Only an item whose
+  ``_METADATA`` says ``false`` (an older orbax, which skipped chunks equal to
+  the fill value) reads missing chunks as the fill value, as orbax does.
+* ``_sharding`` becomes :attr:`TensorEntry.placement` (``framework="jax"``) for
+  a ``NamedSharding``; other shardings go to ``metadata["shardings"]``.
+* Objects: python scalars (stored by orbax as 0-d zarr arrays) as python
+  ``int``/``float``/``bool``; strings from ``_strings.json``; empty containers
+  and ``None`` as saved; a JSON item (``JsonCheckpointHandler``'s ``metadata``
+  file) flattened into one object per leaf (``extra.x``). Items of other
+  handlers are skipped with a warning and listed in ``metadata["skipped_items"]``.
+* A dtype outside :data:`xckpt.manifest.DTYPES` (int4, strings, structured) is
+  an :class:`~xckpt.errors.XckptError` at open naming the tensor.
+* A directory of numbered steps (a ``CheckpointManager`` root) is an
+  :class:`~xckpt.errors.XckptError` that lists the steps: open one of them.
+"""
 
 from __future__ import annotations
 
+import ast
+import base64
+import builtins
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from itertools import product
+from typing import Any
+
+import numpy as np
+
+from xckpt.errors import CorruptChunkError, IncompleteCheckpointError, ManifestError, XckptError
+from xckpt.layout import check_coverage
+from xckpt.manifest import DTYPES, Chunk, PlacementInfo, TensorEntry, numpy_dtype
+from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.storage import corrupt, default_context
+
+__all__ = ["FORMAT", "detect", "open", "OrbaxCheckpoint"]
+
 FORMAT = "orbax"
+
+#: Files whose presence marks an orbax item (a pytree's directory).
+_ITEM_MARKS = ("_METADATA", "_sharding", "array_metadatas", "manifest.ocdbt", "_strings.json")
+_STEP_RE = re.compile(r"^(?:.*_)?(\d+)$")
+_ZARR_META = {".zarray": "zarr", "zarr.json": "zarr3"}
+_EMPTY = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": ()}
+_JSON_ITEM_FILE = "metadata"  # JsonCheckpointHandler's default file name
+
+
+def _entries(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _process_dirs(path: str, entries: Sequence[str]) -> dict[int, str]:
+    """``ocdbt.process_<i>`` directories by process index."""
+    out = {}
+    for e in entries:
+        m = re.fullmatch(r"ocdbt\.process_(\d+)", e)
+        if m and os.path.isdir(os.path.join(path, e)):
+            out[int(m.group(1))] = e
+    return out
+
+
+def _is_item(path: str) -> bool:
+    """A pytree item: orbax's files, an OCDBT database, or zarr arrays in subdirectories."""
+    entries = _entries(path)
+    if any(e in entries for e in _ITEM_MARKS) or _process_dirs(path, entries):
+        return True
+    return any(_zarr_meta_file(os.path.join(path, e)) for e in entries)
+
+
+def _zarr_meta_file(d: str) -> str | None:
+    for f in _ZARR_META:
+        if os.path.isfile(os.path.join(d, f)):
+            return f
+    return None
+
+
+def _is_json_item(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, _JSON_ITEM_FILE))
+
+
+def _subdirs(path: str) -> list[str]:
+    return [
+        e
+        for e in _entries(path)
+        if not e.startswith(".") and "orbax-checkpoint-tmp" not in e and os.path.isdir(os.path.join(path, e))
+    ]
+
+
+def _is_step(path: str) -> bool:
+    """A checkpoint (item, or items in subdirectories) as a manager's step holds it."""
+    if os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA")) or _is_item(path):
+        return True
+    return any(_is_item(os.path.join(path, s)) for s in _subdirs(path))
+
+
+def _manager_steps(path: str) -> list[str]:
+    """Numbered step directories (a CheckpointManager's root), in step order."""
+    steps = [s for s in _subdirs(path) if _STEP_RE.match(s) and _is_step(os.path.join(path, s))]
+    return sorted(steps, key=lambda s: int(_STEP_RE.match(s).group(1)))  # type: ignore[union-attr]
 
 
 def detect(path: str) -> bool:
-    return False
+    """``_METADATA`` / ``_CHECKPOINT_METADATA`` (or orbax's other files) here or in item
+    subdirectories, or a manager root of such steps (so that opening it says what to do)."""
+    if not os.path.isdir(path):
+        return False
+    if "_CHECKPOINT_METADATA" in _entries(path) or _is_item(path):
+        return True
+    subs = _subdirs(path)
+    if any(_is_item(os.path.join(path, s)) for s in subs):
+        return True
+    return bool(_manager_steps(path))
 
 
-def open(path: str, *, allow_pickle: bool = False):  # noqa: A001
-    raise NotImplementedError
+def open(path: str, *, allow_pickle: bool = False) -> OrbaxCheckpoint:  # noqa: A001
+    """Open the orbax checkpoint (a step, or one item) at local directory ``path``.
+
+    ``allow_pickle`` is accepted for the common signature; orbax stores no pickles.
+    """
+    return OrbaxCheckpoint(path)
+
+
+def _read_json(path: str, what: str) -> Any:
+    """The parsed JSON file at ``path``, or None when it does not exist."""
+    try:
+        with builtins.open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise XckptError(f"orbax checkpoint: cannot read {what} {path!r}: {e.strerror}") from None
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(
+            f"orbax checkpoint: {what} {path!r} is not valid JSON ({e}); the file is damaged"
+        ) from None
+
+
+def _dtype_of(meta: Mapping[str, Any], driver: str) -> str | None:
+    """The xckpt dtype name of a zarr array's metadata, or None when xckpt cannot hold it."""
+    raw = meta.get("dtype") if driver == "zarr" else meta.get("data_type")
+    if not isinstance(raw, str):
+        return None
+    if raw in DTYPES:
+        return raw
+    if driver == "zarr":
+        try:
+            dt = np.dtype(raw)
+        except TypeError:
+            return None
+        if dt.kind in "biufc" and dt.name in DTYPES:
+            return dt.name
+    return None
+
+
+def _grid(meta: Mapping[str, Any], driver: str, shape: tuple[int, ...], where: str) -> tuple[int, ...]:
+    if driver == "zarr":
+        grid = meta.get("chunks")
+    else:
+        cg = meta.get("chunk_grid") or {}
+        grid = (cg.get("configuration") or {}).get("chunk_shape") if cg.get("name") == "regular" else None
+    if (
+        not isinstance(grid, list)
+        or len(grid) != len(shape)
+        or not all(type(g) is int and g > 0 for g in grid)
+    ):
+        raise ManifestError(f"{where}: zarr metadata has no regular chunk grid for shape {shape} ({grid!r})")
+    return tuple(grid)
+
+
+def _chunk_key(meta: Mapping[str, Any], driver: str, idx: tuple[int, ...]) -> str:
+    """The zarr key of chunk ``idx`` inside its array's directory."""
+    if driver == "zarr":
+        sep = meta.get("dimension_separator") or "."
+        return sep.join(map(str, idx)) if idx else "0"
+    enc = meta.get("chunk_key_encoding") or {}
+    sep = (enc.get("configuration") or {}).get("separator")
+    if enc.get("name") == "v2":
+        return (sep or ".").join(map(str, idx)) if idx else "0"
+    return "c" + "".join((sep or "/") + str(i) for i in idx)
+
+
+def _placement(raw: Any, ndim: int) -> tuple[PlacementInfo | None, Any]:
+    """A NamedSharding's provenance, or (None, the parsed value) for any other sharding."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return None, raw
+    if not isinstance(raw, dict) or raw.get("sharding_type") != "NamedSharding":
+        return None, raw
+    try:
+        spec: list[Any] = []
+        for e in raw.get("partition_spec") or []:
+            if e is None or isinstance(e, str):
+                spec.append(e)
+            else:
+                axes = tuple(str(a) for a in e)
+                spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        spec.extend([None] * (ndim - len(spec)))
+        return (
+            PlacementInfo(
+                framework="jax",
+                mesh_shape=tuple(int(s) for s in raw["shape"]),
+                axis_names=tuple(str(a) for a in raw["axis_names"]),
+                partition_spec=tuple(spec),
+            ),
+            None,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None, raw
+
+
+class _Array:
+    """Where one tensor's zarr array lives, and the tensorstore spec to open it with."""
+
+    __slots__ = ("spec", "where")
+
+    def __init__(self, spec: dict[str, Any], where: str) -> None:
+        self.spec, self.where = spec, where
+
+
+class OrbaxCheckpoint(Source):
+    """An orbax checkpoint (one item, or a composite step) read through the Source protocol."""
+
+    format = FORMAT
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._root = os.path.abspath(path)
+        self._tensors: dict[str, TensorEntry] = {}
+        self._arrays: dict[str, _Array] = {}
+        self._objects: dict[str, tuple[str, Any]] = {}  # name -> ("value", v) | ("scalar", _Array)
+        self._stores: dict[str, Any] = {}
+        self._world = 1
+        self._meta: dict[str, Any] = {}
+        self._ts: Any = None
+        if not os.path.isdir(self._root):
+            raise XckptError(
+                f"{path!r} is not a directory: an orbax checkpoint is a directory holding _METADATA "
+                "(or a CheckpointManager step holding item directories)"
+            )
+        import tensorstore as ts
+
+        self._ts = ts
+        self._context = default_context()
+        ckpt_meta = _read_json(os.path.join(self._root, "_CHECKPOINT_METADATA"), "_CHECKPOINT_METADATA")
+        if isinstance(ckpt_meta, dict):
+            self._meta["checkpoint_metadata"] = ckpt_meta
+        subs = _subdirs(self._root)
+        if _is_item(self._root):
+            self._load_item(self._root, "")
+        elif ckpt_meta is None and _manager_steps(self._root):
+            self._not_orbax()  # a manager's root: say which steps to open
+        elif _is_json_item(self._root) and not any(_is_item(os.path.join(self._root, s)) for s in subs):
+            self._load_json_item(self._root, "")  # a JSON item's directory opened alone
+        else:
+            items = [s for s in subs if _is_item(os.path.join(self._root, s))]
+            json_items = [s for s in subs if s not in items and _is_json_item(os.path.join(self._root, s))]
+            if not items and not json_items:
+                self._not_orbax()
+            for s in items:
+                self._load_item(os.path.join(self._root, s), s + ".")
+            for s in json_items:
+                self._load_json_item(os.path.join(self._root, s), s)
+            skipped = sorted(set(subs) - set(items) - set(json_items))
+            if skipped:
+                self._meta["skipped_items"] = skipped
+                warnings.warn(
+                    f"orbax checkpoint {path!r}: items {skipped} are neither pytrees nor JSON; they "
+                    "are not read (restore them with orbax)",
+                    stacklevel=3,
+                )
+
+    def _not_orbax(self) -> None:
+        steps = _manager_steps(self._root)
+        if steps:
+            raise XckptError(
+                f"{self.path!r} is a CheckpointManager's root holding steps {steps}, not one "
+                f"checkpoint: open one step, e.g. xckpt.open({os.path.join(self.path, steps[-1])!r})"
+            )
+        entries = _entries(self._root)
+        raise XckptError(
+            f"{self.path!r} holds no orbax checkpoint (found {entries[:12] or 'an empty directory'}): "
+            "an orbax checkpoint directory holds _METADATA and its arrays (manifest.ocdbt and d/, or "
+            "one zarr directory per array), or item directories holding them. Check the path, or "
+            "open it without format= to detect its format"
+        )
+
+    # -- opening ----------------------------------------------------------------
+
+    def _load_item(self, d: str, prefix: str) -> None:
+        where = f"orbax checkpoint {self.path!r}" + (f", item {prefix[:-1]!r}" if prefix else "")
+        meta = _read_json(os.path.join(d, "_METADATA"), "_METADATA")
+        meta = meta if isinstance(meta, dict) else {}
+        entries = _entries(d)
+        procs = _process_dirs(d, entries)
+        use_ocdbt = meta.get("use_ocdbt")
+        if use_ocdbt is None:
+            use_ocdbt = "manifest.ocdbt" in entries or bool(procs)
+        # orbax >= 0.6 stores every chunk; only an older orbax skipped fill-value chunks.
+        fill_missing = meta.get("store_array_data_equal_to_fill_value") is False
+        info = {k: meta[k] for k in ("use_ocdbt", "use_zarr3", "custom_metadata") if k in meta}
+        if info:
+            self._meta.setdefault("items", {})[prefix[:-1]] = info
+        owners: dict[str, int] = {}
+        if use_ocdbt:
+            arrays = self._ocdbt_arrays(d, entries, procs, owners, where)
+        else:
+            arrays = self._dir_arrays(d, where)
+        n_meta = len(_entries(os.path.join(d, "array_metadatas")))
+        self._world = max(self._world, len(procs), n_meta, 1)
+        shardings = _read_json(os.path.join(d, "_sharding"), "_sharding")
+        shardings = shardings if isinstance(shardings, dict) else {}
+        strings = _read_json(os.path.join(d, "_strings.json"), "_strings.json")
+        strings = strings if isinstance(strings, dict) else {}
+
+        # _METADATA's leaves tell objects from arrays; arrays it does not list are still tensors.
+        scalars: set[str] = set()
+        tree = meta.get("tree_metadata")
+        for key, leaf in tree.items() if isinstance(tree, dict) else ():
+            param = _param_name(key, leaf)
+            vm = leaf.get("value_metadata") if isinstance(leaf, dict) else None
+            vm = vm if isinstance(vm, dict) else {}
+            vtype = vm.get("value_type")
+            if vm.get("skip_deserialize"):
+                continue
+            if vtype in _EMPTY:
+                self._objects[prefix + param] = ("value", _EMPTY[vtype])
+            elif vtype == "string":
+                if param not in strings:
+                    raise IncompleteCheckpointError(
+                        f"{where}: _METADATA lists the string {param!r} but _strings.json does not "
+                        "hold it; the checkpoint is incomplete: restore _strings.json from a copy"
+                    )
+                self._objects[prefix + param] = ("value", strings[param])
+            elif param not in arrays:
+                held = "the OCDBT database" if use_ocdbt else repr(os.path.join(d, param))
+                raise IncompleteCheckpointError(
+                    f"{where}: _METADATA lists {param!r} ({vtype}) but its array is missing from "
+                    f"{held}; the checkpoint is incomplete: restore it from a copy or load another step"
+                )
+            elif vtype == "scalar":
+                scalars.add(param)
+        rel = os.path.relpath(d, self._root)
+        for param, (kv, driver, zmeta) in arrays.items():
+            name = prefix + param
+            spec = {
+                "driver": driver,
+                "kvstore": kv,
+                "recheck_cached_data": False,
+                "recheck_cached_metadata": False,
+                "fill_missing_data_reads": fill_missing,
+            }
+            arr = _Array(spec, f"{where}, {'object' if param in scalars else 'tensor'} {name!r}")
+            if param in scalars:
+                self._objects[name] = ("scalar", arr)
+                continue
+            raw_sh = shardings.get(base64.urlsafe_b64encode(param.encode()).decode())
+            keypath = f"{rel}/{param}" if prefix else param
+            self._add_tensor(name, param, keypath, zmeta, driver, arr, raw_sh, owners)
+
+    def _ocdbt_arrays(
+        self, d: str, entries: list[str], procs: dict[int, str], owners: dict[str, int], where: str
+    ) -> dict[str, tuple[Any, str, Any]]:
+        """Arrays the item's OCDBT database lists: param -> (kvstore spec, driver, zarr metadata).
+
+        Fills ``owners`` (chunk key -> writing process) when several processes wrote.
+        """
+        for sub, label in [(d, "root"), *((os.path.join(d, p), p) for p in procs.values())]:
+            if sub == d and "manifest.ocdbt" not in entries:
+                raise IncompleteCheckpointError(
+                    f"{where}: the OCDBT database has no manifest.ocdbt in {d!r} (found {entries[:12]}); "
+                    "the checkpoint is incomplete (an unfinished save?): restore it from a copy or load "
+                    "another step"
+                )
+            if os.path.exists(os.path.join(sub, "manifest.ocdbt")) and not os.path.isdir(os.path.join(sub, "d")):
+                raise IncompleteCheckpointError(
+                    f"{where}: the {label} OCDBT database in {sub!r} has a manifest.ocdbt but no d/ "
+                    "directory (its data files); the checkpoint is incomplete: restore it from a copy"
+                )
+        base = f"file://{d}/"
+        keys = self._list(base, where)
+        futs = {}
+        kv = self._kv(base, where)
+        for k in keys:
+            param, _, last = k.rpartition("/")
+            if last in _ZARR_META and param:
+                futs[param] = (_ZARR_META[last], kv.read(k))
+        arrays = {}
+        for param, (driver, fut) in futs.items():
+            try:
+                raw = fut.result().value
+                zmeta = json.loads(raw)
+            except ValueError as e:
+                raise corrupt(f"{where}, array {param!r} (zarr metadata)", e) from None
+            arrays[param] = ({"driver": "ocdbt", "base": base, "path": param + "/"}, driver, zmeta)
+        if len(procs) > 1:
+            for i, p in procs.items():
+                for k in self._list(f"file://{d}/{p}/", where):
+                    owners[k] = i
+        return arrays
+
+    def _kv(self, base: str, where: str) -> Any:
+        try:
+            return self._ts.KvStore.open({"driver": "ocdbt", "base": base}, context=self._context).result()
+        except ValueError as e:
+            raise IncompleteCheckpointError(
+                f"{where}: the OCDBT database at {base!r} cannot be opened ({_msg(e)}); the checkpoint "
+                "is incomplete or damaged: restore it from a copy or load another step"
+            ) from None
+
+    def _list(self, base: str, where: str) -> list[str]:
+        try:
+            return [k.decode() for k in self._kv(base, where).list().result()]
+        except ValueError as e:
+            raise IncompleteCheckpointError(
+                f"{where}: the OCDBT database at {base!r} cannot be read ({_msg(e)}); its data files "
+                "(d/) are missing or damaged: restore the checkpoint from a copy or load another step"
+            ) from None
+
+    def _dir_arrays(self, d: str, where: str) -> dict[str, tuple[Any, str, Any]]:
+        """Arrays stored one zarr directory per leaf (``use_ocdbt=False``)."""
+        arrays = {}
+        for e in _subdirs(d):
+            f = _zarr_meta_file(os.path.join(d, e))
+            if f is not None:
+                zmeta = _read_json(os.path.join(d, e, f), f"zarr metadata of {e!r}")
+                arrays[e] = (f"file://{d}/{e}/", _ZARR_META[f], zmeta)
+        return arrays
+
+    def _load_json_item(self, d: str, item: str) -> None:
+        """A JsonCheckpointHandler item: one object per leaf of its JSON (dicts flattened)."""
+        value = _read_json(os.path.join(d, _JSON_ITEM_FILE), f"JSON item {item or d!r}")
+        _flatten(item, value, self._objects, os.path.basename(d))
+
+    def _add_tensor(
+        self,
+        name: str,
+        param: str,
+        keypath: str,
+        zmeta: Any,
+        driver: str,
+        arr: _Array,
+        raw_sh: Any,
+        owners: Mapping[str, int],
+    ) -> None:
+        where = arr.where
+        if not isinstance(zmeta, dict) or not isinstance(zmeta.get("shape"), list):
+            raise ManifestError(f"{where}: its zarr metadata does not describe an array ({zmeta!r:.200})")
+        shape = tuple(zmeta["shape"])
+        if not all(type(s) is int and s >= 0 for s in shape):
+            raise ManifestError(f"{where}: zarr shape {shape} is invalid")
+        dtype = _dtype_of(zmeta, driver)
+        if dtype is None:
+            raw = zmeta.get("dtype", zmeta.get("data_type"))
+            raise XckptError(
+                f"{where} has dtype {raw!r}, which xckpt cannot hold (supported: {', '.join(DTYPES)}). "
+                "Re-save it with orbax as a supported dtype (e.g. int4 as int8), or restore it with orbax"
+            )
+        grid = _grid(zmeta, driver, shape, where)
+        itemsize = numpy_dtype(dtype).itemsize
+        chunks = []
+        for idx in product(*(range(-(-s // g)) for s, g in zip(shape, grid))):
+            off = tuple(i * g for i, g in zip(idx, grid))
+            cshape = tuple(min(g, s - o) for g, s, o in zip(grid, shape, off))
+            ck = _chunk_key(zmeta, driver, idx)
+            chunks.append(
+                Chunk(
+                    offset=off,
+                    shape=cshape,
+                    key=f"{keypath}/{ck}",
+                    rank=owners.get(f"{param}/{ck}", 0),
+                    nbytes=math.prod(cshape) * itemsize,
+                )
+            )
+        placement, other = _placement(raw_sh, len(shape)) if raw_sh is not None else (None, None)
+        if other is not None:
+            self._meta.setdefault("shardings", {})[name] = other
+        entry = TensorEntry(name=name, dtype=dtype, shape=shape, chunks=tuple(chunks), placement=placement)
+        check_coverage(shape, entry.boxes, name, self.path)
+        self._tensors[name] = entry
+        self._arrays[name] = arr
+
+    # -- the read protocol ------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self._meta
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def info(self, name: str) -> TensorEntry:
+        t = self._tensors.get(name)
+        if t is None:
+            raise self._missing(name)
+        return t
+
+    def _store(self, name: str, arr: _Array) -> Any:
+        fut = self._stores.get(name)
+        if fut is None:
+            fut = self._ts.open(arr.spec, open=True, read=True, context=self._context)
+            self._stores[name] = fut
+        return fut
+
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
+        writes = []
+        for name, c, req, out in jobs:
+            req = req if req is not None else whole_request(c)
+            where = f"{self._arrays[name].where}, chunk {c.box} ({c.key})"
+            idx = tuple(slice(o + s.start, o + s.stop) for o, s in zip(c.offset, req.chunk_slices))
+            try:
+                src = self._store(name, self._arrays[name]).result()[idx]
+            except ValueError as e:
+                raise corrupt(where, e) from None
+            view = out[(*req.target_slices, Ellipsis)]  # a view even for 0-d tensors
+            dst = self._ts.array(view, copy=False, write=True, context=self._context)
+            # tensorstore decodes straight into the caller's buffer: no extra copy.
+            writes.append((where, req.box.volume * out.itemsize, dst.write(src)))
+        for where, nbytes, fut in writes:
+            try:
+                fut.result()
+            except ValueError as e:
+                raise corrupt(where, e) from None
+            bar.update(nbytes)
+
+    def object_names(self) -> list[str]:
+        return list(self._objects)
+
+    def objects(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int | None = None,
+        per_rank: str = "error",
+    ) -> dict[str, Any]:
+        """Objects by name: python scalars read from their 0-d arrays, strings, JSON values."""
+        out = {}
+        for n in self.object_names() if names is None else names:
+            if n not in self._objects:
+                raise self._missing_object(n)
+            kind, v = self._objects[n]
+            if kind == "scalar":
+                try:
+                    v = self._store(n, v).result().read().result().item()
+                except ValueError as e:
+                    raise corrupt(v.where, e) from None
+            out[n] = v
+        return out
+
+    def _verify_objects(self) -> list[str]:
+        problems = []
+        for n, (kind, _) in self._objects.items():
+            if kind == "scalar":
+                try:
+                    self.objects([n])
+                except CorruptChunkError as e:
+                    problems.append(str(e))
+        return problems
+
+    def close(self) -> None:
+        self._stores.clear()
+
+
+def _msg(e: Exception) -> str:
+    return str(e).split("[source locations=")[0].split(" [tensorstore_spec=")[0].strip()
+
+
+def _param_name(key: str, leaf: Any) -> str:
+    """orbax's parameter name of a ``_METADATA`` leaf: its key path joined with "."."""
+    km = leaf.get("key_metadata") if isinstance(leaf, dict) else None
+    if isinstance(km, list) and all(isinstance(k, dict) and "key" in k for k in km):
+        return ".".join(str(k["key"]) for k in km)
+    try:
+        parts = ast.literal_eval(key)
+    except (ValueError, SyntaxError):
+        return str(key)
+    return ".".join(map(str, parts)) if isinstance(parts, tuple) else str(parts)
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, tuple[str, Any]], top: str = "value") -> None:
+    """One object per leaf of a JSON value, dict keys joined with "." (``top``: a bare non-dict)."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix or top] = ("value", value)
