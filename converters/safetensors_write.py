@@ -13,7 +13,8 @@ last: until then no reader takes the directory for a complete checkpoint.
 
 ``__metadata__`` holds ``{"format": "pt"}`` (what ``save_pretrained`` writes and
 ``from_pretrained`` checks), the source's metadata (strings as they are, other
-values as JSON text) and every object as JSON text (:func:`xckpt.manifest.encode_value`,
+values as JSON text; an index's ``total_size`` and ``total_parameters`` are
+not carried over) and every object as JSON text (:func:`xckpt.manifest.encode_value`,
 so bytes and tuples come back tagged); in a directory these go into the first
 shard. Dtypes safetensors has no name for are an error naming the tensor.
 """
@@ -55,12 +56,15 @@ ST_DTYPES: dict[str, str] = {
 }
 
 INDEX = "model.safetensors.index.json"
+#: A Hugging Face index's bookkeeping (a source directory's metadata has them): not carried over.
+_INDEX_KEYS = frozenset({"total_size", "total_parameters"})
 
 
 def _metadata(job: Any) -> dict[str, str]:
     meta: dict[str, str] = {"format": "pt"}
     for k, v in dict(job.src.metadata).items():
-        meta[str(k)] = v if isinstance(v, str) else json.dumps(encode_value(v, str(k)))
+        if k not in _INDEX_KEYS:
+            meta[str(k)] = v if isinstance(v, str) else json.dumps(encode_value(v, str(k)))
     for k, v in job.objects.items():
         meta[k] = json.dumps(encode_value(v, k))
     return meta

@@ -315,7 +315,7 @@ def _check_from_format(src: Any, from_format: str) -> None:
         fits = bool(formats._module(from_format).detect(local))
     if not fits:
         try:
-            found = f"it looks like a {formats.detect(local)} checkpoint"
+            found = f"it was detected as {formats.detect(local)}"
         except XckptError:
             found = f"it holds {formats._listing(local)}"
         raise XckptError(
