@@ -195,10 +195,11 @@ def manifest_path(root: Path) -> Path:
 
 
 def edit_manifest(root: Path, fn) -> None:
+    """Edit the manifests as a hostile writer would: content changed, checksum recomputed."""
     for p in [root / "xckpt.json", root / "ranks" / "0.json"]:
         d = json.loads(p.read_text())
         fn(d)
-        p.write_text(json.dumps(d))
+        p.write_bytes(xckpt.manifest.manifest_bytes(d))
 
 
 @pytest.fixture
@@ -215,8 +216,8 @@ def test_truncated_manifest(saved):
 
 
 def test_unknown_version_and_format(saved):
-    edit_manifest(saved, lambda d: d.update(version=2))
-    with pytest.raises(FormatVersionError, match=r"format version 2 is not supported.*upgrade xckpt"):
+    edit_manifest(saved, lambda d: d.update(version=99))
+    with pytest.raises(FormatVersionError, match=r"format version 99 is not supported.*upgrade xckpt"):
         xckpt.open(saved)
     edit_manifest(saved, lambda d: d.update(version=1, format="orbax"))
     with pytest.raises(FormatVersionError, match="not an xckpt manifest"):

@@ -160,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
-    where = "checkpoint: a directory, a file (.safetensors, torch.save), or a kvstore URL"
+    where = (
+        "checkpoint: a directory, a file (.safetensors, torch.save), a kvstore URL, or a kvstore "
+        'spec as JSON (\'{"driver": "s3", "bucket": ..., "path": ..., "endpoint": ...}\')'
+    )
 
     def source_args(s: argparse.ArgumentParser) -> None:
         s.add_argument(
@@ -321,9 +324,26 @@ def _plan(ck: Source, args: argparse.Namespace) -> int:
     return 0
 
 
+def _location(arg: str) -> object:
+    """A path argument: a tensorstore kvstore spec when it is JSON (starts with ``{``), e.g.
+    ``'{"driver": "s3", "bucket": "b", "path": "ckpt/", "endpoint": "http://host:9000"}'``."""
+    if not isinstance(arg, str) or not arg.lstrip().startswith("{"):
+        return arg
+    try:
+        spec = json.loads(arg)
+    except json.JSONDecodeError as e:
+        raise XckptError(f"{arg!r} starts with '{{' but is not a JSON kvstore spec ({e})") from None
+    if not isinstance(spec, dict):
+        raise XckptError(f"{arg!r} is not a JSON object (a kvstore spec)")
+    return spec
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        for attr in ("path", "a", "b"):
+            if hasattr(args, attr):
+                setattr(args, attr, _location(getattr(args, attr)))
         if args.cmd == "convert":
             return _convert(args)
         opts = {"format": args.format, "allow_pickle": args.allow_pickle}

@@ -23,6 +23,7 @@ __all__ = [
     "UnsupportedPlacementError",
     "ObjectError",
     "MissingEntryError",
+    "StorageError",
 ]
 
 
@@ -80,3 +81,11 @@ class ObjectError(XckptError, ValueError):
 
 class MissingEntryError(XckptError, LookupError):
     """A name the caller asked for is not in the checkpoint."""
+
+
+class StorageError(XckptError, OSError):
+    """Storage failed under a read or write (disk full, file too large, permission, network).
+
+    The tensorstore or OS error is the ``__cause__``; ``errno`` is set when the
+    OS reported one (e.g. ``errno.ENOSPC``, ``errno.EFBIG``, ``errno.EACCES``).
+    """

@@ -412,9 +412,11 @@ def check_coverage(
 ) -> None:
     """Raise :class:`LayoutError` unless ``boxes`` tile ``shape`` exactly.
 
-    Checks rank, bounds, empty boxes, pairwise overlaps (sweep over dim 0) and
-    that the volumes add up to the tensor's volume. ``where`` names the
-    checkpoint in messages.
+    Checks rank, bounds and empty boxes, then exactness by signed corner counting
+    (:func:`_tiles_exactly`): O(n 2^k) for n boxes split along k dimensions, so a
+    [1, 4000] tensor in 4,000 column chunks checks in milliseconds. Only a layout
+    that fails is searched for a pair of overlapping chunks to name (a bounded
+    search). ``where`` names the checkpoint in messages.
     """
     try:
         _check_coverage(shape, boxes, name)
@@ -422,6 +424,69 @@ def check_coverage(
         if where is None:
             raise
         raise LayoutError(f"checkpoint {where!r}, {e}") from None
+
+
+#: Dimensions split by the boxes beyond which corner counting (2^k corners per box)
+#: gives way to a bounded sweep. Real layouts split 1-3 dimensions.
+_MAX_CORNER_DIMS = 12
+#: Box pairs the overlap search compares before it gives up naming a pair.
+_OVERLAP_BUDGET = 1_000_000
+
+
+def _tiles_exactly(full: Box, boxes: Sequence[Box]) -> bool | None:
+    """Whether in-bounds, non-empty ``boxes`` tile ``full`` exactly (None: too many split dims).
+
+    The mixed difference of a box's indicator function is +-1 at its 2^d corners
+    (sign: parity of the upper coordinates taken). Summed over the boxes, it equals
+    that of ``full`` if and only if every element is covered exactly once, since a
+    function of bounded support is the running sum of its mixed difference.
+    Dimensions that no box splits are left out (each contributes the same factor).
+    """
+    dims = [d for d in range(full.ndim) if any(b.shape[d] != full.shape[d] for b in boxes)]
+    if not dims:
+        return len(boxes) == 1
+    if len(dims) > _MAX_CORNER_DIMS:
+        return None
+    counts: dict[tuple[int, ...], int] = {}
+    get = counts.get
+    for b in [*boxes, None]:
+        off = full.offset if b is None else b.offset
+        end = full.end if b is None else b.end
+        pairs = [(off[d], end[d]) for d in dims]
+        corners: list[tuple[tuple[int, ...], int]] = [((), 1 if b is not None else -1)]
+        for lo, hi in pairs:
+            corners = [(c + (lo,), s) for c, s in corners] + [(c + (hi,), -s) for c, s in corners]
+        for c, sign in corners:
+            v = get(c, 0) + sign
+            if v:
+                counts[c] = v
+            else:
+                del counts[c]
+    return not counts
+
+
+def _find_overlap(boxes: Sequence[Box]) -> tuple[Box, Box, Box] | None:
+    """Two overlapping boxes and their intersection, or None (none found in the budget).
+
+    Sweeps the dimension with the most distinct offsets, comparing a box only with
+    the boxes still open along it.
+    """
+    ndim = boxes[0].ndim
+    d = max(range(ndim), key=lambda k: len({b.offset[k] for b in boxes}))
+    ordered = sorted(boxes, key=lambda b: b.offset[d])
+    active: list[Box] = []
+    budget = _OVERLAP_BUDGET
+    for b in ordered:
+        active = [a for a in active if a.end[d] > b.offset[d]]
+        budget -= len(active) + 1
+        if budget < 0:
+            return None
+        for a in active:
+            common = a.intersect(b)
+            if common is not None:
+                return a, b, common
+        active.append(b)
+    return None
 
 
 def _check_coverage(shape: Sequence[int], boxes: Sequence[Box], name: str) -> None:
@@ -441,24 +506,27 @@ def _check_coverage(shape: Sequence[int], boxes: Sequence[Box], name: str) -> No
     if full.ndim == 0:
         if len(boxes) > 1:
             raise LayoutError(f"tensor {name!r}: a 0-d tensor has {len(boxes)} chunks (overlap)")
-    else:
-        ordered = sorted(boxes, key=lambda b: b.offset)
-        active: list[Box] = []
-        for b in ordered:
-            active = [a for a in active if a.end[0] > b.offset[0]]
-            for a in active:
-                common = a.intersect(b)
-                if common is not None:
-                    raise LayoutError(
-                        f"tensor {name!r}: chunks {a} and {b} overlap in {common}; every element "
-                        "must be stored exactly once"
-                    )
-            active.append(b)
-    if total != full.volume:
+    elif boxes and total == full.volume and _tiles_exactly(full, boxes):
+        return
+    if total < full.volume:
         raise LayoutError(
             f"tensor {name!r}: chunks cover {total} of {full.volume} elements of shape "
             f"{tuple(shape)}; the layout has gaps (a rank's chunk is missing)"
         )
+    if full.ndim == 0 or total == 0:
+        return
+    found = _find_overlap(boxes)
+    if found is not None:
+        a, b, common = found
+        raise LayoutError(
+            f"tensor {name!r}: chunks {a} and {b} overlap in {common}; every element "
+            "must be stored exactly once"
+        )
+    raise LayoutError(
+        f"tensor {name!r}: {len(boxes)} chunks of {total} elements do not tile the shape "
+        f"{tuple(shape)} ({full.volume} elements): some overlap and leave gaps; every element "
+        "must be stored exactly once"
+    )
 
 
 def choose_writer(name: str, box_index: int, holders: Sequence[int]) -> int:

@@ -7,15 +7,30 @@ checkpoint, byte counts that agree with the boxes) before anything is allocated
 or opened, and raises :class:`~xckpt.errors.ManifestError` (or
 :class:`~xckpt.errors.FormatVersionError`) naming the checkpoint and tensor.
 
-Format (version 1), one JSON object::
+Format (version 2), one JSON object::
 
-    {"format": "xckpt", "version": 1, "save_id": "...", "world_size": W,
+    {"format": "xckpt", "version": 2, "save_id": "...", "world_size": W,
      "rank": r | null,                       # null in the merged xckpt.json
      "storage": {"<rank>": "ocdbt" | "plain"},  # how data/<rank>/ is organised
      "tensors": {name: {"dtype", "shape", "chunks": [chunk...],
                         "placement"?: {...}, "value_range"?: {...}}},
      "objects": [{"name", "kind": "json" | "bytes", "per_rank", "rank", ...}],
-     "metadata": {...}}
+     "metadata": {...},
+     "checksum": "sha256:<hex>"}           # last member, see below
+
+``checksum`` is the SHA-256 of the file's bytes with the checksum member removed
+(the bytes up to ``,"checksum"`` followed by ``}``): written last so a reader
+checks the raw bytes without re-serialising anything. A manifest whose bytes fail
+it, or a version-2 manifest without it, is a :class:`~xckpt.errors.ManifestError`
+(a flipped byte can rename a tensor or drop every object; JSON alone cannot tell).
+Version 1 (the same document without ``checksum``) is still read. ``tensors``,
+``objects`` and ``storage`` are required in both versions.
+
+Limits come before allocation: every claim (number of dimensions, each extent, a
+tensor's elements and bytes, world size, chunks per tensor, key and name lengths,
+object nesting depth) is checked against the fixed bounds below while the JSON is
+validated, before anything is sized from it; the reader then checks claims against
+what storage holds before it allocates an output.
 
 A chunk is ``{"offset", "shape", "key", "rank", "nbytes"}`` plus, for a chunk
 packed into its rank's byte array, ``"form": "packed", "byte_offset", "crc32"``.
@@ -24,9 +39,11 @@ packed into its rank's byte array, ``"form": "packed", "byte_offset", "crc32"``.
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import functools
 import gc
+import hashlib
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,11 +71,29 @@ __all__ = [
     "encode_value",
     "decode_value",
     "merge_manifests",
+    "manifest_bytes",
+    "Claim",
+    "claim_bytes",
+    "parse_claim",
     "paused_gc",
 ]
 
 FORMAT = "xckpt"
-VERSION = 1
+VERSION = 2
+#: Versions this xckpt reads (1: no checksum; 2: checksummed manifests).
+READ_VERSIONS = (1, 2)
+
+#: Fixed bounds on what a manifest may claim (checked before anything is sized from it).
+MAX_WORLD_SIZE = 1 << 20
+MAX_NDIM = 32
+MAX_EXTENT = 1 << 62
+MAX_ELEMENTS = 1 << 62
+MAX_TENSOR_BYTES = 1 << 56
+MAX_CHUNKS = 1 << 24
+MAX_KEY_LEN = 1024
+MAX_NAME_LEN = 1 << 16
+#: JSON nesting of one object's value (tags included); orjson itself stops at 1024.
+MAX_OBJECT_DEPTH = 200
 
 #: Every dtype a checkpoint may hold; all round-trip bit-exact.
 DTYPES = (
@@ -119,7 +154,7 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-_KEY_RE = re.compile(r"^data/[0-9]+(/[A-Za-z0-9_.\-]+)+$")
+_KEY_RE = re.compile(r"^data/[0-9]+(\.[0-9a-f]{1,32})?(/[A-Za-z0-9_.\-]+)+$")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -128,7 +163,9 @@ def _key_ok(key: str) -> bool:
 
 
 def _check_key(key: str, where: str) -> str:
-    if type(key) is not str or not _key_ok(key):
+    if type(key) is not str or len(key) > MAX_KEY_LEN or not _key_ok(key):
+        if type(key) is str and len(key) > MAX_KEY_LEN:
+            key = key[:64] + f"... ({len(key)} characters)"  # type: ignore[assignment]
         raise ManifestError(
             f"{where}: chunk key {key!r} is not a relative key under data/<rank>/; refusing a "
             "key that could leave the checkpoint"
@@ -146,10 +183,28 @@ def _ints(v: Any, what: str, where: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _int(v: Any, what: str, where: str, lo: int = 0) -> int:
-    if type(v) is not int or v < lo:
-        raise ManifestError(f"{where}: {what} must be an integer >= {lo}, got {v!r}")
+def _int(v: Any, what: str, where: str, lo: int = 0, hi: int = 1 << 64) -> int:
+    if type(v) is not int or not lo <= v < hi:
+        shown = repr(v) if len(repr(v)) < 80 else repr(v)[:80] + "..."
+        raise ManifestError(f"{where}: {what} must be an integer in [{lo}, {hi}), got {shown}")
     return v
+
+
+def _str(v: Any, what: str, where: str, limit: int = MAX_NAME_LEN) -> str:
+    if type(v) is not str or len(v) > limit:
+        shown = repr(v)[:80]
+        raise ManifestError(f"{where}: {what} must be a string of at most {limit} characters, got {shown}")
+    return v
+
+
+def _shape(v: Any, what: str, where: str) -> tuple[int, ...]:
+    """A shape (or offset): at most MAX_NDIM non-negative extents of at most MAX_EXTENT."""
+    shp = _ints(v, what, where)
+    if len(shp) > MAX_NDIM or (shp and (min(shp) < 0 or max(shp) > MAX_EXTENT)):
+        raise ManifestError(
+            f"{where}: {what} {list(shp)[:8]} must have at most {MAX_NDIM} dimensions, each in [0, 2**62]"
+        )
+    return shp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,8 +249,8 @@ class Chunk:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: a chunk must be an object, got {d!r}")
         try:
-            offset = _ints(d["offset"], "offset", where)
-            shape = _ints(d["shape"], "shape", where)
+            offset = _shape(d["offset"], "offset", where)
+            shape = _shape(d["shape"], "shape", where)
             form = d.get("form", "array")
             if form not in ("array", "packed"):
                 raise ManifestError(f"{where}: unknown chunk form {form!r}")
@@ -205,14 +260,14 @@ class Chunk:
                 offset=offset,
                 shape=shape,
                 key=_check_key(d["key"], where),
-                rank=_int(d["rank"], "rank", where),
-                nbytes=_int(d["nbytes"], "nbytes", where),
+                rank=_int(d["rank"], "rank", where, hi=MAX_WORLD_SIZE),
+                nbytes=_int(d["nbytes"], "nbytes", where, hi=MAX_TENSOR_BYTES),
                 form=form,
                 byte_offset=None
                 if form == "array"
-                else _int(d["byte_offset"], "byte_offset", where),
-                crc32=None if form == "array" else _int(d["crc32"], "crc32", where),
-                grid=_ints(grid, "grid", where) if form == "array" else None,
+                else _int(d["byte_offset"], "byte_offset", where, hi=MAX_TENSOR_BYTES),
+                crc32=None if form == "array" else _int(d["crc32"], "crc32", where, hi=1 << 32),
+                grid=(None if grid is None else _shape(grid, "grid", where)) if form == "array" else None,
                 value_range=None if vr is None else _ints(vr, "value_range", where),  # type: ignore[arg-type]
             )
         except KeyError as e:
@@ -224,6 +279,16 @@ class Chunk:
         if c.value_range is not None and len(c.value_range) != 2:
             raise ManifestError(f"{where}: value_range must be [lo, hi)")
         return c
+
+    @classmethod
+    def from_json_unchecked(cls, d: Any, where: str) -> Chunk:
+        """:meth:`from_json` with every malformed field a :class:`ManifestError` (never a raw error)."""
+        try:
+            return cls.from_json(d, where)
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ManifestError):
+                raise
+            raise ManifestError(f"{where}: malformed chunk ({type(e).__name__}: {e})"[:400]) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,15 +321,33 @@ class PlacementInfo:
         names = d.get("axis_names")
         pl = d.get("placements")
         ps = d.get("partition_spec")
+        layout = d.get("layout")
+        w = f"{where}, placement"
+        for what, v in (("axis_names", names), ("placements", pl), ("partition_spec", ps)):
+            if v is not None and (type(v) is not list or len(v) > MAX_NDIM):
+                raise ManifestError(f"{w}: {what} must be a list of at most {MAX_NDIM} entries, got {v!r}"[:300])
+        if names is not None and not all(type(n) is str for n in names):
+            raise ManifestError(f"{w}: axis_names must be strings, got {names!r}"[:300])
+        if pl is not None and not all(type(p) is str for p in pl):
+            raise ManifestError(f"{w}: placements must be strings, got {pl!r}"[:300])
+
+        def spec_entry(p: Any) -> Any:
+            if p is None or type(p) is str:
+                return p
+            if type(p) is list and all(type(x) is str for x in p):
+                return tuple(p)
+            raise ManifestError(f"{w}: a partition_spec entry must be null, a string or strings, got {p!r}"[:300])
+
+        if layout is not None and type(layout) is not str:
+            raise ManifestError(f"{w}: layout must be a string, got {layout!r}"[:300])
+        mesh = _shape(d.get("mesh_shape", []), "mesh_shape", w)
         return cls(
             framework=d["framework"],
-            mesh_shape=_ints(d.get("mesh_shape", []), "mesh_shape", where),
-            axis_names=None if names is None else tuple(str(n) for n in names),
-            placements=None if pl is None else tuple(str(p) for p in pl),
-            partition_spec=None
-            if ps is None
-            else tuple(tuple(p) if isinstance(p, list) else p for p in ps),
-            layout=d.get("layout"),
+            mesh_shape=mesh,
+            axis_names=None if names is None else tuple(names),
+            placements=None if pl is None else tuple(pl),
+            partition_spec=None if ps is None else tuple(spec_entry(p) for p in ps),
+            layout=layout,
         )
 
 
@@ -300,17 +383,26 @@ class ValueRange:
     def from_json(cls, d: Any, where: str) -> ValueRange:
         if not isinstance(d, dict) or not isinstance(d.get("group"), str):
             raise ManifestError(f"{where}: value_range must be an object with a group")
+        w = f"{where}, value_range"
         dom = d.get("domain")
         em = d.get("empty_marker")
         attrs = d.get("attrs", {})
         if not isinstance(attrs, dict):
-            raise ManifestError(f"{where}: value_range attrs must be an object")
+            raise ManifestError(f"{w}: attrs must be an object")
+        role, kind = d.get("role", ""), d.get("kind", "generic")
+        if type(role) is not str or type(kind) is not str:
+            raise ManifestError(f"{w}: role and kind must be strings, got {role!r}, {kind!r}"[:300])
+        if em is not None and (type(em) is not int or not -(1 << 63) <= em < (1 << 64)):
+            raise ManifestError(f"{w}: empty_marker must be a 64-bit integer, got {em!r}"[:300])
+        domain = None if dom is None else _ints(dom, "domain", w)
+        if domain is not None and (len(domain) != 2 or domain[0] > domain[1]):
+            raise ManifestError(f"{w}: domain must be [lo, hi) with lo <= hi, got {list(domain)[:4]}")
         return cls(
             group=d["group"],
-            role=str(d.get("role", "")),
-            kind=str(d.get("kind", "generic")),
-            domain=None if dom is None else _ints(dom, "domain", where),  # type: ignore[arg-type]
-            empty_marker=None if em is None else int(em),
+            role=role,
+            kind=kind,
+            domain=domain,  # type: ignore[arg-type]
+            empty_marker=em,
             attrs=attrs,
         )
 
@@ -363,18 +455,24 @@ class TensorEntry:
             raise ManifestError(f"{w}: entry must be an object")
         try:
             dtype = d["dtype"]
-            shape = _ints(d["shape"], "shape", w)
+            shape = _shape(d["shape"], "shape", w)
             raw_chunks = d["chunks"]
         except KeyError as e:
             raise ManifestError(f"{w}: entry lacks field {e.args[0]!r}") from None
-        if dtype not in DTYPES:
-            raise ManifestError(f"{w}: unknown dtype {dtype!r}")
-        if any(s < 0 for s in shape):
-            raise ManifestError(f"{w}: negative shape {shape}")
+        if type(dtype) is not str or dtype not in DTYPES:
+            raise ManifestError(f"{w}: unknown dtype {dtype!r}"[:300])
         if not isinstance(raw_chunks, list):
             raise ManifestError(f"{w}: chunks must be a list")
         itemsize = numpy_dtype(dtype).itemsize
-        chunks = tuple(Chunk.from_json(c, w) for c in raw_chunks)
+        elements = math.prod(shape)
+        if elements > MAX_ELEMENTS or elements * itemsize > MAX_TENSOR_BYTES:
+            raise ManifestError(
+                f"{w}: shape {list(shape)} ({dtype}) claims {elements * itemsize} bytes, over the "
+                f"limit of {MAX_TENSOR_BYTES}; the manifest is corrupt or hostile"
+            )
+        if len(raw_chunks) > MAX_CHUNKS:
+            raise ManifestError(f"{w}: {len(raw_chunks)} chunks, over the limit of {MAX_CHUNKS}")
+        chunks = tuple(Chunk.from_json_unchecked(c, w) for c in raw_chunks)
         for c in chunks:
             if len(c.shape) != len(shape):
                 raise ManifestError(f"{w}: chunk {c.box} has rank {len(c.shape)}, shape {shape}")
@@ -401,9 +499,19 @@ class TensorEntry:
 # Objects
 
 
-def encode_value(value: Any, name: str = "<object>") -> Any:
+def encode_value(value: Any, name: str = "<object>", _depth: int = 0) -> Any:
     """A JSON value for ``value``; tuples, bytes, non-str dict keys and numpy
-    scalars are tagged with ``{"$xckpt": ...}`` so they come back as they were."""
+    scalars are tagged with ``{"$xckpt": ...}`` so they come back as they were.
+
+    Values nested deeper than :data:`MAX_OBJECT_DEPTH` JSON levels are refused
+    (a reader refuses them too), as are self-referencing containers.
+    """
+    if _depth > MAX_OBJECT_DEPTH:
+        raise ObjectError(
+            f"object {name!r} is nested more than {MAX_OBJECT_DEPTH} levels deep (or contains "
+            "itself); flatten it before saving"
+        )
+    d = _depth + 1
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -415,19 +523,19 @@ def encode_value(value: Any, name: str = "<object>") -> Any:
             return value
         return {"$xckpt": "float", "v": repr(value)}
     if isinstance(value, np.generic):
-        return {"$xckpt": "np", "dtype": dtype_name(value.dtype), "v": encode_value(value.item())}
+        return {"$xckpt": "np", "dtype": dtype_name(value.dtype), "v": encode_value(value.item(), name, d)}
     if isinstance(value, (bytes, bytearray)):
         return {"$xckpt": "bytes", "b64": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, tuple):
-        return {"$xckpt": "tuple", "items": [encode_value(v, name) for v in value]}
+        return {"$xckpt": "tuple", "items": [encode_value(v, name, d + 1) for v in value]}
     if isinstance(value, list):
-        return [encode_value(v, name) for v in value]
+        return [encode_value(v, name, d) for v in value]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and "$xckpt" not in value:
-            return {k: encode_value(v, name) for k, v in value.items()}
+            return {k: encode_value(v, name, d) for k, v in value.items()}
         return {
             "$xckpt": "dict",
-            "items": [[encode_value(k, name), encode_value(v, name)] for k, v in value.items()],
+            "items": [[encode_value(k, name, d + 2), encode_value(v, name, d + 2)] for k, v in value.items()],
         }
     raise ObjectError(
         f"object {name!r} of type {type(value).__name__} cannot be stored: xckpt stores JSON "
@@ -436,32 +544,82 @@ def encode_value(value: Any, name: str = "<object>") -> Any:
     )
 
 
-def decode_value(value: Any) -> Any:
-    """Inverse of :func:`encode_value`."""
-    if isinstance(value, list):
-        return [decode_value(v) for v in value]
-    if isinstance(value, dict):
-        tag = value.get("$xckpt")
-        if tag is None:
-            return {k: decode_value(v) for k, v in value.items()}
-        if tag == "tuple":
-            return tuple(decode_value(v) for v in value["items"])
-        if tag == "bytes":
-            return base64.b64decode(value["b64"])
-        if tag == "dict":
-            return {_hashable(decode_value(k)): decode_value(v) for k, v in value["items"]}
-        if tag == "float":
-            return float(value["v"])
-        if tag == "int":
-            return int(value["v"])
-        if tag == "np":
-            return numpy_dtype(value["dtype"]).type(decode_value(value["v"]))
-        raise ManifestError(f"unknown object tag {tag!r}")
-    return value
+def decode_value(value: Any, where: str = "object") -> Any:
+    """Inverse of :func:`encode_value`; any malformed input is a :class:`ManifestError`
+    naming ``where`` (too deep, unknown tags, tags with fields of the wrong type)."""
+    return _decode(value, where, 0)
+
+
+def _bad_tag(where: str, tag: Any, value: Any) -> ManifestError:
+    return ManifestError(f"{where}: malformed {tag!r} value {value!r}"[:300] + "; the manifest is corrupt")
+
+
+def _decode(value: Any, where: str, depth: int) -> Any:
+    if depth > MAX_OBJECT_DEPTH:
+        raise ManifestError(f"{where}: the value is nested more than {MAX_OBJECT_DEPTH} levels deep")
+    d = depth + 1
+    t = type(value)
+    if t is list:
+        return [_decode(v, where, d) for v in value]
+    if t is not dict:
+        if value is None or t in (bool, int, float, str):
+            return value
+        raise ManifestError(f"{where}: {t.__name__} is not a JSON value")
+    tag = value.get("$xckpt")
+    if tag is None:
+        return {k: _decode(v, where, d) for k, v in value.items()}
+    if tag == "tuple":
+        items = value.get("items")
+        if type(items) is not list:
+            raise _bad_tag(where, tag, value)
+        return tuple(_decode(v, where, d + 1) for v in items)
+    if tag == "bytes":
+        b64 = value.get("b64")
+        if type(b64) is not str:
+            raise _bad_tag(where, tag, value)
+        try:
+            return base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad_tag(where, tag, value) from None
+    if tag == "dict":
+        items = value.get("items")
+        if type(items) is not list or not all(type(kv) is list and len(kv) == 2 for kv in items):
+            raise _bad_tag(where, tag, value)
+        out = {}
+        for k, v in items:
+            key = _hashable(_decode(k, where, d + 2))
+            try:
+                hash(key)
+            except TypeError:
+                raise _bad_tag(where, tag, value) from None
+            out[key] = _decode(v, where, d + 2)
+        return out
+    if tag in ("float", "int"):
+        v = value.get("v")
+        if type(v) is not str or len(v) > 4300:
+            raise _bad_tag(where, tag, value)
+        try:
+            return float(v) if tag == "float" else int(v)
+        except ValueError:
+            raise _bad_tag(where, tag, value) from None
+    if tag == "np":
+        dt = value.get("dtype")
+        if type(dt) is not str or dt not in DTYPES:
+            raise _bad_tag(where, tag, value)
+        inner = _decode(value.get("v"), where, d)
+        if type(inner) not in (bool, int, float, complex):
+            raise _bad_tag(where, tag, value)
+        try:
+            return numpy_dtype(dt).type(inner)
+        except (TypeError, ValueError, OverflowError):
+            raise _bad_tag(where, tag, value) from None
+    raise ManifestError(f"{where}: unknown object tag {tag!r}"[:300])
 
 
 def _hashable(v: Any) -> Any:
-    return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
+    if type(v) is list:
+        return tuple(_hashable(x) for x in v)
+    return v
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -491,27 +649,32 @@ class ObjectEntry:
     def from_json(cls, d: Any, where: str) -> ObjectEntry:
         if not isinstance(d, dict) or not isinstance(d.get("name"), str):
             raise ManifestError(f"{where}: an object entry must have a name")
-        w = f"{where}, object {d['name']!r}"
+        w = f"{where}, object {_str(d['name'], 'an object name', where)!r}"
         kind = d.get("kind")
+        per_rank = d.get("per_rank", False)
+        if type(per_rank) is not bool:
+            raise ManifestError(f"{w}: per_rank must be true or false, got {per_rank!r}"[:300])
         if kind == "json":
+            value = d.get("value")
+            _decode(value, w, 0)  # malformed tags and deep nesting are refused at open
             return cls(
                 name=d["name"],
                 kind=kind,
-                rank=_int(d.get("rank"), "rank", w),
-                per_rank=bool(d.get("per_rank", False)),
-                value=d.get("value"),
+                rank=_int(d.get("rank"), "rank", w, hi=MAX_WORLD_SIZE),
+                per_rank=per_rank,
+                value=value,
             )
         if kind == "bytes":
             return cls(
                 name=d["name"],
                 kind=kind,
-                rank=_int(d.get("rank"), "rank", w),
-                per_rank=bool(d.get("per_rank", False)),
+                rank=_int(d.get("rank"), "rank", w, hi=MAX_WORLD_SIZE),
+                per_rank=per_rank,
                 key=_check_key(d.get("key"), w),  # type: ignore[arg-type]
-                nbytes=_int(d.get("nbytes"), "nbytes", w),
-                crc32=_int(d.get("crc32"), "crc32", w),
+                nbytes=_int(d.get("nbytes"), "nbytes", w, hi=MAX_TENSOR_BYTES),
+                crc32=_int(d.get("crc32"), "crc32", w, hi=1 << 32),
             )
-        raise ManifestError(f"{w}: unknown object kind {kind!r}")
+        raise ManifestError(f"{w}: unknown object kind {kind!r}"[:300])
 
 
 # ---------------------------------------------------------------------------
@@ -543,6 +706,72 @@ def dumps_json(d: Any) -> bytes:
     return orjson.dumps(d)
 
 
+_CHECKSUM_MEMBER = b',"checksum":"sha256:'
+_CHECKSUM_TAIL = re.compile(rb',"checksum":"sha256:([0-9a-f]{64})"\}\s*\Z')
+
+
+def manifest_bytes(doc: Mapping[str, Any]) -> bytes:
+    """The bytes of a manifest document with its checksum as the last member."""
+    body = dumps_json({k: v for k, v in doc.items() if k != "checksum"})
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return body[:-1] + _CHECKSUM_MEMBER + digest + b'"}'
+
+
+def _checksum_state(data: bytes) -> bool | None:
+    """True: the bytes carry a checksum that matches; False: one that does not; None: none."""
+    m = _CHECKSUM_TAIL.search(data, max(0, len(data) - 200))
+    if m is None:
+        return None
+    body = data[: m.start()] + b"}"
+    return hashlib.sha256(body).hexdigest().encode() == m.group(1)
+
+
+#: How a rank's claim of a location begins (see :class:`Claim`).
+CLAIM_PREFIX = b'{"claim":true,'
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claim:
+    """A rank's claim of a location: what ``ranks/<rank>.json`` holds while a save runs.
+
+    A writer writes it with a conditional write before any data (so of two saves
+    racing for a new location exactly one gets it) and replaces it with its
+    manifest by another conditional write at commit. A reader counts a claimed
+    rank as not committed.
+    """
+
+    save_id: str
+    rank: int
+    world_size: int
+    token: str  # names the save's data directory, data/<rank>.<token>/ ("" for data/<rank>/)
+
+
+def claim_bytes(c: Claim) -> bytes:
+    """The bytes of a claim (JSON with a checksum, ``"claim": true`` first)."""
+    return manifest_bytes(
+        {"claim": True, "format": FORMAT, "version": VERSION, "save_id": c.save_id, "rank": c.rank,
+         "world_size": c.world_size, "token": c.token}
+    )
+
+
+def parse_claim(data: bytes, where: str) -> Claim | None:
+    """The claim in ``data``, or None when ``data`` is not a claim (a manifest)."""
+    if not data.startswith(CLAIM_PREFIX):
+        return None
+    if _checksum_state(data) is not True:
+        raise ManifestError(f"{where}: a claim that fails its checksum; the file is corrupt")
+    try:
+        d = orjson.loads(data)
+        return Claim(
+            save_id=_str(d["save_id"], "save_id", where, MAX_KEY_LEN),
+            rank=_int(d["rank"], "rank", where, hi=MAX_WORLD_SIZE),
+            world_size=_int(d["world_size"], "world_size", where, lo=1, hi=MAX_WORLD_SIZE + 1),
+            token=_str(d["token"], "token", where, 64),
+        )
+    except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+        raise ManifestError(f"{where}: a malformed claim ({type(e).__name__}: {e})"[:300]) from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
     """One rank's manifest (``rank`` set) or the merged one (``rank is None``)."""
@@ -569,12 +798,19 @@ class Manifest:
         }
 
     def dumps(self) -> bytes:
-        return dumps_json(self.to_json())
+        """The manifest's bytes, checksum included."""
+        return manifest_bytes(self.to_json())
 
     @classmethod
     @paused_gc()
     def loads(cls, data: bytes, where: str) -> Manifest:
-        """Parse and validate; ``where`` names the file in error messages."""
+        """Check the checksum, parse and validate; ``where`` names the file in error messages.
+
+        Raises:
+            ManifestError: not JSON, a failed or missing checksum, a missing field, a
+                claim over the fixed bounds, or any malformed entry.
+            FormatVersionError: another format, or a version this xckpt does not read.
+        """
         try:
             d = orjson.loads(data)
         except orjson.JSONDecodeError as e:
@@ -582,45 +818,86 @@ class Manifest:
                 f"{where} is not valid JSON ({e}); the file is truncated or corrupt. Re-save the "
                 "checkpoint, or load an earlier one"
             ) from None
+        state = _checksum_state(data)
+        if state is False:
+            raise ManifestError(
+                f"{where} fails its checksum: the file is corrupt (a changed byte can rename a tensor "
+                "or drop objects, so nothing of it is trusted). Restore it from a copy, or load an "
+                "earlier checkpoint"
+            )
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: a manifest must be a JSON object")
+        if state is None and (d.get("version") != 1 or "checksum" in d):
+            if d.get("format") == FORMAT and d.get("version") in READ_VERSIONS:
+                raise ManifestError(
+                    f"{where} lacks its checksum (version {d.get('version')} manifests end with "
+                    '"checksum"): the file is corrupt or was edited. Restore it from a copy, or '
+                    "load an earlier checkpoint"
+                )
         return cls.from_json(d, where)
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> Manifest:
+        """Validate a parsed manifest document (the checksum is :meth:`loads`' business)."""
+        try:
+            return cls._from_json(d, where)
+        except ManifestError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+            # Every field is checked on its own; this is the backstop for shapes of JSON
+            # that no check foresaw, so a hostile manifest still ends in a ManifestError.
+            raise ManifestError(f"{where}: malformed manifest ({type(e).__name__}: {e})"[:400]) from None
+
+    @classmethod
+    def _from_json(cls, d: Any, where: str) -> Manifest:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: a manifest must be a JSON object")
         if d.get("format") != FORMAT:
             raise FormatVersionError(
                 f"{where}: format is {d.get('format')!r}, not {FORMAT!r}; this is not an xckpt "
-                "manifest"
+                "manifest"[:300]
             )
-        if d.get("version") != VERSION:
+        if d.get("version") not in READ_VERSIONS or type(d.get("version")) is not int:
             raise FormatVersionError(
                 f"{where}: format version {d.get('version')!r} is not supported by this xckpt "
-                f"(it reads version {VERSION}); upgrade xckpt to read it"
+                f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade xckpt to read it"[:400]
             )
-        world_size = _int(d.get("world_size"), "world_size", where, lo=1)
+        missing = [k for k in ("save_id", "world_size", "rank", "storage", "tensors", "objects") if k not in d]
+        if missing:
+            raise ManifestError(
+                f"{where} lacks the required field{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(repr, missing))}: the file is corrupt or was not written by xckpt"
+            )
+        world_size = _int(d.get("world_size"), "world_size", where, lo=1, hi=MAX_WORLD_SIZE + 1)
         rank = d.get("rank")
         if rank is not None:
             rank = _int(rank, "rank", where)
             if rank >= world_size:
                 raise ManifestError(f"{where}: rank {rank} is not below world_size {world_size}")
         save_id = d.get("save_id")
-        if not isinstance(save_id, str) or not save_id:
-            raise ManifestError(f"{where}: save_id must be a non-empty string")
-        tensors_raw = d.get("tensors", {})
+        if not isinstance(save_id, str) or not save_id or len(save_id) > MAX_KEY_LEN:
+            raise ManifestError(f"{where}: save_id must be a non-empty string of at most {MAX_KEY_LEN} characters")
+        tensors_raw = d["tensors"]
         if not isinstance(tensors_raw, dict):
             raise ManifestError(f"{where}: tensors must be an object")
-        objects_raw = d.get("objects", [])
+        objects_raw = d["objects"]
         if not isinstance(objects_raw, list):
             raise ManifestError(f"{where}: objects must be a list")
-        storage_raw = d.get("storage", {})
-        if not isinstance(storage_raw, dict):
-            raise ManifestError(f"{where}: storage must be an object")
+        storage_raw = d["storage"]
+        if not isinstance(storage_raw, dict) or len(storage_raw) > world_size:
+            raise ManifestError(f"{where}: storage must be an object with at most one entry per rank")
+        metadata = d.get("metadata", {})
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise ManifestError(f"{where}: metadata must be an object")
         storage = {}
         for r, s in storage_raw.items():
-            if not str(r).isdigit() or s not in ("ocdbt", "plain"):
-                raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}")
+            if not (r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in ("ocdbt", "plain"):
+                raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}"[:300])
             storage[int(r)] = s
+        for n in tensors_raw:
+            _str(n, "a tensor name", where)
         return cls(
             save_id=save_id,
             world_size=world_size,
@@ -630,7 +907,7 @@ class Manifest:
             },
             objects=tuple(ObjectEntry.from_json(o, where) for o in objects_raw),
             storage=storage,
-            metadata=d.get("metadata", {}) or {},
+            metadata=metadata,
         )
 
     def with_rank(self, rank: int | None) -> Manifest:

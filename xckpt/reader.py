@@ -4,13 +4,20 @@
 present, else rank manifests 0..W-1 with one save_id, merged here. Every
 tensor's chunks must tile it exactly. All of this is checked from the manifests
 alone, before any chunk is opened or any output allocated.
+
+Which save is read: the one rank 0's manifest belongs to (its save_id and world
+size). Rank manifests at or above that world size are leftovers of an earlier
+save with more ranks and are ignored; a rank whose ``ranks/<r>.json`` is still a
+claim (:class:`~xckpt.manifest.Claim`) has not committed. Before an output is
+sized from the manifest (:meth:`Checkpoint.read`, :meth:`Checkpoint.read_all`),
+the claimed chunk sizes are checked against what storage holds: each array
+chunk's zarr metadata and each packed byte range against its packed array.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
 import zlib
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
@@ -18,22 +25,41 @@ from typing import Any
 
 import numpy as np
 
+from xckpt._progress import progress
 from xckpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
     IncompleteCheckpointError,
     ManifestError,
     ObjectError,
+    XckptError,
 )
 from xckpt.layout import Box, check_coverage
-from xckpt.manifest import Chunk, Manifest, ObjectEntry, TensorEntry, decode_value, merge_manifests
+from xckpt.manifest import (
+    Chunk,
+    Claim,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    decode_value,
+    merge_manifests,
+    parse_claim,
+)
 from xckpt.source import ChunkRead, Source, whole_request
-from xckpt.storage import Storage, corrupt, packed_grid
+from xckpt.storage import Location, Storage, corrupt, packed_grid
 
 __all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 
 #: Packed byte ranges closer than this are fetched in one read.
 _COALESCE_GAP = 1 << 20
+#: verify(): bytes read per request, and bytes in flight at once.
+_VERIFY_SLAB = 32 << 20
+_VERIFY_INFLIGHT = 256 << 20
+
+
+def _first(ranks: Any, n: int = 20) -> str:
+    shown = sorted(ranks)[:n]
+    return str(shown)[:-1] + (f", ... ({len(ranks)} ranks)]" if len(ranks) > n else "]")
 
 
 def read_rank_manifests(
@@ -42,39 +68,69 @@ def read_rank_manifests(
     expect_world_size: int | None = None,
     expect_save_id: str | None = None,
 ) -> Manifest:
-    """Read, check and merge ``ranks/0..W-1.json`` into one validated manifest."""
+    """Read, check and merge ``ranks/0..W-1.json`` into one validated manifest.
+
+    W and the save are rank 0's (or ``expect_*``); manifests of ranks >= W are
+    leftovers of an earlier, larger save and are not read.
+    """
     where = storage.path
     keys = [k for k in storage.list_prefix("ranks/") if k.endswith(".json")]
-    ranks = sorted(int(k[6:-5]) for k in keys if k[6:-5].isdigit())
+    ranks = sorted(int(k[6:-5]) for k in keys if k[6:-5].isdigit() and len(k) < 20)
     if not ranks:
         raise CheckpointNotFoundError(
             f"no xckpt checkpoint at {where!r}: neither xckpt.json nor ranks/<rank>.json exists"
         )
+    if expect_world_size is not None:
+        ranks = [r for r in ranks if r < expect_world_size]
     datas = storage.read_keys([f"ranks/{r}.json" for r in ranks])
     parts: dict[int, Manifest] = {}
+    claims: dict[int, Claim] = {}
     for r, data in zip(ranks, datas):
         if data is None:
+            continue
+        claim = parse_claim(data, f"{where}/ranks/{r}.json")
+        if claim is not None:
+            claims[r] = claim
             continue
         parts[r] = Manifest.loads(data, f"{where}/ranks/{r}.json")
         if parts[r].rank != r:
             raise ManifestError(f"{where}/ranks/{r}.json says it is rank {parts[r].rank}")
-    world = expect_world_size or max(m.world_size for m in parts.values())
-    if expect_save_id is not None:
-        save_id = expect_save_id
-    else:
-        # The save that rank 0 belongs to is the one being read.
-        save_id = parts[0].save_id if 0 in parts else parts[min(parts)].save_id
-    missing = [r for r in range(world) if r not in parts]
-    stale = {r: m.save_id for r, m in parts.items() if r < world and m.save_id != save_id}
-    other_w = {r: m.world_size for r, m in parts.items() if r < world and m.world_size != world}
-    if missing or stale or other_w:
+    if not parts:
+        raise CheckpointNotFoundError(
+            f"no xckpt checkpoint at {where!r}: a save has claimed it (ranks {_first(claims)}, save "
+            f"{next(iter(claims.values())).save_id!r}) and not committed; it is still running or it "
+            "failed. Wait for it to finish, or save again with overwrite=True"
+        )
+    ref = parts[0] if 0 in parts else parts[min(parts)]
+    world = expect_world_size or ref.world_size
+    save_id = expect_save_id if expect_save_id is not None else ref.save_id
+    # Bounded by what storage holds: nothing below loops over range(world).
+    present = {r: m for r, m in parts.items() if r < world}
+    pending = sorted(r for r in claims if r < world)
+    stale = {r: m.save_id for r, m in present.items() if m.save_id != save_id}
+    other_w = {r: m.world_size for r, m in present.items() if m.world_size != world}
+    if len(present) < world or stale or other_w:
         bits = []
-        if missing:
-            bits.append(f"rank manifests missing: {missing}")
+        n_missing = world - len(present) - len(pending)
+        if n_missing:
+            missing, r = [], 0
+            while len(missing) < min(n_missing, 20):
+                if r not in present and r not in claims:
+                    missing.append(r)
+                r += 1
+            more = f", ... ({n_missing} ranks)" if n_missing > len(missing) else ""
+            bits.append(f"rank manifests missing: {str(missing)[:-1]}{more}]")
+        if pending:
+            bits.append(
+                f"ranks {_first(pending)} have claimed the location and not committed (a save is running "
+                "or failed)"
+            )
         if stale:
-            bits.append(f"ranks {sorted(stale)} belong to another save ({stale}, expected {save_id!r})")
+            bits.append(f"ranks {_first(stale)} belong to another save ({dict(list(stale.items())[:5])}, "
+                        f"expected {save_id!r})")
         if other_w:
-            bits.append(f"ranks {sorted(other_w)} report world sizes {other_w}, expected {world}")
+            bits.append(f"ranks {_first(other_w)} report world sizes {dict(list(other_w.items())[:5])}, "
+                        f"expected {world}")
         raise IncompleteCheckpointError(
             f"checkpoint {where!r} of {world} ranks is incomplete: " + "; ".join(bits) + ". The "
             "save did not finish on every rank (or was overwritten part way); re-run the save, "
@@ -102,7 +158,7 @@ class Checkpoint(Source):
 
     format = "xckpt"
 
-    def __init__(self, path: str | os.PathLike[str], *, context: Any = None) -> None:
+    def __init__(self, path: Location, *, context: Any = None) -> None:
         self.storage = Storage(path, context)
         self.path = self.storage.path
         data = self.storage.read_key("xckpt.json")
@@ -115,6 +171,9 @@ class Checkpoint(Source):
             m = read_rank_manifests(self.storage)
         self.manifest = m
         self._arrays: dict[str, Any] = {}
+        self._packed_stores: dict[str, Any] = {}
+        self._verified_arrays: dict[str, Any] = {}
+        self._checked: set[str] = set()
         self._packed_size_cache: dict[str, int] | None = None
 
     # -- metadata -----------------------------------------------------------
@@ -215,12 +274,20 @@ class Checkpoint(Source):
                 raise corrupt(self._where(name, c), e) from None
             bar.update(req.box.volume * itemsize)
 
+    def _packed_store(self, key: str, rank: int) -> Any:
+        """Rank ``rank``'s packed byte array (opened once; its size from its zarr.json)."""
+        store = self._packed_stores.get(key)
+        if store is None:
+            try:
+                store = self.storage.open_packed(key, self.manifest.storage.get(rank, "ocdbt")).result()
+            except ValueError as e:
+                raise corrupt(f"checkpoint {self.path!r}, packed chunks of rank {rank} ({key})", e) from None
+            self._packed_stores[key] = store
+        return store
+
     def _read_packed(self, key: str, jobs: list[ChunkRead], bar: Any) -> None:
         rank = jobs[0][1].rank
-        try:
-            store = self.storage.open_packed(key, self.manifest.storage.get(rank, "ocdbt")).result()
-        except ValueError as e:
-            raise corrupt(f"checkpoint {self.path!r}, packed chunks of rank {rank} ({key})", e) from None
+        store = self._packed_store(key, rank)
         jobs.sort(key=lambda j: j[1].byte_offset)  # type: ignore[arg-type, return-value]
         spans: list[list[Any]] = []  # [start, end, [jobs]]
         for job in jobs:
@@ -260,6 +327,152 @@ class Checkpoint(Source):
                     out[req.target_slices] = raw.view(out.dtype).reshape(c.shape)[req.chunk_slices]
                     bar.update(req.box.volume * out.itemsize)
 
+    def _open_checked(self, name: str, c: Chunk) -> Any:
+        """Like :meth:`_open`, but the stored zarr metadata is read and must match the manifest."""
+        fut = self._verified_arrays.get(c.key)
+        if fut is None:
+            fut = self.storage.check_array(
+                c.key, self.manifest.storage.get(c.rank, "ocdbt"), self.info(name).dtype, c.shape, c.grid or c.shape
+            )
+            self._verified_arrays[c.key] = fut
+        return fut
+
+    # -- claims against storage -------------------------------------------------
+
+    def _check_stored(self, names: Sequence[str]) -> None:
+        """Check the chunk sizes ``names`` claim against storage before anything is sized
+        from them: each array chunk's zarr metadata (dtype, shape, grid) and each packed
+        byte range against its packed array's stored size."""
+        todo = [n for n in names if n not in self._checked]
+        if not todo:
+            return
+        arrays = []
+        for name in todo:
+            for c in self.info(name).chunks:
+                if c.form == "packed":
+                    size = self._packed_store(c.key, c.rank).shape[0]
+                    if c.byte_offset + c.nbytes > size:  # type: ignore[operator]
+                        raise CorruptChunkError(
+                            f"{self._where(name, c)}: the manifest claims bytes [{c.byte_offset}, "
+                            f"{c.byte_offset + c.nbytes}) of the packed array, which holds {size} bytes; "  # type: ignore[operator]
+                            "the manifest does not belong to this data (restore the checkpoint from a copy)"
+                        )
+                else:
+                    arrays.append((name, c, self._open_checked(name, c)))
+        for name, c, fut in arrays:
+            try:
+                fut.result()
+            except ValueError as e:
+                raise corrupt(f"{self._where(name, c)}: the stored array does not match the manifest", e) from None
+        self._checked.update(todo)
+
+    def _too_big(self, names: Sequence[str], err: MemoryError) -> XckptError:
+        nbytes = sum(self.info(n).nbytes for n in names)
+        return XckptError(
+            f"checkpoint {self.path!r}: {len(names)} tensor(s) ({', '.join(names[:3])}) of {nbytes} bytes "
+            "do not fit in memory; read them by box (read(name, index)) or into your own buffers "
+            f"(read_into) ({err})"
+        )
+
+    def read(self, name: str, index: Any = None) -> np.ndarray:
+        """The whole tensor, or the box selected by ``index`` (ints and unit-step slices);
+        the claimed sizes are checked against storage before the output is allocated."""
+        self._check_stored([name])
+        try:
+            return super().read(name, index)
+        except MemoryError as e:
+            raise self._too_big([name], e) from None
+
+    def read_all(
+        self, names: Sequence[str] | None = None, *, show_progress: bool | None = None
+    ) -> dict[str, np.ndarray]:
+        """Whole tensors by name, read concurrently, after checking their claims against storage."""
+        names = self.names() if names is None else list(names)
+        self._check_stored(names)
+        try:
+            return super().read_all(names, show_progress=show_progress)
+        except MemoryError as e:
+            raise self._too_big(names, e) from None
+
+    # -- verification ---------------------------------------------------------------
+
+    def verify(self, *, show_progress: bool | None = None) -> list[str]:
+        """Read every chunk and object once and check its checksum; the problems found.
+
+        One pass over each packed array (in slabs of adjacent chunks) and over each
+        array chunk (in slabs of whole inner zarr chunks), many reads in flight at
+        once (up to ``_VERIFY_INFLIGHT`` bytes), with a progress bar.
+        """
+        problems: dict[tuple[str, tuple[int, ...]], str] = {}
+        packed: dict[str, list[tuple[str, Chunk]]] = defaultdict(list)
+        slabs: list[_Slab] = []
+        total = 0
+        for name in self.names():
+            for c in self.info(name).chunks:
+                total += c.nbytes
+                if c.form == "packed":
+                    packed[c.key].append((name, c))
+                else:
+                    slabs.extend(self._array_slabs(name, c))
+        for key, items in packed.items():
+            slabs.extend(self._packed_slabs(key, items, problems))
+        with progress(total, "xckpt verify", show_progress) as bar:
+            inflight: list[tuple[_Slab, Any]] = []
+            held = 0
+            for slab in slabs:
+                while inflight and held + slab.nbytes > _VERIFY_INFLIGHT:
+                    done, fut = inflight.pop(0)
+                    done.check(self, fut, problems)
+                    held -= done.nbytes
+                    bar.update(done.nbytes)
+                inflight.append((slab, slab.start(self)))
+                held += slab.nbytes
+            for done, fut in inflight:
+                done.check(self, fut, problems)
+                bar.update(done.nbytes)
+        return list(problems.values()) + self._verify_objects()
+
+    def _array_slabs(self, name: str, c: Chunk) -> list[_Slab]:
+        if not c.shape:
+            return [_Slab(name, c, None, 0, 0, c.nbytes)]
+        row_bytes = c.nbytes // c.shape[0]
+        grid0 = max(1, (c.grid or c.shape)[0])
+        step = grid0 * max(1, _VERIFY_SLAB // max(1, grid0 * row_bytes))
+        return [
+            _Slab(name, c, None, lo, min(lo + step, c.shape[0]), (min(lo + step, c.shape[0]) - lo) * row_bytes)
+            for lo in range(0, c.shape[0], step)
+        ]
+
+    def _packed_slabs(
+        self, key: str, items: list[tuple[str, Chunk]], problems: dict[tuple[str, tuple[int, ...]], str]
+    ) -> list[_Slab]:
+        try:
+            store = self._packed_store(key, items[0][1].rank)
+        except CorruptChunkError as e:
+            for name, c in items:
+                problems.setdefault((name, c.offset), f"{self._where(name, c)}: {e}")
+            return []
+        size = store.shape[0]
+        items = sorted(items, key=lambda nc: nc[1].byte_offset)  # type: ignore[arg-type, return-value]
+        out: list[_Slab] = []
+        for name, c in items:
+            start, end = c.byte_offset, c.byte_offset + c.nbytes  # type: ignore[operator]
+            if end > size:
+                problems.setdefault(
+                    (name, c.offset),
+                    f"{self._where(name, c)}: bytes [{start}, {end}) lie past the end of the packed array "
+                    f"({size} bytes)",
+                )
+                continue
+            last = out[-1] if out else None
+            if last is not None and start - last.hi <= _COALESCE_GAP and end - last.lo <= _VERIFY_SLAB:
+                last.hi = max(last.hi, end)
+                last.nbytes = last.hi - last.lo
+                last.span.append((name, c))
+            else:
+                out.append(_Slab(name, c, store, start, end, end - start, [(name, c)]))
+        return out
+
     # -- objects ------------------------------------------------------------
 
     def _object_entries(self, name: str) -> list[ObjectEntry]:
@@ -273,7 +486,7 @@ class Checkpoint(Source):
 
     def _object_value(self, o: ObjectEntry) -> Any:
         if o.kind == "json":
-            return decode_value(o.value)
+            return decode_value(o.value, f"checkpoint {self.path!r}, object {o.name!r}")
         data = self.storage.read_bytes(o.key, self.manifest.storage.get(o.rank, "ocdbt"))  # type: ignore[arg-type]
         if data is None or len(data) != o.nbytes or zlib.crc32(data) != o.crc32:
             raise CorruptChunkError(
@@ -337,3 +550,55 @@ class Checkpoint(Source):
             except CorruptChunkError as e:
                 problems.append(str(e))
         return problems
+
+
+class _Slab:
+    """One read of :meth:`Checkpoint.verify`: rows [lo, hi) of an array chunk, or bytes
+    [lo, hi) of a packed array holding the chunks of ``span``."""
+
+    __slots__ = ("name", "chunk", "store", "lo", "hi", "nbytes", "span")
+
+    def __init__(
+        self, name: str, chunk: Chunk, store: Any, lo: int, hi: int, nbytes: int,
+        span: list[tuple[str, Chunk]] | None = None,
+    ) -> None:
+        self.name, self.chunk, self.store, self.lo, self.hi = name, chunk, store, lo, hi
+        self.nbytes, self.span = nbytes, span
+
+    def start(self, ck: Checkpoint) -> Any:
+        if self.span is not None:
+            return self.store[self.lo : self.hi].read()
+        try:
+            arr = ck._open_checked(self.name, self.chunk).result()
+        except ValueError as e:
+            return e
+        return (arr[self.lo : self.hi] if self.chunk.shape else arr).read()
+
+    def check(self, ck: Checkpoint, fut: Any, problems: dict[tuple[str, tuple[int, ...]], str]) -> None:
+        name, c = self.name, self.chunk
+        try:
+            if isinstance(fut, ValueError):
+                raise fut
+            buf = fut.result()
+        except ValueError as e:
+            if self.span is None:
+                problems.setdefault((name, c.offset), str(corrupt(ck._where(name, c), e)))
+                return
+            # A damaged zarr chunk under the span: find the chunks it holds, one by one.
+            for n, pc in self.span:
+                try:
+                    raw = self.store[pc.byte_offset : pc.byte_offset + pc.nbytes].read().result()  # type: ignore[operator]
+                except ValueError as e2:
+                    problems.setdefault((n, pc.offset), str(corrupt(f"{ck._where(n, pc)} (packed)", e2)))
+                    continue
+                if zlib.crc32(raw) != pc.crc32:
+                    problems.setdefault((n, pc.offset), f"{ck._where(n, pc)}: packed bytes fail their crc32 check")
+            return
+        for n, pc in self.span or ():
+            raw = buf[pc.byte_offset - self.lo : pc.byte_offset - self.lo + pc.nbytes]  # type: ignore[operator]
+            if zlib.crc32(raw) != pc.crc32:
+                problems.setdefault(
+                    (n, pc.offset),
+                    f"{ck._where(n, pc)}: packed bytes fail their crc32 check. The checkpoint is damaged: "
+                    "restore it from a copy or load an earlier one",
+                )

@@ -3,12 +3,18 @@
 Everything that touches tensorstore lives here; :mod:`xckpt.writer` and
 :mod:`xckpt.reader` speak only in keys, boxes and numpy arrays.
 
-Layout of a checkpoint location (a directory or a kvstore URL)::
+A location is a directory, a kvstore URL (``file://``, ``memory://``, ``gs://``,
+``s3://``) or a tensorstore kvstore spec dict (how an S3-compatible endpoint, a
+region or credentials are given: ``{"driver": "s3", "bucket": ..., "path": ...,
+"endpoint": "http://host:port"}``). Layout of a checkpoint location::
 
     xckpt.json            merged manifest (optional, written last)
     ranks/<rank>.json     one manifest per writing rank
     data/<rank>/...       the rank's key space: chunk arrays t/<n>, packed small
                           chunks in ``packed``, large object bytes in o/<n>
+    data/<rank>.<token>/  the same, for a save that overwrites (each overwriting
+                          save has its own key space, so racing saves never
+                          write into each other's data)
 
 ``data/<rank>/`` is either an OCDBT database (``storage = "ocdbt"``, the
 default: few files however many arrays) or plain keys (``"plain"``, one file
@@ -17,23 +23,37 @@ per zarr chunk); the manifest records which, per rank.
 The tensorstore :class:`Context` is built in :func:`default_context` once per
 process and passed explicitly to every open. One process-wide context is also
 what keeps a ``memory://`` checkpoint readable until the process ends.
+
+Every tensorstore failure under a read or write of storage (disk full, file too
+large, permission, network) is raised as :class:`~xckpt.errors.StorageError`
+naming the checkpoint and what was being read or written, with the tensorstore
+error as ``__cause__`` (:func:`storage_error`). Conditional writes
+(:meth:`Storage.read_stamped`, :meth:`Storage.write_if`) claim a location
+atomically; tensorstore's file, memory and S3 kvstores support them.
 """
 
 from __future__ import annotations
 
+import errno as errno_mod
+import json
 import math
 import os
+import re
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
 
 import numpy as np
 
-from xckpt.errors import CorruptChunkError, XckptError
+from xckpt.errors import CorruptChunkError, StorageError, XckptError
 
 __all__ = [
     "default_context",
+    "Location",
     "location_url",
+    "location_spec",
+    "location_name",
+    "storage_error",
     "Storage",
     "inner_chunk_shape",
     "array_spec",
@@ -75,6 +95,10 @@ def default_context() -> Any:
         return _CONTEXT
 
 
+#: A checkpoint location: a directory, a kvstore URL or a kvstore spec dict.
+Location = Union[str, "os.PathLike[str]", Mapping[str, Any]]
+
+
 def location_url(path: str | os.PathLike[str]) -> str:
     """Normalise a directory path or kvstore URL to a URL ending in ``/``."""
     p = os.fspath(path)
@@ -87,6 +111,90 @@ def location_url(path: str | os.PathLike[str]) -> str:
             raise XckptError(f"checkpoint location {p!r} names no path after {scheme}://")
         return p.rstrip("/") + "/"
     return "file://" + os.path.abspath(p).rstrip("/") + "/"
+
+
+def location_spec(path: Location) -> str | dict[str, Any]:
+    """A URL ending in ``/`` for a path or URL; for a kvstore spec dict, a copy whose
+    ``path`` is empty or ends in ``/`` (the checkpoint is that directory)."""
+    if isinstance(path, Mapping):
+        spec = dict(path)
+        if not isinstance(spec.get("driver"), str):
+            raise XckptError(
+                f"kvstore spec {spec!r} has no driver; a checkpoint location given as a dict is a "
+                'tensorstore kvstore spec, e.g. {"driver": "s3", "bucket": "b", "path": "ckpt/", '
+                '"endpoint": "http://127.0.0.1:9000"}'
+            )
+        sub = spec.get("path", "")
+        if not isinstance(sub, str):
+            raise XckptError(f"kvstore spec {spec!r}: path must be a string")
+        spec["path"] = sub if not sub or sub.endswith("/") else sub + "/"
+        return spec
+    if not isinstance(path, (str, os.PathLike)):
+        raise XckptError(
+            f"checkpoint location {path!r} ({type(path).__name__}) is not a path, a kvstore URL or a "
+            "kvstore spec dict"
+        )
+    return location_url(path)
+
+
+_SECRET_RE = re.compile(r"secret|token|password|credential", re.I)
+
+
+def location_name(path: Location) -> str:
+    """How a location is named in messages: the path as given, a spec as JSON (secrets hidden)."""
+    if isinstance(path, Mapping):
+        shown = {k: ("***" if _SECRET_RE.search(str(k)) else v) for k, v in path.items()}
+        return json.dumps(shown, sort_keys=True, default=str)
+    return os.fspath(path)
+
+
+def _child(loc: str | dict[str, Any], sub: str) -> Any:
+    """The location ``sub`` below ``loc`` (a URL or a spec dict)."""
+    if isinstance(loc, dict):
+        return {**loc, "path": loc["path"] + sub}
+    return loc + sub
+
+
+_OS_ERRNO_RE = re.compile(r"os_error_code='?(\d+)|\[OS error (\d+)|errno[ =:]+(\d+)", re.I)
+_STATUS_ERRNO = {
+    "PERMISSION_DENIED": errno_mod.EACCES,
+    "UNAUTHENTICATED": errno_mod.EACCES,
+    "RESOURCE_EXHAUSTED": errno_mod.ENOSPC,
+    "UNAVAILABLE": errno_mod.EHOSTUNREACH,
+    "DEADLINE_EXCEEDED": errno_mod.ETIMEDOUT,
+}
+
+
+def _clean(err: BaseException) -> str:
+    return str(err).split("[source locations=")[0].strip()
+
+
+def storage_error(where: str, what: str, err: BaseException) -> StorageError:
+    """A :class:`StorageError` for a tensorstore/OS failure of ``what`` at checkpoint ``where``.
+
+    Raise it ``from err`` so the original error stays the cause. ``errno`` is the
+    OS error when tensorstore reports one (``EFBIG``, ``ENOSPC``, ``EACCES``, ...).
+    """
+    msg = _clean(err)
+    code = None
+    m = _OS_ERRNO_RE.search(msg)
+    if m is not None:
+        code = int(next(g for g in m.groups() if g is not None))
+    elif isinstance(err, OSError) and err.errno is not None:
+        code = err.errno
+    else:
+        status = msg.split(":", 1)[0]
+        code = _STATUS_ERRNO.get(status)
+    hint = {
+        errno_mod.ENOSPC: "the storage is full: free space (or raise the quota) and save again",
+        errno_mod.EFBIG: "a file grew past the size limit of the file system or process (ulimit -f)",
+        errno_mod.EDQUOT: "the storage quota is exhausted: free space and save again",
+        errno_mod.EACCES: "permission denied: check the credentials and access rights of the location",
+        errno_mod.EPERM: "permission denied: check the credentials and access rights of the location",
+        errno_mod.EROFS: "the file system is read-only",
+    }.get(code or -1, "check that the location is reachable and writable, then retry")
+    text = f"checkpoint {where!r}: storage failed while {what} ({msg}); {hint}"
+    return StorageError(code, text) if code is not None else StorageError(text)
 
 
 def inner_chunk_shape(shape: Sequence[int], itemsize: int, target: int = INNER_CHUNK_BYTES) -> list[int]:
@@ -141,45 +249,89 @@ def array_spec(kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[in
 class Storage:
     """One checkpoint location: small keys (manifests) and chunk arrays."""
 
-    def __init__(self, path: str | os.PathLike[str], context: Any = None) -> None:
+    def __init__(self, path: Location, context: Any = None) -> None:
         import tensorstore as ts
 
         self._ts = ts
-        self.path = os.fspath(path)
-        self.url = location_url(path)
+        #: The location as named in messages (a spec dict as JSON).
+        self.path = location_name(path)
+        #: The normalised location: a URL ending in "/" or a kvstore spec dict.
+        self.url = location_spec(path)
         self.context = context if context is not None else default_context()
-        self._kv = ts.KvStore.open(self.url, context=self.context).result()
+        try:
+            self._kv = ts.KvStore.open(self.url, context=self.context).result()
+        except ValueError as e:
+            raise storage_error(self.path, "opening the location", e) from e
+
+    def _result(self, fut: Any, what: str) -> Any:
+        try:
+            return fut.result()
+        except ValueError as e:
+            raise storage_error(self.path, what, e) from e
 
     # -- small keys ---------------------------------------------------------
 
     def read_key(self, key: str) -> bytes | None:
         """The value of ``key``, or None when it does not exist."""
-        r = self._kv.read(key).result()
+        r = self._result(self._kv.read(key), f"reading {key}")
         if r.state != "value":
             return None
         return bytes(r.value)
+
+    def read_stamped(self, key: str) -> tuple[bytes | None, bytes]:
+        """The value of ``key`` (None when missing) and its storage generation, for :meth:`write_if`."""
+        r = self._result(self._kv.read(key), f"reading {key}")
+        return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
+
+    def write_if(self, key: str, data: bytes | None, generation: bytes) -> bytes | None:
+        """Write (or with ``data=None`` delete) ``key`` only if it is still at ``generation``
+        (as :meth:`read_stamped` or a previous :meth:`write_if` returned it).
+
+        Atomic on the file, memory and S3 kvstores. Returns the new generation, or
+        None when the key changed in between (another writer came first).
+        """
+        g = self._result(self._kv.write(key, data, if_equal=generation), f"writing {key}")
+        gen = bytes(g.generation)
+        return gen if gen else None
+
+    def write_key_stamped(self, key: str, data: bytes) -> bytes:
+        """Write ``key`` and return its new generation."""
+        return bytes(self._result(self._kv.write(key, data), f"writing {key}").generation)
+
+    def unchanged(self, key: str, generation: bytes) -> bool:
+        """Whether ``key`` is still at ``generation`` (a read that transfers no value if so)."""
+        r = self._result(self._kv.read(key, if_not_equal=generation), f"reading {key}")
+        return r.state == "unspecified"
 
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Read many keys concurrently."""
         futs = [self._kv.read(k) for k in keys]
         out: list[bytes | None] = []
-        for f in futs:
-            r = f.result()
+        for k, f in zip(keys, futs):
+            r = self._result(f, f"reading {k}")
             out.append(bytes(r.value) if r.state == "value" else None)
         return out
 
     def write_key(self, key: str, data: bytes) -> None:
         """Write ``key`` atomically (and durably, on local disk)."""
-        self._kv.write(key, data).result()
+        self._result(self._kv.write(key, data), f"writing {key}")
 
     def delete_key(self, key: str) -> None:
-        self._kv.delete_range(self._ts.KvStore.KeyRange(key, key + "\0")).result()
+        self._result(self._kv.delete_range(self._ts.KvStore.KeyRange(key, key + "\0")), f"deleting {key}")
 
     def delete_prefix(self, prefix: str) -> None:
-        self._kv.delete_range(self._ts.KvStore.KeyRange(prefix, _prefix_end(prefix))).result()
+        self.delete_range(prefix, _prefix_end(prefix))
+
+    def delete_range(self, start: str, end: str) -> None:
+        """Delete every key in ``[start, end)``."""
+        self._result(
+            self._kv.delete_range(self._ts.KvStore.KeyRange(start, end)), f"deleting {start}..{end}"
+        )
 
     def list_prefix(self, prefix: str) -> list[str]:
-        keys = self._kv.list(self._ts.KvStore.KeyRange(prefix, _prefix_end(prefix))).result()
+        keys = self._result(
+            self._kv.list(self._ts.KvStore.KeyRange(prefix, _prefix_end(prefix))), f"listing {prefix}"
+        )
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
     # -- data key spaces ----------------------------------------------------
@@ -191,14 +343,15 @@ class Storage:
             raise XckptError(f"{key!r} is not a data key")
         if storage == "ocdbt":
             return {**self._ocdbt_spec(parts[1]), "path": parts[2] + "/"}
-        return f"{self.url}{key}/"
+        return _child(self.url, f"{key}/")
 
     def _ocdbt_spec(self, rank: str) -> dict[str, Any]:
-        """Rank ``rank``'s OCDBT database: one spec for arrays and bytes alike, so a
+        """The OCDBT database ``data/<rank>/`` (``rank`` is the key's directory name,
+        e.g. ``0`` or ``0.<token>``): one spec for arrays and bytes alike, so a
         process opens it once (the same tensorstore driver instance)."""
         return {
             "driver": "ocdbt",
-            "base": f"{self.url}data/{rank}/",
+            "base": _child(self.url, f"data/{rank}/"),
             "target_data_file_size": OCDBT_DATA_FILE_BYTES,
         }
 
@@ -233,6 +386,15 @@ class Storage:
             spec, open=True, assume_metadata=True, read=True, context=self.context
         )
 
+    def check_array(
+        self, key: str, storage: str, dtype: str, shape: Sequence[int], grid: Sequence[int]
+    ) -> Any:
+        """A future that fails unless the stored zarr metadata of ``key`` matches the manifest's
+        claim (dtype, shape, grid): a claim checked against storage before anything is sized by it."""
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid)
+        spec["fill_missing_data_reads"] = False
+        return self._ts.open(spec, open=True, read=True, context=self.context)
+
     def open_packed(self, key: str, storage: str) -> Any:
         """A future for a rank's packed byte array (its size comes from its zarr.json)."""
         spec = {"driver": "zarr3", "kvstore": self.data_kvstore(key, storage), "fill_missing_data_reads": False}
@@ -246,7 +408,9 @@ class Storage:
         """The kvstore holding data key ``key`` as plain bytes, and its key there."""
         if storage == "ocdbt":
             parts = key.split("/", 2)
-            kv = self._ts.KvStore.open(self._ocdbt_spec(parts[1]), context=self.context).result()
+            kv = self._result(
+                self._ts.KvStore.open(self._ocdbt_spec(parts[1]), context=self.context), f"opening {key}"
+            )
             return kv, parts[2]
         return self._kv, key
 
@@ -258,7 +422,10 @@ class Storage:
     def read_bytes(self, key: str, storage: str) -> bytes | None:
         """Raw bytes under a data key, or None when they do not exist."""
         kv, k = self._byte_store(key, storage)
-        r = kv.read(k).result()
+        try:
+            r = kv.read(k).result()
+        except ValueError as e:
+            raise corrupt(f"checkpoint {self.path!r}, bytes {key}", e) from e
         return bytes(r.value) if r.state == "value" else None
 
 
@@ -270,7 +437,7 @@ def _prefix_end(prefix: str) -> str:
 
 def corrupt(where: str, err: Exception) -> CorruptChunkError:
     """A :class:`CorruptChunkError` for a tensorstore failure while reading a chunk."""
-    msg = str(err).split("[source locations=")[0].strip()
+    msg = _clean(err)
     return CorruptChunkError(
         f"{where}: the stored data cannot be read or fails its checksum ({msg}). The checkpoint "
         "is damaged: restore this file from a copy or load an earlier checkpoint; "

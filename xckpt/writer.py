@@ -10,13 +10,32 @@ Call protocol of a save (every rank, no rank waits for another)::
 With ``world_size == 1`` commit also writes ``xckpt.json``. In a coordinated
 multi-rank save, rank 0 calls :func:`finalize` after a barrier to write it; in
 a rank-local save nobody does and readers merge the rank manifests.
+
+Claims and races. Step 1 writes a claim into ``ranks/<r>.json`` with a
+conditional write (only if the key is still what the writer just read), before
+any data. Without ``overwrite`` the key must be absent: of two saves racing for a
+new location exactly one gets it and the other raises
+:class:`~xckpt.errors.CheckpointExistsError` having written nothing. With
+``overwrite`` a save claims over whatever is there and writes its data into a key
+space of its own (``data/<r>.<token>/``), so saves racing with ``overwrite``
+never write into each other's data; step 4 replaces the claim with the manifest
+by another conditional write, which fails for a save whose claim another save
+took over meanwhile (it raises, and deletes its data). Only after its manifest
+is in place does an overwriting save delete the data of the saves it replaced.
+A save that fails with an error withdraws its claim (:meth:`Writer.abort`); one
+that is killed leaves it, and the location is refused until a save with
+``overwrite=True`` replaces it.
+
+Storage failures (disk full, file too large, permission, network) raise
+:class:`~xckpt.errors.StorageError` naming the checkpoint and what was being
+written, with the tensorstore error as its cause.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import os
+import json
 import secrets
 import zlib
 from collections.abc import Mapping, Sequence
@@ -31,22 +50,26 @@ from xckpt.errors import (
     LayoutError,
     ManifestError,
     ObjectError,
+    StorageError,
     XckptError,
 )
 from xckpt.layout import Box
 from xckpt.manifest import (
     Chunk,
+    Claim,
     Manifest,
     ObjectEntry,
     PlacementInfo,
     TensorEntry,
     ValueRange,
+    claim_bytes,
     dtype_name,
-    dumps_json,
     encode_value,
+    manifest_bytes,
+    parse_claim,
     paused_gc,
 )
-from xckpt.storage import Storage, inner_chunk_shape, packed_grid
+from xckpt.storage import Location, Storage, inner_chunk_shape, packed_grid, storage_error
 
 __all__ = ["Writer", "save", "finalize", "derived_save_id"]
 
@@ -61,9 +84,14 @@ OBJECT_INLINE_LIMIT = 4 << 10
 INFLIGHT_BYTES = 256 << 20
 
 
-def derived_save_id(url: str) -> str:
-    """The save id ranks agree on without talking: a hash of the location."""
-    return "loc-" + hashlib.sha256(url.encode()).hexdigest()[:16]
+#: Attempts of an overwriting save to claim a rank over saves that keep claiming it.
+_CLAIM_TRIES = 20
+
+
+def derived_save_id(url: Any) -> str:
+    """The save id ranks agree on without talking: a hash of the location (URL or spec)."""
+    text = url if isinstance(url, str) else json.dumps(url, sort_keys=True, default=str)
+    return "loc-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class _Pending:
@@ -77,7 +105,8 @@ class Writer:
     """One rank's side of a save. Never waits for other ranks.
 
     Args:
-        path: directory or kvstore URL (``file://``, ``memory://``, ``gs://``, ``s3://``).
+        path: directory, kvstore URL (``file://``, ``memory://``, ``gs://``, ``s3://``) or
+            tensorstore kvstore spec dict (e.g. an S3-compatible endpoint).
         rank, world_size: this writer's rank and the number of writing ranks.
         save_id: shared by all ranks of one save; default derived from the location.
         overwrite: replace an existing save at ``path`` (needs an explicit ``save_id``
@@ -96,7 +125,7 @@ class Writer:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: Location,
         rank: int = 0,
         world_size: int = 1,
         save_id: str | int | None = None,
@@ -122,7 +151,10 @@ class Writer:
         self.metadata = dict(metadata or {})
         explicit = save_id is not None
         self.save_id = str(save_id) if explicit else derived_save_id(self.storage.url)
+        self._claim_gen: bytes | None = None
+        self._overwrite = overwrite
         self._prepare(overwrite, explicit)
+        self._key_names: dict[str, str] = {}
         self._tensors: dict[str, dict[str, Any]] = {}
         self._chunks: dict[str, list[Chunk]] = {}
         self._pending: list[_Pending] = []
@@ -132,25 +164,64 @@ class Writer:
         self._packed_size = 0
         self._objects: dict[str, ObjectEntry] = {}
         self._n = 0
-        self._packed_key = f"data/{rank}/packed"
+        self._packed_key = f"{self._dir}/packed"
         self._bar: Any = None
         self._committed = False
 
     # -- setup --------------------------------------------------------------
 
     def _prepare(self, overwrite: bool, explicit_id: bool) -> None:
+        """Claim ``ranks/<rank>.json`` with a conditional write before any data is written."""
         mkey = f"ranks/{self.rank}.json"
-        old = self.storage.read_key(mkey)
-        if old is None:
-            if self.rank == 0 and self.storage.read_key("xckpt.json") is not None:
-                # A merged manifest without rank manifests: a save from elsewhere.
-                if not overwrite:
+        token = secrets.token_hex(8) if overwrite else ""
+        #: This save's data key space: data/<rank>/, or data/<rank>.<token>/ when overwriting.
+        self._dir = f"data/{self.rank}.{token}" if token else f"data/{self.rank}"
+        claim = claim_bytes(Claim(save_id=self.save_id, rank=self.rank, world_size=self.world_size, token=token))
+        for _ in range(_CLAIM_TRIES):
+            old, gen = self.storage.read_stamped(mkey)
+            if old is None:
+                if not overwrite and self.rank == 0 and self.storage.read_key("xckpt.json") is not None:
+                    # A merged manifest without rank manifests: a save from elsewhere.
                     raise CheckpointExistsError(self._exists_msg())
-                self.storage.delete_key("xckpt.json")
-            # Leftover data of a save that failed before its manifest: reclaim it.
-            self.storage.delete_prefix(f"data/{self.rank}/")
-            return
+            else:
+                self._check_replace(old, mkey, overwrite, explicit_id)
+            new_gen = self.storage.write_if(mkey, claim, gen)
+            if new_gen is not None:
+                self._claim_gen = new_gen
+                break
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"checkpoint {self.storage.path!r}: another save claimed ranks/{self.rank}.json at "
+                    "the same time and this one wrote nothing. Pass overwrite=True to replace it, or "
+                    "save to a new path"
+                )
+        else:
+            raise CheckpointExistsError(
+                f"checkpoint {self.storage.path!r}: other saves kept claiming ranks/{self.rank}.json "
+                f"({_CLAIM_TRIES} attempts); save to a location no other job writes to"
+            )
+        if overwrite:
+            # Withdraw the merged manifest: from here on no reader accepts the location
+            # until this save (or another) is complete.
+            self.storage.delete_key("xckpt.json")
+        else:
+            # Leftover data of a save that failed before it claimed the location: reclaim it.
+            self.storage.delete_prefix(f"{self._dir}/")
+
+    def _check_replace(self, old: bytes, mkey: str, overwrite: bool, explicit_id: bool) -> None:
+        """May this writer replace the claim or manifest ``old`` of its rank?"""
+        try:
+            claim = parse_claim(old, mkey)
+            old_id = claim.save_id if claim is not None else Manifest.loads(old, mkey).save_id
+        except ManifestError:
+            claim, old_id = None, None  # an unreadable manifest is replaced all the same
         if not overwrite:
+            if claim is not None:
+                raise CheckpointExistsError(
+                    f"checkpoint {self.storage.path!r}: ranks/{self.rank}.json is claimed by save "
+                    f"{claim.save_id!r}, which has not committed: a save is running there, or it failed. "
+                    "Pass overwrite=True to replace it, or save to a new path"
+                )
             raise CheckpointExistsError(self._exists_msg())
         if self.world_size > 1 and not explicit_id:
             raise XckptError(
@@ -158,19 +229,29 @@ class Writer:
                 "explicit save_id (e.g. the training step) shared by all ranks, so a reader never "
                 "accepts a mix of the old and the new save"
             )
-        try:
-            old_id = Manifest.loads(old, mkey).save_id
-        except ManifestError:
-            old_id = None  # an unreadable manifest is replaced all the same
         if explicit_id and old_id == self.save_id and self.world_size > 1:
             raise XckptError(
                 f"checkpoint {self.storage.path!r}: rank {self.rank} would overwrite save "
                 f"{old_id!r} with the same save_id; pass a new save_id"
             )
-        # Withdraw the old manifests first: from here on no reader accepts the location.
-        self.storage.delete_key(mkey)
-        self.storage.delete_key("xckpt.json")
-        self.storage.delete_prefix(f"data/{self.rank}/")
+
+    def abort(self) -> None:
+        """Give up this save: withdraw its claim of the location (if still its own) and
+        delete its data. Called when a flush or the commit fails; a killed process
+        leaves the claim, which a save with ``overwrite=True`` replaces."""
+        if self._claim_gen is None or self._committed:
+            return
+        gen, self._claim_gen = self._claim_gen, None
+        self._pending, self._pending_bytes, self._packed, self._futures = [], 0, [], []
+        self.storage.write_if(f"ranks/{self.rank}.json", None, gen)
+        self.storage.delete_prefix(f"{self._dir}/")
+
+    def _failed(self, err: BaseException) -> None:
+        """Withdraw the claim after ``err``; a failure of that is added to ``err``'s notes."""
+        try:
+            self.abort()
+        except StorageError as e2:
+            err.add_note(f"(withdrawing the claim of the failed save also failed: {e2})")
 
     def _exists_msg(self) -> str:
         return (
@@ -279,7 +360,8 @@ class Writer:
                 self._seal_packed()
                 self._flush()
         else:
-            key = f"data/{self.rank}/t/{self._n}"
+            key = f"{self._dir}/t/{self._n}"
+            self._key_names[key] = name
             self._n += 1
             grid = inner_chunk_shape(arr.shape, arr.itemsize)
             chunk = Chunk(
@@ -316,14 +398,33 @@ class Writer:
         self._pending.append(_Pending(self._packed_key, "uint8", packed, [packed_grid(packed.size)]))
         self._pending_bytes += packed.nbytes
         self._packed, self._packed_size = [], 0
-        self._packed_key = f"data/{self.rank}/p/{self._n}"
+        self._packed_key = f"{self._dir}/p/{self._n}"
         self._n += 1
 
     def _flush(self) -> None:
-        """Open all pending arrays concurrently, write them, wait until durable."""
-        pend, self._pending, self._pending_bytes = self._pending, [], 0
+        """Open all pending arrays concurrently, write them, wait until durable.
+
+        A storage failure withdraws this save's claim and raises :class:`StorageError`
+        naming the tensors being written."""
+        pend = self._pending
         if not pend:
             return
+        try:
+            self._flush_pending()
+        except ValueError as e:
+            names = sorted({self._key_names.get(p.key, "packed small tensors") for p in pend})
+            err = storage_error(
+                self.storage.path,
+                f"rank {self.rank} wrote {', '.join(map(repr, names[:5]))}"
+                + (f" and {len(names) - 5} more" if len(names) > 5 else ""),
+                e,
+            )
+            err.__cause__ = e
+            self._failed(err)
+            raise err from e
+
+    def _flush_pending(self) -> None:
+        pend, self._pending, self._pending_bytes = self._pending, [], 0
         # One transaction per flush: every array commits together, so OCDBT writes
         # one new manifest instead of one per array (measured: about 5x faster
         # saves on OCDBT, 2x on plain keys).
@@ -355,7 +456,7 @@ class Writer:
             raise ObjectError(f"{name!r} is already written as a tensor")
         if isinstance(value, (bytes, bytearray)) and len(value) >= OBJECT_INLINE_LIMIT:
             data = bytes(value)
-            key = f"data/{self.rank}/o/{self._n}"
+            key = f"{self._dir}/o/{self._n}"
             self._n += 1
             self._futures.append(self.storage.write_bytes(key, self.kind, data))
             entry = ObjectEntry(
@@ -381,23 +482,61 @@ class Writer:
         when ``world_size == 1``). Returns this rank's manifest."""
         if self._committed:
             raise XckptError("commit() was already called on this Writer")
+        if self._claim_gen is None:
+            raise XckptError("this Writer was aborted; start a new Writer for a new save")
+        mkey = f"ranks/{self.rank}.json"
         try:
             self._seal_packed()
             self._flush()
             for f in self._futures:
-                f.result()
+                try:
+                    f.result()
+                except ValueError as e:
+                    err = storage_error(self.storage.path, f"rank {self.rank} wrote object bytes", e)
+                    self._failed(err)
+                    raise err from e
             self._futures = []
             manifest = self.manifest()
             doc = manifest.to_json()
-            self.storage.write_key(f"ranks/{self.rank}.json", dumps_json(doc))
+            try:
+                gen = self.storage.write_if(mkey, manifest_bytes(doc), self._claim_gen)
+            except StorageError as e:
+                self._failed(e)
+                raise
+            if gen is None:
+                self._claim_gen = None
+                self.storage.delete_prefix(f"{self._dir}/")
+                raise CheckpointExistsError(
+                    f"checkpoint {self.storage.path!r}: another save (with overwrite=True) took over "
+                    f"ranks/{self.rank}.json while this one ran; this save is abandoned and its data "
+                    "deleted, the other one stands. Run one save per location at a time"
+                )
         finally:
             if self._bar is not None:
                 self._bar.close()
         self._committed = True
         if self.world_size == 1:
             doc["rank"] = None
-            self.storage.write_key("xckpt.json", dumps_json(doc))
+            xgen = self.storage.write_key_stamped("xckpt.json", manifest_bytes(doc))
+            if not self.storage.unchanged(mkey, gen):
+                # Another overwriting save replaced ours between our two writes: take back
+                # the merged manifest we just wrote unless that save already replaced it.
+                self.storage.write_if("xckpt.json", None, xgen)
+                raise CheckpointExistsError(
+                    f"checkpoint {self.storage.path!r}: another save (with overwrite=True) replaced "
+                    "this one as it committed; the other one stands. Run one save per location at a time"
+                )
+        if self._overwrite:
+            self._collect()
         return manifest
+
+    def _collect(self) -> None:
+        """Delete this rank's data of the saves this one replaced (every data/<rank>/ and
+        data/<rank>.<token>/ but its own): two range deletions around its own key space."""
+        own = f"{self._dir}/"
+        lo, hi = f"data/{self.rank}.", f"data/{self.rank}0"  # '.' < '/' < '0'
+        self.storage.delete_range(lo, own)
+        self.storage.delete_range(own[:-1] + "0", hi)
 
     def manifest(self) -> Manifest:
         tensors = {
@@ -422,7 +561,7 @@ class Writer:
         )
 
 
-def finalize(path: str | os.PathLike[str], world_size: int, save_id: str, context: Any = None) -> Manifest:
+def finalize(path: Location, world_size: int, save_id: str, context: Any = None) -> Manifest:
     """Merge ranks 0..W-1 into ``xckpt.json`` (rank 0, after all ranks committed).
 
     Validates the merged layout first, and removes rank manifests of a larger
@@ -436,14 +575,14 @@ def finalize(path: str | os.PathLike[str], world_size: int, save_id: str, contex
         stem = key[len("ranks/") : -len(".json")] if key.endswith(".json") else ""
         if stem.isdigit() and int(stem) >= world_size:
             storage.delete_key(key)
-            storage.delete_prefix(f"data/{stem}/")
+            storage.delete_range(f"data/{stem}.", f"data/{stem}0")  # data/<r>/ and data/<r>.<token>/
     storage.write_key("xckpt.json", merged.dumps())
     return merged
 
 
 def save(
     mapping: Mapping[str, Any],
-    path: str | os.PathLike[str],
+    path: Location,
     *,
     overwrite: bool = False,
     save_id: str | int | None = None,
@@ -459,7 +598,7 @@ def save(
     Args:
         mapping: names to numpy arrays (stored as tensors) or JSON values / bytes
             (stored as objects).
-        path: directory or kvstore URL of the checkpoint.
+        path: directory, kvstore URL or kvstore spec dict of the checkpoint.
         overwrite: replace an existing checkpoint at ``path``.
         save_id: id of this save (default: derived from the location; random
             when overwriting).

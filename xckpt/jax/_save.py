@@ -209,7 +209,7 @@ def save(
             # that a later donation reuses.
             data = np.array(shard.data, copy=True) if async_save else np.asarray(shard.data)
             host.append((name, data, shape, box.offset))
-    path_s = os.fspath(path)
+    path_s = path if isinstance(path, dict) else os.fspath(path)  # a kvstore spec dict stays one
     n = next(_seq)
 
     def write() -> Manifest:

@@ -1,0 +1,43 @@
+"""Writes tests/golden/v2 once: format version 2 (checksummed manifests, rank claims
+replaced by manifests). Never re-run to "fix" a failing golden test: a change that
+breaks reading these files is a format change and needs a new version."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+import xckpt
+
+root = Path(__file__).parent / "v2"
+if (root / "ckpt").exists():
+    sys.exit(f"{root / 'ckpt'} exists; golden checkpoints are never regenerated")
+tensors = {
+    "w": np.arange(24, dtype=np.float32).reshape(6, 4),
+    "bf16": (np.arange(6, dtype=np.float32) / 3).astype(ml_dtypes.bfloat16),
+    "fp8": np.linspace(-2, 2, 8).astype(ml_dtypes.float8_e4m3fn),
+    "scalar": np.array(7, dtype=np.int64),
+}
+for r, rows in enumerate([(0, 4), (4, 6)]):
+    w = xckpt.Writer(root / "ckpt", rank=r, world_size=2, save_id="golden-2", storage="plain", pack_threshold=32)
+    w.write("w", tensors["w"][rows[0] : rows[1]], global_shape=(6, 4), offset=(rows[0], 0))
+    if r == 0:
+        for k in ("bf16", "fp8", "scalar"):
+            w.write(k, tensors[k])
+    w.write_object("step", 100)
+    w.write_object("cfg", {"lr": 0.5, "betas": [0.9, 0.95]})
+    w.write_object("shape", (6, 4))
+    w.write_object("blob", b"\x00\x01xckpt")
+    w.commit()
+xckpt.finalize(root / "ckpt", world_size=2, save_id="golden-2")
+expected = {
+    "tensors": {k: {"dtype": v.dtype.name, "shape": list(v.shape), "hex": v.tobytes().hex()} for k, v in tensors.items()},
+    "objects": {"step": 100, "cfg": {"lr": 0.5, "betas": [0.9, 0.95]}},
+    "tagged_objects": {"shape": [6, 4], "blob_hex": b"\x00\x01xckpt".hex()},
+}
+(root / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+print("wrote", root)
