@@ -47,6 +47,7 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import copy
 import json
 import math
 import os
@@ -74,6 +75,8 @@ _STEP_RE = re.compile(r"^(?:.*_)?(\d+)$")
 _ZARR_META = {".zarray": "zarr", "zarr.json": "zarr3"}
 _EMPTY = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": ()}
 _JSON_ITEM_FILE = "metadata"  # JsonCheckpointHandler's default file name
+#: Chunks an array may claim beyond those stored (an old orbax skipped fill-value chunks).
+_MAX_SPARSE_CHUNKS = 1 << 24
 
 
 def _entries(path: str) -> list[str]:
@@ -181,7 +184,7 @@ def _dtype_of(meta: Mapping[str, Any], driver: str) -> str | None:
     if driver == "zarr":
         try:
             dt = np.dtype(raw)
-        except TypeError:
+        except (TypeError, ValueError):
             return None
         if dt.kind in "biufc" and dt.name in DTYPES:
             return dt.name
@@ -192,27 +195,38 @@ def _grid(meta: Mapping[str, Any], driver: str, shape: tuple[int, ...], where: s
     if driver == "zarr":
         grid = meta.get("chunks")
     else:
-        cg = meta.get("chunk_grid") or {}
-        grid = (cg.get("configuration") or {}).get("chunk_shape") if cg.get("name") == "regular" else None
+        cg = meta.get("chunk_grid")
+        conf = cg.get("configuration") if isinstance(cg, dict) and cg.get("name") == "regular" else None
+        grid = conf.get("chunk_shape") if isinstance(conf, dict) else None
     if (
         not isinstance(grid, list)
         or len(grid) != len(shape)
         or not all(type(g) is int and g > 0 for g in grid)
     ):
-        raise ManifestError(f"{where}: zarr metadata has no regular chunk grid for shape {shape} ({grid!r})")
+        raise ManifestError(f"{where}: zarr metadata has no regular chunk grid for shape {shape} ({grid!r:.100})")
     return tuple(grid)
 
 
-def _chunk_key(meta: Mapping[str, Any], driver: str, idx: tuple[int, ...]) -> str:
-    """The zarr key of chunk ``idx`` inside its array's directory."""
+def _key_scheme(meta: Mapping[str, Any], driver: str, where: str) -> tuple[str, str]:
+    """How chunk keys are spelled: (``"v2"`` ("0.1"; "0" when 0-d) or ``"default"`` ("c/0/1"), separator)."""
     if driver == "zarr":
-        sep = meta.get("dimension_separator") or "."
+        kind, sep = "v2", meta.get("dimension_separator", ".")
+        sep = "." if sep is None else sep
+    else:
+        enc = meta.get("chunk_key_encoding", {"name": "default"})
+        kind = enc.get("name") if isinstance(enc, dict) else None
+        conf = enc.get("configuration") if isinstance(enc, dict) else None
+        sep = (conf if isinstance(conf, dict) else {}).get("separator", "." if kind == "v2" else "/")
+    if kind not in ("v2", "default") or sep not in (".", "/"):
+        raise ManifestError(f"{where}: unknown zarr chunk key encoding {kind!r} / separator {sep!r:.20}")
+    return kind, sep
+
+
+def _chunk_key(kind: str, sep: str, idx: tuple[int, ...]) -> str:
+    """The zarr key of chunk ``idx`` inside its array's directory."""
+    if kind == "v2":
         return sep.join(map(str, idx)) if idx else "0"
-    enc = meta.get("chunk_key_encoding") or {}
-    sep = (enc.get("configuration") or {}).get("separator")
-    if enc.get("name") == "v2":
-        return (sep or ".").join(map(str, idx)) if idx else "0"
-    return "c" + "".join((sep or "/") + str(i) for i in idx)
+    return "c" + "".join(sep + str(i) for i in idx)
 
 
 def _placement(raw: Any, ndim: int) -> tuple[PlacementInfo | None, Any]:
@@ -357,7 +371,7 @@ class OrbaxCheckpoint(Source):
             param = _param_name(key, leaf)
             vm = leaf.get("value_metadata") if isinstance(leaf, dict) else None
             vm = vm if isinstance(vm, dict) else {}
-            vtype = vm.get("value_type")
+            vtype = vm.get("value_type") if isinstance(vm.get("value_type"), str) else None
             if vm.get("skip_deserialize"):
                 continue
             if vtype in _EMPTY:
@@ -378,7 +392,7 @@ class OrbaxCheckpoint(Source):
             elif vtype == "scalar":
                 scalars.add(param)
         rel = os.path.relpath(d, self._root)
-        for param, (kv, driver, zmeta) in arrays.items():
+        for param, (kv, driver, zmeta, stored) in arrays.items():
             name = prefix + param
             spec = {
                 "driver": driver,
@@ -393,12 +407,13 @@ class OrbaxCheckpoint(Source):
                 continue
             raw_sh = shardings.get(base64.urlsafe_b64encode(param.encode()).decode())
             keypath = f"{rel}/{param}" if prefix else param
-            self._add_tensor(name, param, keypath, zmeta, driver, arr, raw_sh, owners)
+            self._add_tensor(name, param, keypath, (zmeta, driver, stored, fill_missing), arr, raw_sh, owners)
 
     def _ocdbt_arrays(
         self, d: str, entries: list[str], procs: dict[int, str], owners: dict[str, int], where: str
-    ) -> dict[str, tuple[Any, str, Any]]:
-        """Arrays the item's OCDBT database lists: param -> (kvstore spec, driver, zarr metadata).
+    ) -> dict[str, tuple[Any, str, Any, set[str]]]:
+        """Arrays the item's OCDBT database lists: param -> (kvstore spec, driver, zarr
+        metadata, the zarr chunk keys stored).
 
         Fills ``owners`` (chunk key -> writing process) when several processes wrote.
         """
@@ -422,14 +437,26 @@ class OrbaxCheckpoint(Source):
             param, _, last = k.rpartition("/")
             if last in _ZARR_META and param:
                 futs[param] = (_ZARR_META[last], kv.read(k))
+        stored: dict[str, set[str]] = {p: set() for p in futs}
+        for k in keys:
+            # zarr chunk keys sit below their array's key; the longest array prefix owns the key.
+            head, _, tail = k.partition("/")
+            while head not in stored and "/" in tail:
+                more, _, tail = tail.partition("/")
+                head = f"{head}/{more}"
+            if head in stored and tail not in _ZARR_META:
+                stored[head].add(tail)
         arrays = {}
         for param, (driver, fut) in futs.items():
             try:
-                raw = fut.result().value
-                zmeta = json.loads(raw)
+                zmeta = json.loads(fut.result().value)
             except ValueError as e:
-                raise corrupt(f"{where}, array {param!r} (zarr metadata)", e) from None
-            arrays[param] = ({"driver": "ocdbt", "base": base, "path": param + "/"}, driver, zmeta)
+                raise ManifestError(
+                    f"{where}: the zarr metadata of {param!r} cannot be read ({_msg(e)}); the checkpoint "
+                    "is damaged: restore it from a copy"
+                ) from None
+            kvspec = {"driver": "ocdbt", "base": base, "path": param + "/"}
+            arrays[param] = (kvspec, driver, zmeta, stored[param])
         if len(procs) > 1:
             for i, p in procs.items():
                 for k in self._list(f"file://{d}/{p}/", where):
@@ -454,14 +481,20 @@ class OrbaxCheckpoint(Source):
                 "(d/) are missing or damaged: restore the checkpoint from a copy or load another step"
             ) from None
 
-    def _dir_arrays(self, d: str, where: str) -> dict[str, tuple[Any, str, Any]]:
+    def _dir_arrays(self, d: str, where: str) -> dict[str, tuple[Any, str, Any, set[str]]]:
         """Arrays stored one zarr directory per leaf (``use_ocdbt=False``)."""
         arrays = {}
         for e in _subdirs(d):
-            f = _zarr_meta_file(os.path.join(d, e))
+            top = os.path.join(d, e)
+            f = _zarr_meta_file(top)
             if f is not None:
-                zmeta = _read_json(os.path.join(d, e, f), f"zarr metadata of {e!r}")
-                arrays[e] = (f"file://{d}/{e}/", _ZARR_META[f], zmeta)
+                zmeta = _read_json(os.path.join(top, f), f"zarr metadata of {e!r}")
+                stored = {
+                    os.path.relpath(os.path.join(r, n), top).replace(os.sep, "/")
+                    for r, _, files in os.walk(top)
+                    for n in files
+                }
+                arrays[e] = (f"file://{top}/", _ZARR_META[f], zmeta, stored - set(_ZARR_META))
         return arrays
 
     def _load_json_item(self, d: str, item: str) -> None:
@@ -474,12 +507,12 @@ class OrbaxCheckpoint(Source):
         name: str,
         param: str,
         keypath: str,
-        zmeta: Any,
-        driver: str,
+        stored_as: tuple[Any, str, set[str], bool],
         arr: _Array,
         raw_sh: Any,
         owners: Mapping[str, int],
     ) -> None:
+        zmeta, driver, stored, fill_missing = stored_as
         where = arr.where
         if not isinstance(zmeta, dict) or not isinstance(zmeta.get("shape"), list):
             raise ManifestError(f"{where}: its zarr metadata does not describe an array ({zmeta!r:.200})")
@@ -494,12 +527,25 @@ class OrbaxCheckpoint(Source):
                 "Re-save it with orbax as a supported dtype (e.g. int4 as int8), or restore it with orbax"
             )
         grid = _grid(zmeta, driver, shape, where)
+        scheme = _key_scheme(zmeta, driver, where)
         itemsize = numpy_dtype(dtype).itemsize
+        n = math.prod(-(-s // g) for s, g in zip(shape, grid))
+        if n > max(_MAX_SPARSE_CHUNKS, len(stored)):  # checked before anything is enumerated
+            raise IncompleteCheckpointError(
+                f"{where}: its zarr metadata claims {n} chunks of {grid} for shape {shape}, but "
+                f"{len(stored)} are stored; the checkpoint is incomplete or its metadata damaged: "
+                "restore it from a copy or load another step"
+            )
         chunks = []
         for idx in product(*(range(-(-s // g)) for s, g in zip(shape, grid))):
             off = tuple(i * g for i, g in zip(idx, grid))
             cshape = tuple(min(g, s - o) for g, s, o in zip(grid, shape, off))
-            ck = _chunk_key(zmeta, driver, idx)
+            ck = _chunk_key(*scheme, idx)
+            if ck not in stored and not fill_missing:
+                raise IncompleteCheckpointError(
+                    f"{where}: zarr chunk {ck!r} (box at {off}) is missing; orbax stores every chunk, so "
+                    "the checkpoint is incomplete: restore it from a copy or load another step"
+                )
             chunks.append(
                 Chunk(
                     offset=off,
@@ -589,7 +635,7 @@ class OrbaxCheckpoint(Source):
                     v = self._store(n, v).result().read().result().item()
                 except ValueError as e:
                     raise corrupt(v.where, e) from None
-            out[n] = v
+            out[n] = copy.deepcopy(v) if isinstance(v, (dict, list)) else v  # callers may mutate
         return out
 
     def _verify_objects(self) -> list[str]:
@@ -617,7 +663,7 @@ def _param_name(key: str, leaf: Any) -> str:
         return ".".join(str(k["key"]) for k in km)
     try:
         parts = ast.literal_eval(key)
-    except (ValueError, SyntaxError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return str(key)
     return ".".join(map(str, parts)) if isinstance(parts, tuple) else str(parts)
 
