@@ -144,40 +144,50 @@ def llama() -> Any:
 
 
 def test_llama_to_scanned_and_back_bit_exact(llama: Any, tmp_path: Path) -> None:
+    import shutil
+
     from transformers import LlamaForCausalLM
 
     cfg, model = llama
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
-    xt.save(sd, tmp_path / "hf")
+    sd = model.state_dict()
+    model.save_pretrained(tmp_path / "hf")  # safetensors, as transformers writes it
     scanned = xckpt.open(tmp_path / "hf", rules="hf_llama_to_scanned")
     L, D = cfg.num_hidden_layers, cfg.hidden_size
     assert scanned.info("layers.self_attn.q_proj.kernel").shape == (D, L, D)
     assert scanned.info("layers.self_attn.k_proj.kernel").shape == (D, L, D // 2)
     assert scanned.info("layers.mlp.down_proj.kernel").shape == (cfg.intermediate_size, L, D)
     assert scanned.info("layers.input_layernorm.scale").shape == (L, D)
-    arrays = scanned.read_all()
-    assert len(arrays) == 3 + 9  # embedding, final norm, lm_head; 7 kernels and 2 norms per layer
+    assert len(scanned.names()) == 3 + 9  # embedding, final norm, lm_head; 7 kernels and 2 norms per layer
+    kernel = scanned.read("layers.self_attn.o_proj.kernel")
     for i in range(L):
         want = sd[f"model.layers.{i}.self_attn.o_proj.weight"].T.contiguous().view(torch.int16).numpy()
-        np.testing.assert_array_equal(arrays["layers.self_attn.o_proj.kernel"][:, i, :].view(np.int16), want)
-    w = xckpt.Writer(str(tmp_path / "scanned"))
-    for name, a in arrays.items():
-        w.write(name, a)
-    w.commit()
+        np.testing.assert_array_equal(kernel[:, i, :].view(np.int16), want)
 
+    # HF -> scanned xckpt -> HF directory, both through xckpt.convert with the shipped rules
+    xckpt.convert(tmp_path / "hf", tmp_path / "scanned", rules="hf_llama_to_scanned")
     back = xckpt.open(tmp_path / "scanned", rules="scanned_to_hf_llama")
     assert sorted(back.names()) == sorted(sd)
     got = back.read_all()
     for name, t in sd.items():
         assert got[name].dtype.name == "bfloat16"
         np.testing.assert_array_equal(got[name].view(np.int16), t.view(torch.int16).numpy(), err_msg=name)
+    xckpt.convert(tmp_path / "scanned", tmp_path / "back", to_format="safetensors", rules="scanned_to_hf_llama")
+    shutil.copy(tmp_path / "hf" / "config.json", tmp_path / "back" / "config.json")
 
     fresh = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     res = xt.load(tmp_path / "scanned", fresh.state_dict(), rules="scanned_to_hf_llama")
     assert res.missing == [] and res.unexpected == []
+    # from_pretrained keeps its rotary buffers in float32 (a model cast with .to() does not), so
+    # the round-tripped directory is compared with the original directory, both from_pretrained.
+    original, reloaded = (
+        LlamaForCausalLM.from_pretrained(tmp_path / d, dtype=torch.bfloat16).eval() for d in ("hf", "back")
+    )
+    for name, t in reloaded.state_dict().items():
+        torch.testing.assert_close(t, sd[name], rtol=0, atol=0, msg=name)
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, model(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(reloaded(ids).logits, original(ids).logits, rtol=0, atol=0)
 
 
 def test_scanned_kernel_loads_sharded_into_jax_from_the_hf_checkpoint(llama: Any, tmp_path: Path) -> None:

@@ -73,16 +73,8 @@ from xckpt.layout import Box
 from xckpt.manifest import DTYPES, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source
 
-__all__ = [
-    "RuleError",
-    "Rule",
-    "Part",
-    "RuledSource",
-    "apply_rules",
-    "load_rules",
-    "shipped_rule_sets",
-    "RULESETS_DIR",
-]
+__all__ = ["RuleError", "Rule", "Part", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets"]
+__all__ += ["RULESETS_DIR"]
 
 #: Where the shipped rule sets live (installed as package data).
 RULESETS_DIR = Path(__file__).with_name("rulesets")
@@ -323,14 +315,8 @@ class Part:
         """A chunk's inner grid in output axes (a stacked axis has extent 1)."""
         if grid is None:
             return None
-        g = list(grid)
-        if self.take is not None:
-            del g[self.take[0]]
-        if self.perm is not None:
-            g = [g[p] for p in self.perm]
-        if self.put is not None:
-            g.insert(self.put[0], 1)
-        return tuple(g)
+        off = [self.take[1] if self.take and d == self.take[0] else 0 for d in range(len(grid))]
+        return self.to_output(Box(tuple(off), grid)).shape  # type: ignore[union-attr]
 
     def source_view(self, arr: np.ndarray) -> np.ndarray:
         """A view of ``arr`` (output box) with the source box's axes: reads land straight in ``arr``."""
@@ -501,33 +487,17 @@ class RuledSource(Source):
                 box = part.to_output(c.box)
                 if box is None:
                     continue
-                nc = Chunk(
-                    offset=box.offset,
-                    shape=box.shape,
-                    key=c.key,
-                    rank=c.rank,
-                    nbytes=box.volume * itemsize,
-                    grid=part.map_grid(c.grid),
-                )
-                chunks.append(nc)
+                kw = {"key": c.key, "rank": c.rank, "nbytes": box.volume * itemsize}
+                chunks.append(Chunk(offset=box.offset, shape=box.shape, grid=part.map_grid(c.grid), **kw))
                 src_chunks[box.offset] = c
         p0 = ps[0][1]
         shape = _piece_shape(first, p0)
         if p0.put is not None:
             shape = shape[: p0.put[0]] + (len(ps),) + shape[p0.put[0] :]
-        plain = p0.take is None and p0.perm is None and p0.put is None and dtype == first.dtype
-        entry = TensorEntry(
-            name=out,
-            dtype=dtype,
-            shape=shape,
-            chunks=tuple(chunks),
-            placement=first.placement if plain else None,
-            value_range=first.value_range if plain else None,
-        )
-        if plain and out == first.name:
-            entry = first
-        elif plain:
-            entry = replace(first, name=out)
+        if p0.take is None and p0.perm is None and p0.put is None and dtype == first.dtype:
+            entry = first if out == first.name else replace(first, name=out)  # placement kept
+        else:
+            entry = TensorEntry(name=out, dtype=dtype, shape=shape, chunks=tuple(chunks))
         return _View(entry, tuple(p for _, p, _, _ in ps), first.np_dtype, src_chunks)
 
     # -- metadata ---------------------------------------------------------------
@@ -604,11 +574,7 @@ class RuledSource(Source):
         return list(self._objects)
 
     def objects(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int | None = None,
+        self, names: Sequence[str] | None = None, *, rank: int = 0, world_size: int | None = None,
         per_rank: str = "error",
     ) -> dict[str, Any]:
         wanted = list(self._objects) if names is None else list(names)
