@@ -569,3 +569,32 @@ def test_no_torch_or_jax_on_import() -> None:
 
     code = "import sys, xckpt, xckpt.rules; assert 'torch' not in sys.modules and 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_load_through_rules_counts_the_source_reads(tmp_path: Path) -> None:
+    """A plan of a transposed view costs exactly what the equivalent plan of the stored tensor does
+    (the same inner zarr chunks: the saved box is over 8 MiB, so it is split into inner chunks)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    w = np.zeros((1024, 2304), np.float32)  # 9 MiB
+    path = save(tmp_path / "big", {"fc.weight": w})
+    assert xckpt.open(path).info("fc.weight").chunks[0].grid != w.shape
+    rules = [{"match": r"(.*)\.weight", "rename": r"\1.kernel", "transpose": [1, 0]}]
+    m = jax.make_mesh((8,), ("x",))
+    for kernel_spec, weight_spec in ((P(None, "x"), P("x", None)), (P("x", None), P(None, "x"))):
+        via_rules = xckpt.plan_load(path, {"fc.kernel": NamedSharding(m, kernel_spec)}, rules=rules)
+        direct = xckpt.plan_load(path, {"fc.weight": NamedSharding(m, weight_spec)})
+        assert via_rules.ranks == direct.ranks
+        assert via_rules.total_bytes_to_read >= w.nbytes
+    torch_plan = xckpt.plan_load(path, {"fc.kernel": ((4,), "Shard(1)")}, rules=rules)
+    assert torch_plan.ranks == xckpt.plan_load(path, {"fc.weight": ((4,), "Shard(0)")}).ranks
+
+
+def test_convert_with_bad_rules_writes_nothing(ckpt: str, tmp_path: Path) -> None:
+    with pytest.raises(RuleError, match=r"2 names map to one name 'w'"):
+        xckpt.convert(ckpt, tmp_path / "out", rules=BAD_RULES["two onto one"][0])
+    assert not (tmp_path / "out").exists()
+    xckpt.convert(ckpt, tmp_path / "ok", rules=RENAME_T)
+    equal(xckpt.open(tmp_path / "ok").read("fc.kernel"), A.T)
