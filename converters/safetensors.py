@@ -7,9 +7,9 @@ The header is parsed here, never by the safetensors library, and checked before
 anything is allocated: ``N`` at most :data:`HEADER_CAP` and within the file, a
 JSON object without duplicate keys, known dtypes, shapes that agree with the
 byte ranges, ranges inside the buffer and disjoint. Tensor bytes are read with
-``os.pread`` straight into the caller's buffer: a box of whole rows is one
-range, any other box is read run by run (runs closer than
-:data:`COALESCE_GAP` bytes on average are read together and scattered).
+``os.pread`` straight into the caller's buffer (a box of whole rows is one
+range); a box of many short runs (a column slice) is copied from a memory map of
+its span, a window at a time, each unmapped when copied.
 
 Locations (see :func:`open`): one ``.safetensors`` file; a directory holding
 ``model.safetensors.index.json`` (the index is the truth: only its
@@ -32,8 +32,10 @@ Decisions where the design is silent:
 * ``metadata``: the file's ``__metadata__``; for a directory the shards'
   ``__metadata__`` merged (the first shard wins a clash) and then the index's
   ``metadata`` entries (strings as they are, other values as JSON text).
-* ``bytes_read`` counts tensor bytes read from files (gap bytes read by
-  coalescing included; headers not), for tests and benchmarks.
+* ``bytes_read`` counts the tensor bytes taken from files: pread ranges, or
+  the bytes copied out of a mapping (the kernel fetches whole pages); headers
+  are not counted. It equals what ``plan_load`` predicts (``read_units``'
+  default: a box's bytes).
 * There are no checksums: :meth:`SafetensorsSource.verify` re-checks file sizes
   and reads every tensor, reporting files that are shorter than their header
   says or that fail to read.
@@ -44,6 +46,7 @@ from __future__ import annotations
 import builtins
 import json
 import math
+import mmap
 import os
 import threading
 import weakref
@@ -72,35 +75,20 @@ INDEX_NAME = "model.safetensors.index.json"
 #: Largest header (and index) accepted: the reference implementation's cap (100 MB).
 HEADER_CAP = 100_000_000
 MAX_NDIM = 64
-#: Runs of a box closer than this on average (bytes) are read with one pread.
-COALESCE_GAP = 4096
-_SCRATCH = 32 << 20  # bytes of scratch for one coalesced read batch
+#: Runs of a box at least this long (bytes) are read with one pread each; shorter ones through a mapping.
+PREAD_RUN = 64 << 10
+#: Largest file window mapped at once for a box of short runs.
+MAP_WINDOW = 64 << 20
 _PARALLEL_BYTES = 16 << 20  # reads larger than this in total use a thread pool
 
-#: safetensors dtype -> xckpt dtype name (every safetensors dtype xckpt can hold).
-DTYPES: dict[str, str] = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "F64": "float64",
-    "I64": "int64",
-    "U64": "uint64",
-    "C64": "complex64",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-}
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
-             "F32": 4, "F64": 8, "I64": 8, "U64": 8, "C64": 8, "F8_E5M2": 1, "F8_E4M3": 1,
-             "F8_E5M2FNUZ": 1, "F8_E4M3FNUZ": 1}  # fmt: skip
+#: safetensors dtype -> (xckpt dtype name, itemsize): every safetensors dtype xckpt can hold.
+DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2), "U16": ("uint16", 2),
+    "F16": ("float16", 2), "BF16": ("bfloat16", 2), "I32": ("int32", 4), "U32": ("uint32", 4),
+    "F32": ("float32", 4), "F64": ("float64", 8), "I64": ("int64", 8), "U64": ("uint64", 8),
+    "C64": ("complex64", 8), "F8_E5M2": ("float8_e5m2", 1), "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1), "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+}  # fmt: skip
 
 
 class TensorInfo(NamedTuple):
@@ -196,7 +184,7 @@ def parse_header(body: bytes, file_size: int, where: str) -> Header:
         if missing:
             raise ManifestError(f"{w}: the header entry lacks {', '.join(missing)}")
         st_dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if st_dtype not in DTYPES:
+        if not isinstance(st_dtype, str) or st_dtype not in DTYPES:
             raise ManifestError(
                 f"{w}: dtype {str(st_dtype)[:40]!r} is not supported by xckpt (supported: "
                 f"{', '.join(DTYPES)}); cast the tensor to one of them and re-save"
@@ -207,6 +195,8 @@ def parse_header(body: bytes, file_size: int, where: str) -> Header:
             )
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) and o >= 0 for o in offs)):
             raise ManifestError(f"{w}: data_offsets must be [begin, end] ints >= 0, got {str(offs)[:100]}")
+        if math.prod(s for s in shape if s) * DTYPES[st_dtype][1] >= 1 << 62:
+            raise ManifestError(f"{w}: shape {shape} is too large for any array (even an empty one)")
         begin, end = offs
         if begin > end:
             raise ManifestError(f"{w}: data_offsets [{begin}, {end}) end before they begin")
@@ -215,13 +205,13 @@ def parse_header(body: bytes, file_size: int, where: str) -> Header:
                 f"{w}: data_offsets [{begin}, {end}) lie past the end of the data buffer ({buffer} bytes "
                 "after the header); the file is truncated: re-download or re-save it"
             )
-        nbytes = math.prod(shape) * _ITEMSIZE[st_dtype]
+        nbytes = math.prod(shape) * DTYPES[st_dtype][1]
         if nbytes != end - begin:
             raise ManifestError(
                 f"{w}: shape {shape} of {st_dtype} needs {nbytes} bytes but data_offsets [{begin}, {end}) "
                 f"hold {end - begin}; the header is damaged"
             )
-        tensors[name] = TensorInfo(DTYPES[st_dtype], tuple(shape), data_start + begin, data_start + end)
+        tensors[name] = TensorInfo(DTYPES[st_dtype][0], tuple(shape), data_start + begin, data_start + end)
         if end > begin:
             spans.append((begin, end, name))
     spans.sort()
@@ -235,7 +225,7 @@ def parse_header(body: bytes, file_size: int, where: str) -> Header:
 
 
 class _File:
-    """One safetensors file: its parsed header and a lazily opened descriptor."""
+    """One safetensors file: its parsed header and an open descriptor (until the source closes)."""
 
     def __init__(self, path: str, rank: int) -> None:
         self.path = path
@@ -250,11 +240,12 @@ class _File:
             raise XckptError(f"{path!r}: cannot open the safetensors file ({e.strerror})") from None
         try:
             self.size = os.fstat(fd).st_size
-            n = header_length(os.pread(fd, 8, 0), self.size, path)
+            where = f"safetensors file {path!r}"
+            n = header_length(os.pread(fd, 8, 0), self.size, where)
             body = os.pread(fd, n, 8)
             if len(body) != n:
-                raise ManifestError(f"{path!r}: the file ended inside its {n}-byte header (read {len(body)})")
-            self.header = parse_header(body, self.size, path)
+                raise ManifestError(f"{where}: the file ended inside its {n}-byte header (read {len(body)})")
+            self.header = parse_header(body, self.size, where)
         except OSError as e:
             os.close(fd)
             raise XckptError(f"{path!r}: cannot read the safetensors header ({e.strerror})") from None
@@ -276,7 +267,7 @@ class SafetensorsSource(Source):
 
     Attributes:
         files: the safetensors files read, in writer order.
-        bytes_read: tensor bytes read from files so far (coalesced gaps included).
+        bytes_read: tensor bytes taken from files so far (see the module docstring).
     """
 
     format = FORMAT
@@ -286,25 +277,22 @@ class SafetensorsSource(Source):
     ) -> None:
         self.path = path
         self.files = files
+        self._finalizer = weakref.finalize(self, _close_all, files)
         self._meta = metadata
         self._tensors = tensors
         self._entries: dict[str, TensorEntry] = {}
         self.bytes_read = 0
         self._lock = threading.Lock()
         for name, (f, t) in sorted(tensors.items()):
-            nbytes = t.end - t.begin
-            chunks = () if math.prod(t.shape) == 0 else (
-                Chunk(offset=(0,) * len(t.shape), shape=t.shape, key=f"{f.name}[{t.begin}:{t.end}]", rank=f.rank,
-                      nbytes=nbytes),
-            )
-            entry = TensorEntry(name=name, dtype=t.dtype, shape=t.shape, chunks=chunks)
+            key = f"{f.name}[{t.begin}:{t.end}]"
+            chunk = Chunk(offset=(0,) * len(t.shape), shape=t.shape, key=key, rank=f.rank, nbytes=t.end - t.begin)
+            entry = TensorEntry(name=name, dtype=t.dtype, shape=t.shape, chunks=(chunk,) if math.prod(t.shape) else ())
             check_coverage(t.shape, entry.boxes, name, where=path)
             self._entries[name] = entry
-        self._finalizer = weakref.finalize(self, _close_all, files)
 
     @property
     def world_size(self) -> int:
-        return len(self.files)
+        return max(1, len(self.files))
 
     @property
     def metadata(self) -> Mapping[str, str]:
@@ -362,49 +350,56 @@ class SafetensorsSource(Source):
     ) -> None:
         """Read box ``start``/``box`` of tensor ``t`` into the C-contiguous ``buf``.
 
-        Dims ``j..`` of the box are read as one byte range per index of dims
-        ``..j`` (a "super-run"); ``j`` is pushed outwards while the bytes read
-        in between stay below :data:`COALESCE_GAP` per avoided read.
+        The box is ``R`` runs of contiguous bytes (dims from the innermost partial
+        one outwards). One run, or runs of at least :data:`PREAD_RUN` bytes: one
+        pread each, straight into ``buf``. Many small runs (a column slice): the
+        byte span is memory-mapped in windows of at most :data:`MAP_WINDOW` bytes
+        and copied with numpy strides, so only the pages holding the runs are
+        touched and no syscall is made per run; each window is unmapped at once.
         """
         nd = len(shape := t.shape)
         isz = buf.itemsize
         strides = [math.prod(shape[i + 1 :]) for i in range(nd)]  # C strides, in elements
         partial = [i for i in range(nd) if box[i] != shape[i]]
         k = partial[-1] if partial else 0
-
-        def span(j: int) -> int:  # elements from the first to the last needed one, dims j.. inclusive
-            return sum((box[i] - 1) * strides[i] for i in range(j, nd)) + 1
-
-        j = k
-        while j > 0:
-            sp, need, runs = span(j - 1), math.prod(box[j - 1 :]), math.prod(box[j - 1 : k])
-            if sp != need and ((sp - need) * isz > COALESCE_GAP * max(runs - 1, 1) or sp * isz > _SCRATCH):
-                break
-            j -= 1
-        length, need = span(j), math.prod(box[j:])
-        offs = np.zeros(1, dtype=np.int64)
-        for i in range(j):
-            offs = (offs[:, None] + np.arange(box[i], dtype=np.int64) * strides[i]).reshape(-1)
+        runs, run = math.prod(box[:k]), math.prod(box[k:])
         base = sum(s * st for s, st in zip(start, strides))
-        offs = t.begin + (offs + base) * isz
-        rows = buf.reshape(len(offs), -1).view(np.uint8)
-        if length == need:  # each super-run is exactly the bytes wanted: read in place
-            for r, off in enumerate(offs.tolist()):
+        if runs == 1 or run * isz >= PREAD_RUN:
+            offs = np.zeros(1, dtype=np.int64)
+            for i in range(k):
+                offs = (offs[:, None] + np.arange(box[i], dtype=np.int64) * strides[i]).reshape(-1)
+            rows = buf.reshape(runs, -1).view(np.uint8)
+            for r, off in enumerate((t.begin + (offs + base) * isz).tolist()):
                 self._pread(name, f, t, rows[r], off)
             return
-        per = max(1, _SCRATCH // (length * isz))
-        scratch = np.empty((min(per, len(offs)), length * isz), dtype=np.uint8)
-        shaped = buf.reshape(len(offs), *box[j:])
-        inner = tuple(s * isz for s in strides[j:])
-        for r0 in range(0, len(offs), per):
-            part = offs[r0 : r0 + per].tolist()
-            for r, off in enumerate(part):
-                self._pread(name, f, t, scratch[r], off)
-            # np.ndarray over the scratch, not as_strided: that goes through __array_interface__,
-            # which does not know ml_dtypes' float8 types.
-            shaped[r0 : r0 + len(part)] = np.ndarray(
-                (len(part), *box[j:]), dtype=buf.dtype, buffer=scratch, strides=(length * isz, *inner)
-            )
+        last = sum((b - 1) * st for b, st in zip(box[1:], strides[1:])) + 1  # elements of one dim-0 slab
+        per = max(1, MAP_WINDOW // (strides[0] * isz))
+        for i0 in range(0, box[0], per):
+            n0 = min(per, box[0] - i0)
+            first = t.begin + (base + i0 * strides[0]) * isz
+            end = first + ((n0 - 1) * strides[0] + last) * isz
+            at = first - first % mmap.ALLOCATIONGRANULARITY
+            try:
+                m = mmap.mmap(f.fd, end - at, prot=mmap.PROT_READ, offset=at)  # type: ignore[arg-type]
+            except (OSError, ValueError) as e:  # ValueError: the file is now shorter than the window
+                raise self._short(name, f, t, e) from None
+            try:
+                view = np.ndarray(
+                    (n0, *box[1:]), dtype=buf.dtype, buffer=m, offset=first - at, strides=[s * isz for s in strides]
+                )
+                buf[i0 : i0 + n0] = view
+                del view
+            finally:
+                m.close()
+        with self._lock:
+            self.bytes_read += buf.nbytes
+
+    def _short(self, name: str, f: _File, t: TensorInfo, why: object) -> CorruptChunkError:
+        return CorruptChunkError(
+            f"checkpoint {self.path!r}, tensor {name!r}: {f.name} now holds {os.fstat(f.fd).st_size} bytes, "  # type: ignore[arg-type]
+            f"but its header puts the tensor at bytes [{t.begin}, {t.end}) ({why}); the file is truncated or "
+            "was changed after it was opened: re-download or re-save it"
+        )
 
     def _pread(self, name: str, f: _File, t: TensorInfo, dst: np.ndarray, off: int) -> None:
         view = memoryview(dst)
@@ -418,11 +413,7 @@ class SafetensorsSource(Source):
                     f"failed ({e.strerror})"
                 ) from None
             if n == 0:
-                raise CorruptChunkError(
-                    f"checkpoint {self.path!r}, tensor {name!r}: {f.name} now holds {os.fstat(f.fd).st_size} "
-                    f"bytes, but its header puts the tensor at bytes [{t.begin}, {t.end}); the file is "
-                    "truncated or was changed after it was opened: re-download or re-save it"
-                )
+                raise self._short(name, f, t, f"nothing at byte {off + got}")
             got += n
         with self._lock:
             self.bytes_read += got
@@ -485,6 +476,34 @@ def _listing(path: str) -> str:
     return ", ".join(entries[:12]) + (f", ... ({len(entries)} entries)" if len(entries) > 12 else "") or "nothing"
 
 
+def _open(path: str, paths: list[str], fix: str) -> tuple[list[_File], dict[str, tuple[_File, TensorInfo]]]:
+    """Open ``paths`` (writer = position) and map every tensor name to its file; a name in two is an error."""
+    files: list[_File] = []
+    tensors: dict[str, tuple[_File, TensorInfo]] = {}
+    try:
+        for rank, p in enumerate(paths):
+            files.append(f := _File(p, rank))
+            for name, t in f.header.tensors.items():
+                if name in tensors:
+                    raise ManifestError(
+                        f"checkpoint {path!r}: tensor {name!r} is stored in both {tensors[name][0].name} and "
+                        f"{f.name}; which one is meant is ambiguous. {fix}"
+                    )
+                tensors[name] = (f, t)
+    except BaseException:
+        _close_all(files)
+        raise
+    return files, tensors
+
+
+def _metadata(files: list[_File]) -> dict[str, str]:
+    meta: dict[str, str] = {}
+    for f in files:
+        for k, v in f.header.metadata.items():
+            meta.setdefault(k, v)
+    return meta
+
+
 def _open_index(path: str, index: str) -> SafetensorsSource:
     d = os.path.dirname(index)
     try:
@@ -500,73 +519,31 @@ def _open_index(path: str, index: str) -> SafetensorsSource:
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise ManifestError(f"{index!r}: the index needs a \"weight_map\" object from tensor names to file names")
     shards = sorted(set(wmap.values()))
-    files: list[_File] = []
-    try:
-        for rank, shard in enumerate(shards):
-            parts = shard.replace("\\", "/").split("/")
-            if os.path.isabs(shard) or ".." in parts or not shard:
-                raise ManifestError(f"{index!r}: shard {shard!r} is not a file inside {d!r}; the index is unsafe")
-            if not os.path.isfile(os.path.join(d, shard)):
-                example = next(n for n, s in wmap.items() if s == shard)
-                raise IncompleteCheckpointError(
-                    f"{index!r} names shard {shard!r} (holding {example!r}), which is not in {d!r}; the "
-                    "download is incomplete: fetch the missing shard"
-                )
-            files.append(_File(os.path.join(d, shard), rank))
-        seen: dict[str, str] = {}
-        for f in files:
-            for name in f.header.tensors:
-                if name in seen:
-                    raise ManifestError(
-                        f"checkpoint {path!r}: tensor {name!r} is stored in both {seen[name]} and {f.name}; "
-                        "which one is meant is ambiguous. Remove it from one shard (or re-save the model)"
-                    )
-                seen[name] = f.name
-        by_shard = dict(zip(shards, files))
-        tensors = {}
-        for name, shard in wmap.items():
-            t = by_shard[shard].header.tensors.get(name)
-            if t is None:
-                raise IncompleteCheckpointError(
-                    f"{index!r} puts tensor {name!r} in {shard!r}, whose header does not hold it; the index "
-                    "and the shards come from different saves: re-download them together"
-                )
-            tensors[name] = (by_shard[shard], t)
-    except BaseException:
-        _close_all(files)
-        raise
-    meta: dict[str, str] = {}
-    for f in files:
-        for k, v in f.header.metadata.items():
-            meta.setdefault(k, v)
+    for shard in shards:
+        if not shard or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+            raise ManifestError(f"{index!r}: shard {shard!r} is not a file inside {d!r}; the index is unsafe")
+        if not os.path.isfile(os.path.join(d, shard)):
+            example = next(n for n, s in wmap.items() if s == shard)
+            raise IncompleteCheckpointError(
+                f"{index!r} names shard {shard!r} (holding {example!r}), which is not in {d!r}; the "
+                "download is incomplete: fetch the missing shard"
+            )
+    paths = [os.path.join(d, s) for s in shards]
+    files, found = _open(path, paths, "Remove it from one shard (or re-save the model)")
+    tensors = {}
+    for name, shard in wmap.items():
+        t = found.get(name)
+        if t is None or t[0].path != os.path.join(d, shard):
+            _close_all(files)
+            raise IncompleteCheckpointError(
+                f"{index!r} puts tensor {name!r} in {shard!r}, whose header does not hold it; the index "
+                "and the shards come from different saves: re-download them together"
+            )
+        tensors[name] = t
+    meta = _metadata(files)
     imeta = obj.get("metadata")
     if isinstance(imeta, dict):
         meta.update({str(k): v if isinstance(v, str) else json.dumps(v) for k, v in imeta.items()})
-    return SafetensorsSource(path, files, tensors, meta)
-
-
-def _open_files(path: str, paths: list[str]) -> SafetensorsSource:
-    files: list[_File] = []
-    tensors: dict[str, tuple[_File, TensorInfo]] = {}
-    try:
-        for rank, p in enumerate(paths):
-            f = _File(p, rank)
-            files.append(f)
-            for name, t in f.header.tensors.items():
-                if name in tensors:
-                    raise ManifestError(
-                        f"checkpoint {path!r}: tensor {name!r} is stored in both {tensors[name][0].name} and "
-                        f"{f.name}; which one is meant is ambiguous. Move one of the files away (or write "
-                        f"a {INDEX_NAME} that says which file holds what)"
-                    )
-                tensors[name] = (f, t)
-    except BaseException:
-        _close_all(files)
-        raise
-    meta: dict[str, str] = {}
-    for f in files:
-        for k, v in f.header.metadata.items():
-            meta.setdefault(k, v)
     return SafetensorsSource(path, files, tensors, meta)
 
 
@@ -587,7 +564,8 @@ def open(path: str, *, allow_pickle: bool = False) -> SafetensorsSource:  # noqa
     if os.path.isfile(path):
         if path.endswith(".index.json"):
             return _open_index(path, path)
-        return _open_files(path, [path])
+        files, tensors = _open(path, [path], "")
+        return SafetensorsSource(path, files, tensors, _metadata(files))
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"{path!r}: no such safetensors file or directory")
     try:
@@ -608,4 +586,6 @@ def open(path: str, *, allow_pickle: bool = False) -> SafetensorsSource:  # noqa
             f"{path!r} holds no safetensors checkpoint: no {INDEX_NAME} and no *.safetensors file (found "
             f"{_listing(path)}). If it is another format, open it without format= to detect it"
         )
-    return _open_files(path, [os.path.join(path, e) for e in shards])
+    fix = f"Move one of the files away (or write a {INDEX_NAME} that says which file holds what)"
+    files, tensors = _open(path, [os.path.join(path, e) for e in shards], fix)
+    return SafetensorsSource(path, files, tensors, _metadata(files))

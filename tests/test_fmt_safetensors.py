@@ -342,7 +342,8 @@ def test_jax_load_hf(hf_dir: tuple, n: int) -> None:
 
 
 def test_bytes_read_one_eighth(tmp_path: object) -> None:
-    """A device box of 1/8 of the rows reads 1/8 of the bytes; so do 1/8 of the columns of wide rows."""
+    """A device box of 1/8 of the rows reads 1/8 of the bytes (one pread); so does 1/8 of the columns,
+    whether its runs are long (a pread each) or short (copied from a mapping of the span)."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -350,8 +351,8 @@ def test_bytes_read_one_eighth(tmp_path: object) -> None:
     import xckpt.jax  # noqa: F401
 
     rows = bits((1024, 256), torch.float32, 5)  # 1 MiB, 1 KiB rows
-    wide = bits((64, 8192), torch.float32, 6)  # 2 MiB, 32 KiB rows: 4 KiB column runs, 28 KiB gaps
-    narrow = bits((512, 64), torch.float32, 7)  # 256-byte rows: 32-byte runs, coalesced
+    wide = bits((64, 65536), torch.float32, 6)  # 16 MiB, 256 KiB rows: 1/8 of the columns is 32 KiB runs
+    narrow = bits((512, 64), torch.float32, 7)  # 256-byte rows: 32-byte runs, from a mapping
     path = os.path.join(str(tmp_path), "big.safetensors")
     safetensors.torch.save_file({"rows": rows, "wide": wide, "narrow": narrow}, path)
     src = xckpt.open(path, format=FMT)
@@ -359,17 +360,19 @@ def test_bytes_read_one_eighth(tmp_path: object) -> None:
     src.read_into([("rows", xckpt.layout.Box((384, 0), (128, 256)), out)])
     assert same(out, rows[384:512]) and src.bytes_read == rows.nbytes // 8
     before = src.bytes_read
-    assert same(src.read("wide", (slice(None), slice(1024, 2048))), wide[:, 1024:2048])
+    assert same(src.read("wide", (slice(None), slice(8192, 16384))), wide[:, 8192:16384])
     assert src.bytes_read - before == wide.nbytes // 8
     before = src.bytes_read
     assert same(src.read("narrow", (slice(None), slice(8, 16))), narrow[:, 8:16])
-    assert src.bytes_read - before == narrow.nbytes - 8 * 4 - 48 * 4  # one range: first to last element
+    assert src.bytes_read - before == narrow.nbytes // 8
     # The whole 8-way load through xckpt.jax.load reads every byte once.
     mesh = Mesh(np.array(jax.devices()), ("x",))
+    target = {k: NamedSharding(mesh, P("x") if k == "rows" else P(None, "x")) for k in ("rows", "wide", "narrow")}
     src = xckpt.open(path, format=FMT)
-    got = xckpt.jax.load(src, {"rows": NamedSharding(mesh, P("x")), "wide": NamedSharding(mesh, P(None, "x"))})
-    assert same(np.asarray(got["rows"]), rows) and same(np.asarray(got["wide"]), wide)
-    assert src.bytes_read == rows.nbytes + wide.nbytes
+    got = xckpt.jax.load(src, target)
+    assert all(same(np.asarray(got[k]), v) for k, v in (("rows", rows), ("wide", wide), ("narrow", narrow)))
+    assert src.bytes_read == rows.nbytes + wide.nbytes + narrow.nbytes
+    assert xckpt.plan_load(path, target, format=FMT).total_bytes_to_read == src.bytes_read
 
 
 # ---------------------------------------------------------------------------
@@ -412,6 +415,10 @@ FILE_ERRORS = {
     "duplicate_key": (struct.pack("<Q", len(_DUP)) + _DUP + b"\0", ManifestError, r"the header lists 'a' twice"),
     "bad_metadata": (st_bytes({"__metadata__": {"k": 1}}), ManifestError, r"__metadata__ must map strings"),
     "bool_shape": (st_bytes({"a": E("U8", [True], 0, 1)}, b"\0"), ManifestError, r"tensor 'a': shape must be"),
+    "huge_empty_shape": (st_bytes({"a": E("F32", [0, 2**61], 0, 0)}), ManifestError,
+                         r"tensor 'a': shape \[0, 2305843009213693952\] is too large"),
+    "dtype_not_a_string": (st_bytes({"a": E(["F32"], [1], 0, 4)}, b"\0" * 4), ManifestError,  # type: ignore[arg-type]
+                           r"tensor 'a': dtype .* is not supported"),
     "missing_field": (st_bytes({"a": {"dtype": "U8", "shape": [1]}}, b"\0"), ManifestError,
                       r"tensor 'a': the header entry lacks data_offsets"),
 }  # fmt: skip
@@ -509,6 +516,11 @@ def test_truncated_after_open(torch_file: tuple, tmp_path: object) -> None:
     last = max(src.names(), key=lambda n: src._tensors[n][1].end)  # the tensor at the end of the file
     with pytest.raises(CorruptChunkError, match=rf"tensor '{last}': t.safetensors now holds {size - 100} bytes, but its header"):
         src.read(last)
+    with open(path, "rb") as f:
+        cut = 8 + struct.unpack("<Q", f.read(8))[0] + 10
+    os.truncate(path, cut)  # (almost) every tensor's bytes gone: a column slice (mapped) fails cleanly too
+    with pytest.raises(CorruptChunkError, match=rf"tensor 'f32': t.safetensors now holds {cut} bytes, but its header"):
+        src.read("f32", (slice(None), slice(3, 5)))
     with pytest.raises(ManifestError, match=r"lie past the end of the data buffer"):
         xckpt.open(path, format=FMT)
 
@@ -581,6 +593,31 @@ def test_mutated_headers_raise_xckpt_error(data: st.DataObject) -> None:
         pass
 
 
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_FIELD = {
+    "dtype": st.sampled_from([*xst.DTYPES, "F4", "F8_E8M0", ""]) | _JSON,
+    "shape": st.lists(st.integers(0, 5) | st.sampled_from([-1, 2**62, 2**64]), max_size=3) | _JSON,
+    "data_offsets": st.lists(st.integers(-1, 70) | st.sampled_from([2**63, 2**64]), min_size=2, max_size=2) | _JSON,
+}
+_ENTRY = st.fixed_dictionaries({}, optional=_FIELD) | _JSON
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "c", "__metadata__"]), _ENTRY, max_size=4),
+       st.integers(0, 64), st.integers(-3, 3))  # fmt: skip
+def test_random_json_headers_raise_xckpt_error(header: dict, data_len: int, n_shift: int) -> None:
+    """Headers with random fields and values (and a wrong length now and then): XckptError or a sound file."""
+    body = json.dumps(header).encode()
+    try:
+        _open_bytes(struct.pack("<Q", max(0, len(body) + n_shift)) + body + b"\x01" * data_len)
+    except XckptError:
+        pass
+
+
 _ST_DTYPES = ["bool", "uint8", "int8", "int16", "uint16", "float16", "int32", "uint32", "float32", "float64",
               "int64", "uint64", "complex64"]  # fmt: skip
 
@@ -614,12 +651,12 @@ def test_own_headers_with_gaps_round_trip(items: list, rnd: object) -> None:
     for i in order:
         dt, shape, gap = items[i]
         data += b"\xee" * gap
-        n = math.prod(shape) * xst._ITEMSIZE[dt]
+        n = math.prod(shape) * xst.DTYPES[dt][1]
         payload = bytes(rnd.randrange(256) for _ in range(n))  # type: ignore[attr-defined]
         if dt == "BOOL":
             payload = bytes(b & 1 for b in payload)
         header[f"t{i}"] = E(dt, shape, len(data), len(data) + n)
-        want[f"t{i}"] = (xckpt.manifest.numpy_dtype(xst.DTYPES[dt]), tuple(shape), payload)
+        want[f"t{i}"] = (xckpt.manifest.numpy_dtype(xst.DTYPES[dt][0]), tuple(shape), payload)
         data += payload
     path = write(os.path.join(_TMP, "g.safetensors"), st_bytes(header, bytes(data) + b"\xff" * 3))
     with xckpt.open(path, format=FMT) as src:
