@@ -12,9 +12,10 @@ chunk; a column-sharded one is assembled whole. The directory's index is written
 last: until then no reader takes the directory for a complete checkpoint.
 
 ``__metadata__`` holds ``{"format": "pt"}`` (what ``save_pretrained`` writes and
-``from_pretrained`` checks), the source's metadata (strings as they are, other
-values as JSON text; an index's ``total_size`` and ``total_parameters`` are
-not carried over) and every object as JSON text (:func:`xckpt.manifest.encode_value`,
+``from_pretrained`` checks), the metadata of a safetensors or xckpt source
+(strings as they are, other values as JSON text; an index's ``total_size`` and
+``total_parameters`` are not carried over; other formats' metadata is their own
+bookkeeping, e.g. orbax's timestamps, and stays behind) and every object as JSON text (:func:`xckpt.manifest.encode_value`,
 so bytes and tuples come back tagged); in a directory these go into the first
 shard. Dtypes safetensors has no name for are an error naming the tensor.
 """
@@ -62,7 +63,8 @@ _INDEX_KEYS = frozenset({"total_size", "total_parameters"})
 
 def _metadata(job: Any) -> dict[str, str]:
     meta: dict[str, str] = {"format": "pt"}
-    for k, v in dict(job.src.metadata).items():
+    carried = job.src.metadata if job.src.format in ("safetensors", "xckpt") else {}
+    for k, v in dict(carried).items():
         if k not in _INDEX_KEYS:
             meta[str(k)] = v if isinstance(v, str) else json.dumps(encode_value(v, str(k)))
     for k, v in job.objects.items():

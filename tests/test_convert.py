@@ -136,7 +136,38 @@ def sources(tmp_path_factory) -> dict:
     pt = {"a": torch.randn(20, 7), "b": torch.arange(12, dtype=torch.int32).reshape(3, 4), "h": torch.randn(9).half()}
     torch.save({**pt, "epoch": 3}, str(root / "plain.pt"))
     out["pt"] = (str(root / "plain.pt"), {k: to_np(v) for k, v in pt.items()}, {"epoch": 3})
+    out["orbax"] = _orbax_source(str(root / "orbax"))
     return out
+
+
+def _orbax_source(path: str) -> tuple:
+    """An orbax StandardCheckpointer save of arrays sharded over the 8 simulated CPU devices."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devs = np.array(jax.devices()[:8])
+    rows, grid = Mesh(devs, ("x",)), Mesh(devs.reshape(2, 4), ("a", "b"))
+    rng = np.random.default_rng(5)
+    want = {
+        "params.w": rng.standard_normal((64, 48)).astype(np.float32),
+        "params.g": rng.standard_normal((16, 24)).astype(ml_dtypes.bfloat16),
+        "params.b": rng.standard_normal(48).astype(np.float32),
+        "params.n": np.arange(12, dtype=np.int32).reshape(3, 4),
+    }
+    specs = {"w": (rows, PartitionSpec("x")), "g": (grid, PartitionSpec("a", "b")),
+             "b": (rows, PartitionSpec()), "n": (rows, PartitionSpec())}  # fmt: skip
+    tree = {
+        "params": {
+            k: jax.device_put(jnp.asarray(want[f"params.{k}"]), NamedSharding(m, sp)) for k, (m, sp) in specs.items()
+        },
+        "step": 3,
+    }
+    ck = ocp.StandardCheckpointer()
+    ck.save(path, tree)
+    ck.wait_until_finished()
+    return path, want, {"step": 3}
 
 
 # -- reading outputs with their own libraries ------------------------------------------------------
@@ -196,7 +227,7 @@ OUTPUTS = {  # kind -> (dst name, convert kwargs)
     "hf": ("hf_out", {"to_format": "safetensors", "max_shard_size": "20KB"}),
     "pt": ("out.pt", {}),
 }
-SOURCES = ["xckpt2", "st", "hf", "pt"]
+SOURCES = ["xckpt2", "st", "hf", "pt", "orbax"]
 
 
 def _dcp_ready() -> bool:
@@ -256,6 +287,53 @@ def test_hf_directory_loads_in_transformers_with_identical_logits(sources, tmp_p
         with torch.no_grad():
             got = model(ids).logits
         assert torch.equal(got, want), mid
+
+
+# -- rules ---------------------------------------------------------------------------------------------------
+
+
+def test_rules_are_views_keeping_the_layout(sources, tmp_path):
+    path, want, _ = sources["xckpt2"]
+    rules = [{"match": r"model\.(w|odd)", "rename": r"model.\1.kernel", "transpose": [1, 0]}]
+    xckpt.convert(path, str(tmp_path / "out"), rules=rules, include="model.*")
+    with xckpt.open(str(tmp_path / "out")) as out:
+        got = out.read_all()
+        # model.w was row-sharded over 2 writers: its kernel is column-sharded by the same writers
+        boxes = sorted((c.offset, c.shape, c.rank) for c in out.info("model.w.kernel").chunks)
+        assert boxes == [((0, 0), (48, 32), 0), ((0, 32), (48, 32), 1)]
+        assert out.world_size == 2
+    expect = {k: v for k, v in want.items() if k.startswith("model.") and k not in ("model.w", "model.odd")}
+    expect.update({"model.w.kernel": want["model.w"].T.copy(), "model.odd.kernel": want["model.odd"].T.copy()})
+    assert_same(got, expect)
+    xckpt.convert(path, str(tmp_path / "k.safetensors"), rules=rules, include="model.w")
+    assert_same(read_back("st", str(tmp_path / "k.safetensors"))[0], {"model.w.kernel": want["model.w"].T.copy()})
+
+
+def test_shipped_rule_set_with_exclude_applied_first(sources, tmp_path):
+    path, want, _ = sources["hf"]
+    xckpt.convert(path, str(tmp_path / "scan"), rules="hf_llama_to_scanned", exclude=["lm_head.*"])
+    got, _ = read_back("xckpt", str(tmp_path / "scan"))
+    assert "logits_dense.kernel" not in got
+    q = [want[f"model.layers.{i}.self_attn.q_proj.weight"].T for i in range(2)]
+    assert got["layers.self_attn.q_proj.kernel"].tobytes() == np.stack(q, axis=1).tobytes()
+    n = [want[f"model.layers.{i}.input_layernorm.weight"] for i in range(2)]
+    assert got["layers.input_layernorm.scale"].tobytes() == np.stack(n).tobytes()
+    # excluding layer 1 before the rules: the stack has one layer
+    xckpt.convert(path, str(tmp_path / "one.pt"), rules="hf_llama_to_scanned", exclude="model.layers.1.*")
+    got, _ = read_back("pt", str(tmp_path / "one.pt"))
+    assert got["layers.self_attn.q_proj.kernel"].shape == (64, 1, 64)
+    assert got["layers.self_attn.q_proj.kernel"].tobytes() == q[0][:, None, :].tobytes()
+
+
+def test_bad_rules_fail_before_anything_is_written(sources, tmp_path):
+    from xckpt.rules import RuleError
+
+    bad = [{"match": r"model\.(w|b)", "rename": "model.same"}]
+    with pytest.raises(RuleError, match="model.same"):
+        xckpt.convert(sources["xckpt2"][0], str(tmp_path / "o"), rules=bad)
+    with pytest.raises(RuleError, match="model.same"):
+        xckpt.convert(sources["xckpt2"][0], str(tmp_path / "o"), rules=bad, exclude="optim.*")
+    assert os.listdir(tmp_path) == []
 
 
 # -- existing outputs, failures, verify ---------------------------------------------------------------

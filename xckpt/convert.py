@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import json
 import os
 import re
 import secrets
@@ -557,9 +558,13 @@ def write_xckpt(job: WriteJob) -> None:
     infos = {n: src.info(n) for n in job.names}
     world = max([src.world_size] + [c.rank + 1 for t in infos.values() for c in t.chunks])
     save_id = "convert-" + secrets.token_hex(8)
+    meta = dict(src.metadata)
     try:
-        meta = dict(src.metadata)
-    except TypeError:
+        json.dumps(meta)
+    except (TypeError, ValueError):
+        warnings.warn(
+            f"convert {src.path!r}: the source's metadata is not JSON and stays behind", stacklevel=3
+        )
         meta = {}
     for r in range(world):
         w = Writer(
