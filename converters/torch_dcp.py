@@ -1,13 +1,449 @@
-"""Placeholder: being written (issue 11)."""
+"""torch DCP checkpoints as an xckpt source (format ``torch-dcp``), read without torch.
+
+Layouts (REFERENCE.md sections 2 and 9):
+
+* coordinated: one ``.metadata`` pickle for the whole save;
+* rank-local (``dcp.save(..., use_collectives=False)``): one ``__<r>.metadata``
+  per rank listing only its own chunks. They are merged here: identical boxes
+  (replicated tensors, written by every rank) are treated as one, the union must
+  tile each tensor. torch's own loader cannot reshard these; xckpt can.
+
+Every metadata file goes through the restricted unpickler (DCP's metadata
+classes, sizes, dtypes, layouts, paths; nothing else is called). A tensor
+chunk is a complete torch.save archive at ``[offset, offset + length)`` of a
+``__<r>_<n>.distcp`` file: its central directory and ``data.pkl`` are parsed
+and only the byte span of the rows (or box) asked is read, honouring the
+stored sizes, strides and storage offset. Zero-size chunks (empty shards) hold
+nothing and are dropped. Every range is checked against its file's size at
+open, so a truncated ``.distcp`` is an error before anything is read.
+
+Variants: ``serialization_format=SAFETENSORS`` files (a safetensors blob at the
+item's offset, tensors named by fqn) are read by byte range too; stream
+transforms (the zstd extension) are refused on read with an error naming them.
+
+Objects (``BYTE_IO`` items: ``step``, ``param_groups`` entries) are pickles.
+``object_names()`` lists them, grouped back the way :mod:`xckpt.torch` flattens
+a state dict: DCP splits a list of dicts such as ``optim.param_groups`` into one
+pickle per leaf; here the subtree under the shortest key path that holds no
+tensor is one object (``optim.param_groups``), rebuilt from DCP's
+``planner_data`` key paths. Values are read only when the checkpoint was opened
+with ``allow_pickle=True`` (:func:`._unpickle.unrestricted_load`); otherwise
+``objects`` raises :class:`~xckpt.errors.ObjectError` naming the object and the
+flag. In the rank-local layout an object written by several ranks with
+identical bytes is one value; differing values are per-rank objects.
+
+``bytes_read`` counts bytes read from ``.distcp`` files (metadata excluded).
+"""
 
 from __future__ import annotations
 
+import builtins
+import math
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from xckpt.errors import (
+    CorruptChunkError,
+    IncompleteCheckpointError,
+    ObjectError,
+    XckptError,
+)
+from xckpt.layout import check_coverage
+from xckpt.manifest import Chunk, TensorEntry
+from xckpt.source import ChunkRead, Source, whole_request
+
+from . import _dcp_items as items
+from ._torchzip import FileBytes
+from ._unpickle import METADATA_GLOBALS, Record, TorchDtype, restricted_load
+from .torch_save import run_jobs
+
+__all__ = ["FORMAT", "detect", "open", "DcpSource"]
+
 FORMAT = "torch-dcp"
+
+_RANK_MD = re.compile(r"^__(\d+)\.metadata$")
+_DATA = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_MAX_METADATA = 1 << 31
 
 
 def detect(path: str) -> bool:
-    return False
+    """A directory holding ``.metadata`` or ``__<r>.metadata`` beside ``*.distcp`` files."""
+    if not os.path.isdir(path):
+        return False
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    has_md = any(e == ".metadata" or _RANK_MD.match(e) for e in entries)
+    return has_md and any(e.endswith(".distcp") for e in entries)
 
 
-def open(path: str, *, allow_pickle: bool = False):  # noqa: A001
-    raise NotImplementedError
+class _Item(NamedTuple):
+    """Where one DCP item's bytes are."""
+
+    rel: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
+    rank: int
+
+
+def _what(where: str) -> str:
+    return (
+        f"{where} is not a torch DCP checkpoint: a DCP checkpoint is a directory holding .metadata "
+        "(or __<r>.metadata per rank) beside __<r>_<n>.distcp files"
+    )
+
+
+class _Parsed:
+    """What the metadata files say, merged over ranks."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, tuple[TorchDtype, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...], _Item]]]] = {}
+        self.objects: dict[str, list[_Item]] = {}
+        self.paths: dict[str, tuple[Any, ...]] = {}
+        self.save_ids: list[str | None] = []
+        self.version: str | None = None
+        self.checkpoint_id: str | None = None
+
+
+def _ints(v: Any, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or any(type(x) is not int or x < 0 for x in v):
+        raise XckptError(f"{where}: {what} is {v!r}, expected non-negative integers")
+    return tuple(v)
+
+
+def _parse_one(md: Any, md_rank: int | None, where: str, out: _Parsed) -> None:
+    if type(md).__name__ != "Metadata" or not isinstance(md, Record):
+        raise XckptError(f"{where}: the pickle holds a {type(md).__name__}, not DCP Metadata")
+    sdm = md.get("state_dict_metadata")
+    sdata = md.get("storage_data")
+    if not isinstance(sdm, dict) or not isinstance(sdata, dict):
+        raise XckptError(f"{where}: Metadata lacks state_dict_metadata or storage_data")
+    storage: dict[tuple[str, tuple[int, ...] | None], _Item] = {}
+    for idx, info in sdata.items():
+        if type(idx).__name__ != "MetadataIndex" or type(info).__name__ != "_StorageInfo":
+            raise XckptError(f"{where}: storage_data holds {type(idx).__name__} -> {type(info).__name__}")
+        fqn, off = idx.get("fqn"), idx.get("offset")
+        if type(fqn) is not str:
+            raise XckptError(f"{where}: a storage entry's fqn is {fqn!r}")
+        key = (fqn, None if off is None else _ints(off, f"offset of {fqn!r}", where))
+        if key in storage:
+            raise XckptError(f"{where}: storage_data lists {fqn!r} at offset {key[1]} twice")
+        storage[key] = _item(info, md_rank, fqn, where)
+    for fqn, tmd in sdm.items():
+        if type(fqn) is not str:
+            raise XckptError(f"{where}: state_dict_metadata key {fqn!r} is not a string")
+        kind = type(tmd).__name__
+        if kind == "BytesStorageMetadata":
+            it = storage.get((fqn, None))
+            if it is None:
+                raise XckptError(f"{where}: object {fqn!r} has no storage entry")
+            out.objects.setdefault(fqn, []).append(it)
+            continue
+        if kind != "TensorStorageMetadata":
+            raise XckptError(f"{where}: entry {fqn!r} is a {kind}")
+        w = f"{where}, tensor {fqn!r}"
+        props = tmd.get("properties")
+        dtype = props.get("dtype") if isinstance(props, Record) else None
+        if not isinstance(dtype, TorchDtype):
+            raise XckptError(f"{w}: no dtype in its properties")
+        size = _ints(tmd.get("size"), "size", w)
+        raw_chunks = tmd.get("chunks")
+        if not isinstance(raw_chunks, list):
+            raise XckptError(f"{w}: chunks is not a list")
+        prev = out.tensors.get(fqn)
+        if prev is not None and (prev[0] != dtype or prev[1] != size):
+            raise XckptError(
+                f"{w}: the rank metadata files disagree on it ({prev[0]!r} {prev[1]} vs {dtype!r} {size}); "
+                "they come from different saves: re-save the checkpoint"
+            )
+        chunks = prev[2] if prev is not None else []
+        for c in raw_chunks:
+            if not isinstance(c, Record):
+                raise XckptError(f"{w}: a chunk is a {type(c).__name__}")
+            off = _ints(c.get("offsets"), "chunk offsets", w)
+            shape = _ints(c.get("sizes"), "chunk sizes", w)
+            if len(off) != len(size) or len(shape) != len(size):
+                raise XckptError(f"{w}: chunk offsets {off} / sizes {shape} do not fit the shape {size}")
+            it = storage.get((fqn, off))
+            if it is None:
+                raise XckptError(f"{w}: the chunk at {off} has no storage entry")
+            chunks.append((off, shape, it))
+        out.tensors[fqn] = (dtype, size, chunks)
+    planner = md.get("planner_data")
+    if isinstance(planner, dict):
+        for k, v in planner.items():
+            if type(k) is str and isinstance(v, (tuple, list)) and all(type(x) in (str, int) for x in v) and v:
+                out.paths.setdefault(k, tuple(v))
+    meta = md.get("storage_meta")
+    if isinstance(meta, Record):
+        sid = meta.get("save_id")
+        out.save_ids.append(sid if isinstance(sid, str) else None)
+        if out.checkpoint_id is None and meta.get("checkpoint_id") is not None:
+            out.checkpoint_id = str(meta.get("checkpoint_id"))
+    version = md.get("version")
+    if isinstance(version, str):
+        out.version = version
+
+
+def _item(info: Any, md_rank: int | None, fqn: str, where: str) -> _Item:
+    rel, off, length = info.get("relative_path"), info.get("offset"), info.get("length")
+    tr = info.get("transform_descriptors") or ()
+    if type(rel) is not str or type(off) is not int or type(length) is not int or off < 0 or length < 0:
+        raise XckptError(f"{where}: storage entry of {fqn!r} is {info!r}")
+    parts = rel.replace("\\", "/").split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise XckptError(
+            f"{where}: storage entry of {fqn!r} names the file {rel!r}, which is not inside the "
+            "checkpoint; refusing it"
+        )
+    if not isinstance(tr, (list, tuple)) or any(type(t) is not str for t in tr):
+        raise XckptError(f"{where}: transform descriptors of {fqn!r} are {tr!r}")
+    m = _DATA.match(parts[-1])
+    rank = int(m.group(1)) if m else (md_rank or 0)
+    return _Item(rel, off, length, tuple(tr), rank)
+
+
+class DcpSource(Source):
+    """A torch DCP checkpoint directory opened for reading (metadata only)."""
+
+    format = FORMAT
+
+    def __init__(self, path: str, *, allow_pickle: bool = False) -> None:
+        self.path = path
+        self.allow_pickle = allow_pickle
+        if not os.path.isdir(path):
+            raise XckptError(_what(f"{path!r}") + (f" ({path!r} is a file)" if os.path.isfile(path) else ""))
+        entries = os.listdir(path)
+        rank_files = sorted((int(m.group(1)), e) for e in entries if (m := _RANK_MD.match(e)))
+        if ".metadata" in entries:
+            self.layout = "coordinated"
+            mds: list[tuple[int | None, str]] = [(None, ".metadata")]
+        elif rank_files:
+            self.layout = "rank-local"
+            ranks = [r for r, _ in rank_files]
+            if ranks != list(range(len(ranks))):
+                missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+                raise IncompleteCheckpointError(
+                    f"torch DCP checkpoint {path!r} (rank-local layout) lacks the metadata of ranks "
+                    f"{missing}: found {[e for _, e in rank_files]}. The save did not finish on every rank"
+                )
+            mds = [(r, e) for r, e in rank_files]
+        else:
+            shown = ", ".join(sorted(entries)[:10]) or "nothing"
+            raise XckptError(_what(f"{path!r}") + f"; found {shown}")
+        parsed = _Parsed()
+        for r, name in mds:
+            where = f"torch DCP checkpoint {path!r} ({name})"
+            fp = os.path.join(path, name)
+            size = os.path.getsize(fp)
+            if size > _MAX_METADATA:
+                raise XckptError(f"{where}: {size} bytes is too large for DCP metadata")
+            with builtins.open(fp, "rb") as f:
+                data = f.read()
+            _parse_one(restricted_load(data, METADATA_GLOBALS, where), r, where, parsed)
+        self._parsed = parsed
+        self._world = len(mds) if self.layout == "rank-local" else self._coordinated_world(entries)
+        self._files: dict[str, FileBytes] = {}
+        self._files_lock = threading.Lock()
+        self._check_ranges()
+        self._entries: dict[str, TensorEntry] = {}
+        self._items: dict[tuple[str, tuple[int, ...]], _Item] = {}
+        for fqn, (dtype, size, chunks) in parsed.tensors.items():
+            self._entries[fqn] = self._entry(fqn, dtype, size, chunks)
+        self._groups = items.group_objects(parsed.objects, parsed.paths, set(self._entries), path)
+        self._reader = items.ChunkReader(self)
+
+    # -- open-time checks -----------------------------------------------------
+
+    def _coordinated_world(self, entries: list[str]) -> int:
+        ranks = {it.rank for _, _, cs in self._parsed.tensors.values() for _, _, it in cs}
+        ranks |= {it.rank for its in self._parsed.objects.values() for it in its}
+        ranks |= {int(m.group(1)) for e in entries if (m := _DATA.match(e))}
+        return max(ranks, default=0) + 1
+
+    def _check_ranges(self) -> None:
+        sizes: dict[str, int] = {}
+        all_items = [(fqn, it) for fqn, (_, _, cs) in self._parsed.tensors.items() for _, _, it in cs]
+        all_items += [(fqn, it) for fqn, its in self._parsed.objects.items() for it in its]
+        for fqn, it in all_items:
+            if it.rel not in sizes:
+                try:
+                    sizes[it.rel] = os.path.getsize(os.path.join(self.path, it.rel))
+                except OSError:
+                    raise IncompleteCheckpointError(
+                        f"torch DCP checkpoint {self.path!r}: {fqn!r} is stored in {it.rel}, which is "
+                        "missing; the save did not finish (or the file was removed): re-save or restore it"
+                    ) from None
+            if it.offset + it.length > sizes[it.rel]:
+                raise CorruptChunkError(
+                    f"torch DCP checkpoint {self.path!r}, {fqn!r}: its bytes [{it.offset}, "
+                    f"{it.offset + it.length}) lie past the end of {it.rel} ({sizes[it.rel]} bytes); "
+                    "the file is truncated: restore it from a copy or re-save the checkpoint"
+                )
+
+    def _entry(self, fqn: str, dtype: TorchDtype, size: tuple[int, ...], chunks: list[Any]) -> TensorEntry:
+        name = dtype.xckpt
+        if name is None:
+            raise XckptError(
+                f"torch DCP checkpoint {self.path!r}, tensor {fqn!r}: dtype torch.{dtype.name} cannot "
+                "be read by xckpt; convert it with torch and re-save"
+            )
+        itemsize = dtype.itemsize or 0
+        out: list[Chunk] = []
+        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        for off, shape, it in chunks:
+            if (off, shape) in seen or not math.prod(shape):
+                continue  # a replica of a box already listed, or an empty shard
+            seen.add((off, shape))
+            nbytes = math.prod(shape) * itemsize
+            if it.length < nbytes and not it.transforms:
+                raise CorruptChunkError(
+                    f"torch DCP checkpoint {self.path!r}, tensor {fqn!r}: the chunk at {off} holds "
+                    f"{nbytes} bytes but its item {it.rel}[{it.offset}:{it.offset + it.length}] has only "
+                    f"{it.length}; the metadata is damaged"
+                )
+            key = f"{it.rel}[{it.offset}:{it.offset + it.length}]"
+            out.append(Chunk(offset=off, shape=shape, key=key, rank=it.rank, nbytes=nbytes))
+            self._items[(fqn, off)] = it
+        check_coverage(size, [c.box for c in out], name=fqn, where=self.path)
+        return TensorEntry(name=fqn, dtype=name, shape=size, chunks=tuple(out))
+
+    # -- metadata ---------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Number of writer ranks."""
+        return self._world
+
+    @property
+    def save_id(self) -> str | None:
+        ids = self._parsed.save_ids
+        return ids[0] if ids else None
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return {"layout": self.layout, "dcp_version": self._parsed.version, "checkpoint_id": self._parsed.checkpoint_id}
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from ``.distcp`` files so far."""
+        return sum(f.bytes_read for f in list(self._files.values()))
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def info(self, name: str) -> TensorEntry:
+        e = self._entries.get(name)
+        if e is None:
+            raise self._missing(name)
+        return e
+
+    # -- reading ----------------------------------------------------------------
+
+    def file(self, rel: str) -> FileBytes:
+        """The open data file ``rel`` (opened once)."""
+        f = self._files.get(rel)
+        if f is None:
+            with self._files_lock:
+                f = self._files.get(rel)
+                if f is None:
+                    f = FileBytes(os.path.join(self.path, rel), f"torch DCP checkpoint {self.path!r} ({rel})")
+                    self._files[rel] = f
+        return f
+
+    def item(self, name: str, chunk: Chunk) -> _Item:
+        return self._items[(name, chunk.offset)]
+
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
+        groups: dict[tuple[str, tuple[int, ...]], list[ChunkRead]] = {}
+        for job in jobs:
+            groups.setdefault((job.name, job.chunk.offset), []).append(job)
+
+        def one(group: list[ChunkRead]) -> None:
+            try:
+                for job in group:
+                    req = job.req if job.req is not None else whole_request(job.chunk)
+                    out = job.out[req.target_slices] if job.out.ndim else job.out  # 0-d: a view, not a scalar
+                    self._reader.read(job.name, job.chunk, req.chunk_slices, out)
+            finally:
+                self._reader.release(group[0].name, group[0].chunk)
+
+        def size(group: list[ChunkRead]) -> int:
+            return sum(j.chunk.nbytes if j.req is None else j.req.box.volume * j.out.itemsize for j in group)
+
+        run_jobs(one, list(groups.values()), bar, size)
+
+    # -- objects ------------------------------------------------------------------
+
+    def object_names(self) -> list[str]:
+        return list(self._groups)
+
+    def pickled_objects(self) -> set[str]:
+        return set(self._groups)
+
+    def per_rank_objects(self) -> set[str]:
+        if self.layout != "rank-local":
+            return set()
+        return {n for n in self._groups if self._reader.differs(self._groups[n])}
+
+    def objects(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int | None = None,
+        per_rank: str = "error",
+    ) -> dict[str, Any]:
+        if per_rank not in ("error", "list"):
+            raise ValueError("per_rank must be 'error' or 'list'")
+        wanted = self.object_names() if names is None else list(names)
+        for n in wanted:
+            if n not in self._groups:
+                raise self._missing_object(n)
+        if not self.allow_pickle and wanted:
+            raise ObjectError(
+                f"torch DCP checkpoint {self.path!r}: object {wanted[0]!r}"
+                + (f" (and {len(wanted) - 1} more)" if len(wanted) > 1 else "")
+                + " is a pickle (DCP saves non-tensor values with torch.save) and pickles can run code; "
+                "read it only from a trusted checkpoint, by opening with allow_pickle=True"
+            )
+        world = self.world_size if world_size is None else world_size
+        per = self.per_rank_objects()
+        out: dict[str, Any] = {}
+        for n in wanted:
+            group = self._groups[n]
+            if n not in per:
+                out[n] = self._reader.object_value(n, group, None)
+            elif per_rank == "list":
+                out[n] = [self._reader.object_value(n, group, r) for r in self._reader.ranks_of(group)]
+            elif world == self.world_size:
+                out[n] = self._reader.object_value(n, group, rank)
+            else:
+                raise ObjectError(
+                    f"torch DCP checkpoint {self.path!r}: object {n!r} differs between the ranks that "
+                    f"saved it ({self.world_size}) and is loaded at world size {world}; ask for every "
+                    "rank's value with per_rank='list' and choose"
+                )
+        return out
+
+    def _verify_objects(self) -> list[str]:
+        return self._reader.verify_objects(self._groups)
+
+    def close(self) -> None:
+        with self._files_lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+
+def open(path: str, *, allow_pickle: bool = False) -> DcpSource:  # noqa: A001
+    """Open a torch DCP checkpoint directory (coordinated or rank-local layout)."""
+    return DcpSource(path, allow_pickle=allow_pickle)

@@ -1,13 +1,238 @@
-"""Placeholder: being written (issue 11)."""
+"""torch.save zip files as an xckpt source (format ``torch``), read without torch.
+
+The file's ``data.pkl`` is read with the restricted unpickler (tensor rebuild
+functions, storages, plain containers and scalars; nothing else is called) and
+flattened as :func:`xckpt.torch._common.flatten` flattens a state dict: dicts,
+lists and tuples that hold a tensor somewhere inside are walked and their keys
+joined with "."; anything else (an int ``step``, a list of floats) is one
+object, returned as it was saved. Each tensor is one chunk (the whole tensor,
+written by rank 0); tensors sharing a storage (tied weights) and views with a
+storage offset or non-row-major strides (``t.t()``, ``t[2:]``, channels_last)
+are read from their storage as ``data.pkl`` describes them. Reads are
+``os.pread`` calls of only the byte span a box touches.
+
+Decisions where torch is silent: a file holding one bare tensor presents it as
+the tensor ``"tensor"``; one bare non-tensor value as the object ``"value"``.
+The legacy (pre-1.6, non-zip) format is refused with an error that says how to
+re-save it; a compressed or otherwise non-torch zip is refused too.
+"""
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from xckpt.errors import XckptError
+from xckpt.layout import check_coverage
+from xckpt.manifest import Chunk, TensorEntry
+from xckpt.source import ChunkRead, Source, whole_request
+
+from ._torchzip import LEGACY_MAGIC, ZIP_MAGIC, Archive, FileBytes, first_record_name, read_box
+from ._unpickle import TensorRef
+
+__all__ = ["FORMAT", "detect", "open", "TorchSaveSource", "flatten_refs", "entry_for", "run_jobs"]
+
 FORMAT = "torch"
+
+_MAX_DEPTH = 200
 
 
 def detect(path: str) -> bool:
+    """A file whose first zip record is ``<archive>/data.pkl``, or a legacy torch.save pickle."""
+    if not os.path.isfile(path):
+        return False
+    head = _read_head(path, 512)
+    if head.startswith(LEGACY_MAGIC):
+        return True
+    name = first_record_name(head)
+    return name is not None and name.endswith("/data.pkl") and name.count("/") == 1
+
+
+def _read_head(path: str, n: int) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return b""
+    try:
+        return os.pread(fd, n, 0)
+    finally:
+        os.close(fd)
+
+
+def _holds_tensor(v: Any, depth: int = 0) -> bool:
+    if depth > _MAX_DEPTH:
+        raise XckptError(f"the saved structure is nested deeper than {_MAX_DEPTH} levels")
+    if isinstance(v, TensorRef):
+        return True
+    if isinstance(v, Mapping):
+        return any(_holds_tensor(x, depth + 1) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x, depth + 1) for x in v)
     return False
 
 
-def open(path: str, *, allow_pickle: bool = False):  # noqa: A001
-    raise NotImplementedError
+def flatten_refs(root: Any, where: str) -> tuple[dict[str, TensorRef], dict[str, Any]]:
+    """Tensors and objects of an unpickled ``data.pkl``, by flat name (xckpt's flatten rule)."""
+    tensors: dict[str, TensorRef] = {}
+    objects: dict[str, Any] = {}
+
+    def walk(prefix: str, v: Any, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise XckptError(f"{where}: the saved structure is nested deeper than {_MAX_DEPTH} levels")
+        if isinstance(v, Mapping) and _holds_tensor(v):
+            for k, x in v.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), x, depth + 1)
+            return
+        if isinstance(v, (list, tuple)) and _holds_tensor(v):
+            for i, x in enumerate(v):
+                walk(f"{prefix}.{i}" if prefix else str(i), x, depth + 1)
+            return
+        if prefix in tensors or prefix in objects:
+            raise XckptError(
+                f"{where}: two entries flatten to the name {prefix!r} (a key containing '.' next to "
+                "a nested dict); load the file with torch and rename one"
+            )
+        if isinstance(v, TensorRef):
+            tensors[prefix] = v
+        else:
+            objects[prefix] = v
+
+    if isinstance(root, TensorRef):
+        tensors["tensor"] = root
+    elif isinstance(root, (Mapping, list, tuple)) and _holds_tensor(root):
+        walk("", root, 0)
+    elif isinstance(root, Mapping):
+        for k, v in root.items():
+            walk(str(k), v, 1)
+    else:
+        objects["value"] = root
+    return tensors, objects
+
+
+def entry_for(name: str, t: TensorRef, key: str, rank: int, where: str) -> TensorEntry:
+    """The one-chunk entry of a whole tensor ``t`` stored at ``key``."""
+    dtype = t.dtype.xckpt
+    if dtype is None:
+        raise XckptError(
+            f"{where}, tensor {name!r}: dtype torch.{t.dtype.name} cannot be read by xckpt; convert "
+            "it with torch (e.g. to float32) and re-save"
+        )
+    nbytes = math.prod(t.size) * (t.dtype.itemsize or 0)
+    chunks: tuple[Chunk, ...] = ()
+    if math.prod(t.size):
+        chunks = (Chunk(offset=(0,) * len(t.size), shape=t.size, key=key, rank=rank, nbytes=nbytes),)
+    return TensorEntry(name=name, dtype=dtype, shape=t.size, chunks=chunks)
+
+
+def run_jobs(fn: Any, jobs: Sequence[Any], bar: Any, nbytes: Any, threads: int = 8) -> None:
+    """``fn(job)`` for every job, concurrently for several; ``bar.update`` in this thread."""
+    if len(jobs) <= 1:
+        for job in jobs:
+            fn(job)
+            bar.update(nbytes(job))
+        return
+    with ThreadPoolExecutor(max_workers=min(threads, len(jobs))) as pool:
+        for job, fut in zip(jobs, [pool.submit(fn, j) for j in jobs]):
+            fut.result()
+            bar.update(nbytes(job))
+
+
+class TorchSaveSource(Source):
+    """A torch.save zip file opened for reading (``data.pkl`` parsed; no tensor bytes read)."""
+
+    format = FORMAT
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        where = f"torch.save file {path!r}"
+        self._where = where
+        if not os.path.isfile(path):
+            raise XckptError(
+                f"{path!r} is not a torch.save file: "
+                + ("a directory" if os.path.isdir(path) else "nothing is there")
+                + "; format='torch' reads one file written by torch.save"
+            )
+        head = _read_head(path, 64)
+        if head.startswith(LEGACY_MAGIC):
+            raise XckptError(
+                f"{where} uses torch's legacy (pre-1.6) serialization, which is a plain pickle "
+                "xckpt will not read. Re-save it with torch>=1.6's default zip serialization: "
+                "torch.save(torch.load(path, weights_only=True), new_path) in a trusted environment"
+            )
+        if not head.startswith(ZIP_MAGIC):
+            raise XckptError(
+                f"{where} is not a torch.save zip archive (it starts with {head[:8]!r}); expected a file "
+                "written by torch.save (torch>=1.6)"
+            )
+        self._file = FileBytes(path, where)
+        try:
+            self._archive = Archive(self._file, 0, self._file.size, where)
+            self._tensors, self._objects = flatten_refs(self._archive.root, where)
+            self._entries: dict[str, TensorEntry] = {}
+            self._starts: dict[str, int] = {}
+            for name, t in self._tensors.items():
+                e = entry_for(name, t, f"{self._archive.prefix}/data/{t.storage.key}", 0, where)
+                self._starts[name] = self._archive.storage_range(t, name)[0]
+                check_coverage(e.shape, e.boxes, name=name, where=path)
+                self._entries[name] = e
+        except BaseException:
+            self._file.close()
+            raise
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the file so far (headers and ``data.pkl`` included)."""
+        return self._file.bytes_read
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def info(self, name: str) -> TensorEntry:
+        e = self._entries.get(name)
+        if e is None:
+            raise self._missing(name)
+        return e
+
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
+        def one(job: ChunkRead) -> None:
+            req = job.req if job.req is not None else whole_request(job.chunk)
+            t = self._tensors[job.name]
+            out = job.out[req.target_slices] if job.out.ndim else job.out  # a 0-d index gives a scalar
+            read_box(self._archive, t, self._starts[job.name], req.chunk_slices, out)
+
+        def size(job: ChunkRead) -> int:
+            return job.chunk.nbytes if job.req is None else job.req.box.volume * job.out.itemsize
+
+        run_jobs(one, jobs, bar, size)
+
+    def object_names(self) -> list[str]:
+        return list(self._objects)
+
+    def objects(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int | None = None,
+        per_rank: str = "error",
+    ) -> dict[str, Any]:
+        out = {}
+        for n in self.object_names() if names is None else names:
+            if n not in self._objects:
+                raise self._missing_object(n)
+            out[n] = self._objects[n]
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def open(path: str, *, allow_pickle: bool = False) -> TorchSaveSource:  # noqa: A001
+    """Open a torch.save zip file (``allow_pickle`` is unused: its pickle is always read restricted)."""
+    return TorchSaveSource(path)
