@@ -57,7 +57,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 class Counting(Source):
-    """Passes reads to an inner source and records every box asked of it."""
+    """Passes reads to an inner source and records every chunk box read of it."""
 
     def __init__(self, inner: Source) -> None:
         self.inner, self.format, self.path = inner, inner.format, inner.path
@@ -75,10 +75,9 @@ class Counting(Source):
     def objects(self, names: Sequence[str] | None = None, **kw: Any) -> dict[str, Any]:
         return self.inner.objects(names, **kw)
 
-    def read_into(self, items: Any, *, show_progress: bool | None = None) -> None:
-        items = list(items)
-        self.reads.extend((n, b) for n, b, _ in items)
-        self.inner.read_into(items, show_progress=show_progress)
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
+        self.reads.extend((j.name, j.chunk.box if j.req is None else j.req.box) for j in jobs)
+        self.inner._read_chunks(jobs, bar)
 
     @property
     def nbytes(self) -> int:
@@ -598,3 +597,15 @@ def test_convert_with_bad_rules_writes_nothing(ckpt: str, tmp_path: Path) -> Non
     assert not (tmp_path / "out").exists()
     xckpt.convert(ckpt, tmp_path / "ok", rules=RENAME_T)
     equal(xckpt.open(tmp_path / "ok").read("fc.kernel"), A.T)
+
+
+def test_each_view_chunk_is_one_source_read() -> None:
+    """A whole read of a 512-chunk tensor through a transposed view makes 512 source chunk reads,
+    each of one whole stored chunk (no re-planning against the source: that is quadratic)."""
+    a = np.arange(512 * 4 * 3, dtype=np.float32).reshape(512 * 4, 3)
+    boxes = [Box((4 * i, 0), (4, 3)) for i in range(512)]
+    inner = Counting(ArraySource({"w": (a, boxes)}))
+    view = apply_rules(inner, [{"match": "w", "transpose": [1, 0], "dtype": "float16"}])
+    equal(view.read("w"), a.T.astype(np.float16))
+    assert sorted(b.offset for _, b in inner.reads) == [b.offset for b in boxes]
+    assert {b for _, b in inner.reads} == set(boxes)

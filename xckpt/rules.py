@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import XckptError
-from xckpt.layout import Box
+from xckpt.layout import Box, ReadRequest
 from xckpt.manifest import DTYPES, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source
 
@@ -334,7 +334,7 @@ class _View:
     entry: TensorEntry
     parts: tuple[Part, ...]  # one, or one per stacked position (position order)
     src_dtype: np.dtype  # the source tensors' dtype (differs from entry's when cast)
-    src_chunks: Mapping[tuple[int, ...], Chunk]  # output chunk offset -> source chunk
+    src_chunks: Mapping[tuple[int, ...], tuple[int, Chunk]]  # output chunk offset -> source (index, chunk)
 
     def part(self, box: Box) -> Part:
         p0 = self.parts[0]
@@ -348,8 +348,11 @@ class _View:
 class RuledSource(Source):
     """A :class:`Source` seen through rules: transformed names, shapes, dtypes and boxes.
 
-    Built by :func:`apply_rules`; reads go to the wrapped :attr:`source`
-    through its :meth:`~xckpt.source.Source.read_into`, box by box.
+    Built by :func:`apply_rules`. Every view chunk is one stored chunk of the
+    wrapped :attr:`source` (or an unstacked slice of it), so each read job maps to
+    one job of the source's ``_read_chunks`` covering only the requested elements,
+    read straight into a transposed view of the output (through a temporary
+    buffer when cast).
     """
 
     def __init__(self, source: Source, rules: Sequence[Rule]) -> None:
@@ -481,15 +484,15 @@ class RuledSource(Source):
         dtype = _out_dtype(rule0, first)
         itemsize = numpy_dtype(dtype).itemsize
         chunks: list[Chunk] = []
-        src_chunks: dict[tuple[int, ...], Chunk] = {}
+        src_chunks: dict[tuple[int, ...], tuple[int, Chunk]] = {}
         for _, part, _, e in ps:
-            for c in e.chunks:
+            for ci, c in enumerate(e.chunks):
                 box = part.to_output(c.box)
                 if box is None:
                     continue
                 kw = {"key": c.key, "rank": c.rank, "nbytes": box.volume * itemsize}
                 chunks.append(Chunk(offset=box.offset, shape=box.shape, grid=part.map_grid(c.grid), **kw))
-                src_chunks[box.offset] = c
+                src_chunks[box.offset] = (ci, c)
         p0 = ps[0][1]
         shape = _piece_shape(first, p0)
         if p0.put is not None:
@@ -533,29 +536,34 @@ class RuledSource(Source):
     # -- tensors ----------------------------------------------------------------
 
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
-        items: list[tuple[str, Box, np.ndarray]] = []
+        # Each view chunk is one source chunk (or a slice of it), so every job maps to exactly one
+        # source job: no re-planning against the source's chunks (that is quadratic in chunks).
+        mapped: list[ChunkRead] = []
         casts: list[tuple[np.ndarray, np.ndarray]] = []
-        done = 0
-        for name, chunk, req, out in jobs:
+        view_bytes = src_bytes = 0
+        for job in jobs:
+            v = self._views.get(job.name)
+            if v is None:  # an unmatched name: the source's own chunk and request
+                mapped.append(job)
+                continue
+            name, chunk, req, out = job
             box = chunk.box if req is None else req.box
             target = out if req is None else out[req.target_slices]
-            done += target.nbytes
-            v = self._views.get(name)
-            if v is None:  # an unmatched name: read as it is
-                items.append((name, box, target))
-                continue
             part = v.part(box)
+            ci, src_chunk = v.src_chunks[chunk.offset]
+            sbox = part.to_source(box)
             dst = part.source_view(target)
-            if v.src_dtype == out.dtype:
-                items.append((part.src, part.to_source(box), dst))
-            else:
+            if v.src_dtype != out.dtype:
                 tmp = np.empty(dst.shape, dtype=v.src_dtype)
-                items.append((part.src, part.to_source(box), tmp))
                 casts.append((dst, tmp))
-        self.source.read_into(items, show_progress=False)
+                dst = tmp
+            view_bytes, src_bytes = view_bytes + target.nbytes, src_bytes + dst.nbytes
+            req = ReadRequest(ci, sbox, sbox.slices(src_chunk.box), tuple(slice(0, n) for n in sbox.shape))
+            mapped.append(ChunkRead(part.src, src_chunk, req, dst))
+        scaled = view_bytes != src_bytes and src_bytes > 0
+        self.source._read_chunks(mapped, _Scaled(bar, view_bytes / src_bytes) if scaled else bar)
         for dst, tmp in casts:
             np.copyto(dst, tmp, casting="unsafe")  # the same conversion loops as astype
-        bar.update(done)
 
     def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
         """The source's storage reads for ``box`` of an output chunk (plan_load's byte counts)."""
@@ -563,7 +571,7 @@ class RuledSource(Source):
         if v is None:
             return self.source.read_units(name, chunk, box, itemsize)  # type: ignore[attr-defined]
         part = v.part(box)
-        src_chunk = v.src_chunks[chunk.offset]
+        src_chunk = v.src_chunks[chunk.offset][1]
         return self.source.read_units(  # type: ignore[attr-defined]
             part.src, src_chunk, part.to_source(box), v.src_dtype.itemsize
         )
@@ -608,6 +616,16 @@ class RuledSource(Source):
 
 # ---------------------------------------------------------------------------
 # Helpers
+
+
+class _Scaled:
+    """A progress bar fed source bytes, counting view bytes (a cast changes the item size)."""
+
+    def __init__(self, bar: Any, ratio: float) -> None:
+        self.bar, self.ratio = bar, ratio
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n * self.ratio)
 
 
 def _expand(rule: Rule, m: re.Match[str], template: str | None, name: str) -> str:
