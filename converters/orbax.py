@@ -18,17 +18,17 @@ Decisions (where the design is silent, what an orbax user would expect):
   chunks it touches. A chunk's ``rank`` is the process whose OCDBT database
   lists its key (several ``ocdbt.process_<i>``), else 0.
 * orbax's metadata files are helpers, not the truth: the tensors are the
-  arrays the OCDBT database lists (or the zarr directories present), with
-  ``_METADATA`` used to tell python scalars, strings and empty containers
-  (objects) from arrays. A ``_METADATA`` entry whose array is absent is an
-  :class:`~xckpt.errors.IncompleteCheckpointError`; so is a missing root
-  ``manifest.ocdbt`` or ``d/``. An array present but not in ``_METADATA`` is
-  still a tensor.
-* A missing zarr chunk is an error (:class:`~xckpt.errors.CorruptChunkError`),
-  never zeros, as orbax itself does when ``_METADATA`` says
-  ``store_array_data_equal_to_fill_value`` (orbax >= 0.6). Only an item whose
-  ``_METADATA`` says ``false`` (an older orbax, which skipped chunks equal to
-  the fill value) reads missing chunks as the fill value, as orbax does.
+  arrays the OCDBT database lists (or the zarr directories present);
+  ``_METADATA`` tells python scalars, strings and empty containers (objects)
+  from arrays. Without it a python scalar reads as a 0-d tensor. A
+  ``_METADATA`` entry whose array is absent, a missing ``manifest.ocdbt`` or
+  ``d/``, or a missing zarr chunk is an
+  :class:`~xckpt.errors.IncompleteCheckpointError` at open (chunks are checked
+  against the keys stored, so nothing reads as zeros); bytes that do not
+  decode are a :class:`~xckpt.errors.CorruptChunkError` at read. Only an item
+  whose ``_METADATA`` says ``store_array_data_equal_to_fill_value: false``
+  (an older orbax, which skipped chunks equal to the fill value) reads missing
+  chunks as the fill value, as orbax itself does.
 * ``_sharding`` becomes :attr:`TensorEntry.placement` (``framework="jax"``) for
   a ``NamedSharding``; other shardings go to ``metadata["shardings"]``.
 * Objects: python scalars (stored by orbax as 0-d zarr arrays) as python
@@ -55,7 +55,7 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from itertools import product
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -77,6 +77,7 @@ _EMPTY = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": ()}
 _JSON_ITEM_FILE = "metadata"  # JsonCheckpointHandler's default file name
 #: Chunks an array may claim beyond those stored (an old orbax skipped fill-value chunks).
 _MAX_SPARSE_CHUNKS = 1 << 24
+_OCDBT_NODE_CACHE = 64 << 20
 
 
 def _entries(path: str) -> list[str]:
@@ -203,7 +204,7 @@ def _grid(meta: Mapping[str, Any], driver: str, shape: tuple[int, ...], where: s
         or len(grid) != len(shape)
         or not all(type(g) is int and g > 0 for g in grid)
     ):
-        raise ManifestError(f"{where}: zarr metadata has no regular chunk grid for shape {shape} ({grid!r:.100})")
+        raise ManifestError(f"{where}: zarr metadata has no regular chunk grid for shape {shape}")
     return tuple(grid)
 
 
@@ -260,13 +261,11 @@ def _placement(raw: Any, ndim: int) -> tuple[PlacementInfo | None, Any]:
         return None, raw
 
 
-class _Array:
-    """Where one tensor's zarr array lives, and the tensorstore spec to open it with."""
+class _Array(NamedTuple):
+    """Where one tensor's (or scalar's) zarr array lives: its tensorstore spec, and its name for messages."""
 
-    __slots__ = ("spec", "where")
-
-    def __init__(self, spec: dict[str, Any], where: str) -> None:
-        self.spec, self.where = spec, where
+    spec: dict[str, Any]
+    where: str
 
 
 class OrbaxCheckpoint(Source):
@@ -292,7 +291,9 @@ class OrbaxCheckpoint(Source):
         import tensorstore as ts
 
         self._ts = ts
-        self._context = default_context()
+        # B-tree nodes of OCDBT databases are cached (as orbax does); chunk data is not.
+        cache = {"cache_pool#ocdbt": {"total_bytes_limit": _OCDBT_NODE_CACHE}}
+        self._context = ts.Context(cache, parent=default_context())
         ckpt_meta = _read_json(os.path.join(self._root, "_CHECKPOINT_METADATA"), "_CHECKPOINT_METADATA")
         if isinstance(ckpt_meta, dict):
             self._meta["checkpoint_metadata"] = ckpt_meta
@@ -424,12 +425,13 @@ class OrbaxCheckpoint(Source):
                     "the checkpoint is incomplete (an unfinished save?): restore it from a copy or load "
                     "another step"
                 )
-            if os.path.exists(os.path.join(sub, "manifest.ocdbt")) and not os.path.isdir(os.path.join(sub, "d")):
+            has_manifest = os.path.exists(os.path.join(sub, "manifest.ocdbt"))
+            if has_manifest and not os.path.isdir(os.path.join(sub, "d")):
                 raise IncompleteCheckpointError(
                     f"{where}: the {label} OCDBT database in {sub!r} has a manifest.ocdbt but no d/ "
                     "directory (its data files); the checkpoint is incomplete: restore it from a copy"
                 )
-        base = f"file://{d}/"
+        base = {"driver": "file", "path": f"{d}/"}
         keys = self._list(base, where)
         futs = {}
         kv = self._kv(base, where)
@@ -439,7 +441,7 @@ class OrbaxCheckpoint(Source):
                 futs[param] = (_ZARR_META[last], kv.read(k))
         stored: dict[str, set[str]] = {p: set() for p in futs}
         for k in keys:
-            # zarr chunk keys sit below their array's key; the longest array prefix owns the key.
+            # A zarr chunk key sits below its array's key (the first prefix that is an array).
             head, _, tail = k.partition("/")
             while head not in stored and "/" in tail:
                 more, _, tail = tail.partition("/")
@@ -455,29 +457,30 @@ class OrbaxCheckpoint(Source):
                     f"{where}: the zarr metadata of {param!r} cannot be read ({_msg(e)}); the checkpoint "
                     "is damaged: restore it from a copy"
                 ) from None
-            kvspec = {"driver": "ocdbt", "base": base, "path": param + "/"}
+            kvspec = {"driver": "ocdbt", "base": base, "path": param + "/", "cache_pool": "cache_pool#ocdbt"}
             arrays[param] = (kvspec, driver, zmeta, stored[param])
         if len(procs) > 1:
             for i, p in procs.items():
-                for k in self._list(f"file://{d}/{p}/", where):
+                for k in self._list({"driver": "file", "path": f"{d}/{p}/"}, where):
                     owners[k] = i
         return arrays
 
-    def _kv(self, base: str, where: str) -> Any:
+    def _kv(self, base: dict[str, Any], where: str) -> Any:
         try:
-            return self._ts.KvStore.open({"driver": "ocdbt", "base": base}, context=self._context).result()
+            spec = {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
+            return self._ts.KvStore.open(spec, context=self._context).result()
         except ValueError as e:
             raise IncompleteCheckpointError(
-                f"{where}: the OCDBT database at {base!r} cannot be opened ({_msg(e)}); the checkpoint "
-                "is incomplete or damaged: restore it from a copy or load another step"
+                f"{where}: the OCDBT database in {base['path']!r} cannot be opened ({_msg(e)}); the "
+                "checkpoint is incomplete or damaged: restore it from a copy or load another step"
             ) from None
 
-    def _list(self, base: str, where: str) -> list[str]:
+    def _list(self, base: dict[str, Any], where: str) -> list[str]:
         try:
             return [k.decode() for k in self._kv(base, where).list().result()]
         except ValueError as e:
             raise IncompleteCheckpointError(
-                f"{where}: the OCDBT database at {base!r} cannot be read ({_msg(e)}); its data files "
+                f"{where}: the OCDBT database in {base['path']!r} cannot be read ({_msg(e)}); its data files "
                 "(d/) are missing or damaged: restore the checkpoint from a copy or load another step"
             ) from None
 
@@ -494,7 +497,8 @@ class OrbaxCheckpoint(Source):
                     for r, _, files in os.walk(top)
                     for n in files
                 }
-                arrays[e] = (f"file://{top}/", _ZARR_META[f], zmeta, stored - set(_ZARR_META))
+                kv = {"driver": "file", "path": f"{top}/"}
+                arrays[e] = (kv, _ZARR_META[f], zmeta, stored - set(_ZARR_META))
         return arrays
 
     def _load_json_item(self, d: str, item: str) -> None:

@@ -132,7 +132,10 @@ def prefix_of(kind: str) -> str:
 # -- the source: names, boxes, placement, values ----------------------------------------------
 
 
-def _chunk_boxes(shape: tuple[int, ...], spec: tuple[Any, ...]) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
+Boxes = set[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _chunk_boxes(shape: tuple[int, ...], spec: tuple[Any, ...]) -> Boxes:
     """The boxes of the devices' shards on the (4, 2) mesh (what orbax writes)."""
     size = {"dp": 4, "tp": 2}
     parts = []
@@ -192,7 +195,8 @@ def test_partial_reads_open_only_their_chunks(root: str, tmp_path: Any) -> None:
     src = xckpt.open(path, format="orbax")
     assert bits(src.read("params.w", (slice(0, 4),))) == bits(expected("params.w")[:4])
     assert bits(src.read("params.w", (slice(1, 3), slice(2, 7)))) == bits(expected("params.w")[1:3, 2:7])
-    with pytest.raises(CorruptChunkError, match=r"tensor 'params.w', chunk \[4:8, 0:4\] \(params.w/1.0\).*damaged"):
+    msg = r"tensor 'params.w', chunk \[4:8, 0:4\] \(params.w/1.0\).*damaged"
+    with pytest.raises(CorruptChunkError, match=msg):
         src.read("params.w", (slice(0, 5),))
     problems = src.verify(show_progress=False)
     assert len(problems) == 6 and all("params.w" in p for p in problems)
@@ -349,28 +353,32 @@ def test_missing_root_data_is_an_error(root: str, tmp_path: Any) -> None:
 def test_missing_manifest_is_an_error(root: str, tmp_path: Any) -> None:
     path = _copy(root, "composite", tmp_path)
     os.remove(os.path.join(path, "state", "manifest.ocdbt"))
-    with pytest.raises(IncompleteCheckpointError, match=r"item 'state': the OCDBT database has no manifest.ocdbt"):
+    msg = r"item 'state': the OCDBT database has no manifest.ocdbt"
+    with pytest.raises(IncompleteCheckpointError, match=msg):
         xckpt.open(path, format="orbax")
 
 
 def test_missing_zarr_chunk_is_an_error(root: str, tmp_path: Any) -> None:
     path = _copy(root, "pytree_zarr3_no_ocdbt", tmp_path)
     os.remove(os.path.join(path, "ids", "c", "2", "0"))
-    with pytest.raises(IncompleteCheckpointError, match=r"tensor 'ids': zarr chunk 'c/2/0' \(box at \(6, 0\)\) is missing"):
+    msg = r"tensor 'ids': zarr chunk 'c/2/0' \(box at \(6, 0\)\) is missing"
+    with pytest.raises(IncompleteCheckpointError, match=msg):
         xckpt.open(path, format="orbax")
 
 
 def test_array_listed_in_metadata_but_absent(root: str, tmp_path: Any) -> None:
     path = _copy(root, "standard_no_ocdbt", tmp_path)
     shutil.rmtree(os.path.join(path, "params.e"))
-    with pytest.raises(IncompleteCheckpointError, match=r"_METADATA lists 'params.e' \(jax.Array\) but its array is missing"):
+    msg = r"_METADATA lists 'params.e' \(jax.Array\) but its array is missing"
+    with pytest.raises(IncompleteCheckpointError, match=msg):
         xckpt.open(path, format="orbax")
 
 
 def test_manager_root_names_its_steps(root: str) -> None:
     path = os.path.join(root, "manager")
     assert orbax_fmt.detect(path)
-    with pytest.raises(XckptError, match=r"CheckpointManager's root holding steps \['1', '2'\].*open one step"):
+    msg = r"CheckpointManager's root holding steps \['1', '2'\].*open one step"
+    with pytest.raises(XckptError, match=msg):
         xckpt.open(path, format="orbax")
 
 
@@ -391,7 +399,8 @@ def test_detection(root: str, tmp_path: Any) -> None:
 
 def test_forced_format_on_another_layout(tmp_path: Any) -> None:
     xckpt.save({"w": np.ones((2, 2), np.float32)}, str(tmp_path / "xc"))
-    with pytest.raises(XckptError, match=r"holds no orbax checkpoint \(found \[.*xckpt.json.*\]\).*_METADATA"):
+    msg = r"holds no orbax checkpoint \(found \[.*xckpt.json.*\]\).*_METADATA"
+    with pytest.raises(XckptError, match=msg):
         xckpt.open(str(tmp_path / "xc"), format="orbax")
     (tmp_path / "f.bin").write_bytes(b"x")
     with pytest.raises(XckptError, match=r"f.bin' is not a directory: an orbax checkpoint is a directory"):
@@ -405,8 +414,10 @@ def test_unsupported_dtype_names_the_tensor(tmp_path: Any) -> None:
     path = str(tmp_path / "int4")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ocp.PyTreeCheckpointer().save(path, {"q": {"packed": jnp.arange(8, dtype=jnp.int4)}, "ok": jnp.ones(2)})
-    with pytest.raises(XckptError, match=r"tensor 'q.packed' has dtype 'int4', which xckpt cannot hold.*Re-save"):
+        tree = {"q": {"packed": jnp.arange(8, dtype=jnp.int4)}, "ok": jnp.ones(2)}
+        ocp.PyTreeCheckpointer().save(path, tree)
+    msg = r"tensor 'q.packed' has dtype 'int4', which xckpt cannot hold.*Re-save"
+    with pytest.raises(XckptError, match=msg):
         xckpt.open(path, format="orbax")
 
 
@@ -449,7 +460,8 @@ def test_two_processes_chunks_carry_their_writer(tmp_path: Any) -> None:
     assert src.world_size == 2
     t = src.info("w")
     # Devices 0-3 (process 0) hold rows 0:8 of the (4, 2) mesh; devices 4-7 rows 8:16.
-    assert {c.offset: c.rank for c in t.chunks} == {(r, c): int(r >= 8) for r in (0, 4, 8, 12) for c in (0, 4)}
+    want = {(r, c): int(r >= 8) for r in (0, 4, 8, 12) for c in (0, 4)}
+    assert {c.offset: c.rank for c in t.chunks} == want
     assert np.array_equal(src.read("w"), np.arange(128, dtype=np.float32).reshape(16, 8))
 
 
@@ -512,8 +524,8 @@ def _fuzz_dir(root: str) -> str:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fields=st.dictionaries(st.sampled_from(_ZARRAY_FIELDS), _JSON | st.lists(st.integers(-2, 1 << 40), max_size=3),
-                              max_size=3),
+@given(fields=st.dictionaries(st.sampled_from(_ZARRAY_FIELDS),
+                              _JSON | st.lists(st.integers(-2, 1 << 40), max_size=3), max_size=3),
        meta=st.one_of(st.none(), st.binary(max_size=40), _JSON.map(lambda v: json.dumps(v).encode())))
 def test_damaged_metadata_gives_typed_errors(root: str, fields: dict[str, Any], meta: bytes | None) -> None:
     """Whatever the zarr metadata or _METADATA say, open and read either work or raise XckptError."""
