@@ -1,44 +1,36 @@
 """safetensors files and Hugging Face safetensors directories as a :class:`~xckpt.source.Source`.
 
-A safetensors file is 8 bytes (little-endian u64 ``N``), ``N`` bytes of JSON
-``{name: {"dtype", "shape", "data_offsets": [begin, end)}, "__metadata__": {str: str}}``
-and then the data buffer, each tensor C-order and little-endian at its offsets.
-The header is parsed here, never by the safetensors library, and checked before
-anything is allocated: ``N`` at most :data:`HEADER_CAP` and within the file, a
-JSON object without duplicate keys, known dtypes, shapes that agree with the
-byte ranges, ranges inside the buffer and disjoint. Tensor bytes are read with
-``os.pread`` straight into the caller's buffer (a box of whole rows is one
-range); a box of many short runs (a column slice) is copied from a memory map of
-its span, a window at a time, each unmapped when copied.
+A file is a little-endian u64 ``N``, ``N`` bytes of JSON ``{name: {"dtype", "shape",
+"data_offsets": [begin, end)}, "__metadata__": {str: str}}``, then the data (C order,
+little endian). The header is parsed here and checked before anything is allocated:
+``N`` within :data:`HEADER_CAP` and the file; a JSON object without duplicate keys;
+known dtypes; shapes that agree with their byte ranges; ranges inside the data and
+disjoint. Bytes are read with ``os.pread`` straight into the caller's buffer (a box of
+whole rows is one range); a box of many short runs (a column slice) is copied from a
+memory map of its span, a window at a time, each unmapped once copied.
 
-Locations (see :func:`open`): one ``.safetensors`` file; a directory holding
-``model.safetensors.index.json`` (the index is the truth: only its
-``weight_map`` names are tensors, shards it does not name are ignored, a name
-found in two named shards is an error even where ``safe_open`` accepts it); a
-directory of ``*.safetensors`` without an index (all of them; a name in two
-files is an error); or the index file itself.
+Locations (:func:`open`): one ``.safetensors`` file (any name, if its header parses);
+a directory with ``model.safetensors.index.json``, whose ``weight_map`` is the truth
+(files it does not name are ignored; a name in two of its shards is an error even where
+``safe_open`` accepts it); a directory of ``*.safetensors`` without an index (all of
+them; a name in two files is an error); or the index file itself.
 
 Decisions where the design is silent:
 
-* Every tensor is one chunk. Its writer (``Chunk.rank``) is 0 for one file and
-  the shard's position in sorted file-name order in a directory
-  (``model-00001-of-00004`` is writer 0), so ``plot_layout`` colours by shard
-  and ``world_size`` is the number of shards. ``Chunk.key`` is
-  ``<file>[begin:end]`` (absolute byte offsets in the file).
-* ``names()`` are sorted, as ``safe_open(...).keys()`` gives them.
-* Empty tensors have no chunks (as in xckpt); 0-d tensors are one chunk.
-* Gaps between tensors' byte ranges and bytes after the last one are accepted
-  (aligned writers leave them; nothing is read from them); overlaps are not.
-* ``metadata``: the file's ``__metadata__``; for a directory the shards'
-  ``__metadata__`` merged (the first shard wins a clash) and then the index's
-  ``metadata`` entries (strings as they are, other values as JSON text).
-* ``bytes_read`` counts the tensor bytes taken from files: pread ranges, or
-  the bytes copied out of a mapping (the kernel fetches whole pages); headers
-  are not counted. It equals what ``plan_load`` predicts (``read_units``'
-  default: a box's bytes).
-* There are no checksums: :meth:`SafetensorsSource.verify` re-checks file sizes
-  and reads every tensor, reporting files that are shorter than their header
-  says or that fail to read.
+* Every tensor is one chunk (none if empty). Its writer (``Chunk.rank``) is 0 for a file
+  and the shard's position in sorted file-name order in a directory
+  (``model-00001-of-00004`` is writer 0), so ``plot_layout`` colours by shard and
+  ``world_size`` is the number of shards. ``Chunk.key`` is ``<file>[begin:end]``
+  (absolute byte offsets). ``names()`` are sorted, as ``safe_open(...).keys()``.
+* Gaps between tensors and bytes after the last one are accepted (never read);
+  overlaps are not.
+* ``metadata``: the ``__metadata__`` of the file, or of the shards merged (the first
+  wins a clash) and then the index's ``metadata`` (non-strings as JSON text).
+* ``bytes_read`` counts tensor bytes taken from files (pread ranges, or bytes copied
+  from a mapping; the kernel fetches whole pages), not headers: what ``plan_load``
+  predicts for a load.
+* No checksums: :meth:`SafetensorsSource.verify` checks file sizes against headers and
+  reads every tensor.
 """
 
 from __future__ import annotations

@@ -298,7 +298,8 @@ def test_dtensor_load_two_ranks(torch_file: tuple, hf_dir: tuple) -> None:
 
 # name -> PartitionSpec entries (sharded dims divide by 8; the odd-shaped ones replicated).
 JAX_CASES = {"bf16w": ("x",), "f32": (None, "x"), "f8e4m3": ("x",), "f8e5m2": (None, "x"), "scalar": (),
-             "bool": (), "i64": (), "cube": (), "bf16": (), "f16": (None, None, None)}  # fmt: skip
+             "bool": (), "i64": (), "cube": (), "bf16": (), "f16": (None, None, None), "empty": ("x",),
+             "u8": (), "i32": (), "f64": ()}  # fmt: skip
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])
