@@ -19,15 +19,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 from xckpt import layout as L
 from xckpt.errors import LayoutError, ObjectError, UnsupportedPlacementError, XckptError
-from xckpt.torch._common import (
-    PerRank,
-    _pieces_from_indices,
-    as_numpy,
-    dtype_name,
-    flatten,
-    torch_dtype,
-    torch_to_layout,
-)
+from xckpt.torch._dtypes import as_numpy, dtype_name, torch_dtype
+from xckpt.torch._placement import pieces_from_indices, torch_to_layout
+from xckpt.torch._state_dict import PerRank, flatten
 
 EXAMPLES = settings(max_examples=200, deadline=None)
 
@@ -120,7 +114,7 @@ def test_pieces_reassemble_the_local_tensor(case):
         idx = torch_indices(shape, mesh, coord, placements)
         expect = full[np.ix_(*idx)] if all(idx) else torch.empty([len(i) for i in idx])
         local = torch.full([len(i) for i in idx], -1, dtype=torch.int64)
-        for p in _pieces_from_indices(L.dim_indices(shape, mesh, coord, ours), local):
+        for p in pieces_from_indices(L.dim_indices(shape, mesh, coord, ours), local):
             local[p.slices] = full[p.box.slices()]
         if local.numel():
             assert torch.equal(local, expect)

@@ -382,8 +382,8 @@ def _edit_manifest(path: str, fn) -> None:
     with open(p) as f:
         m = json.load(f)
     fn(m["tensors"] if isinstance(m["tensors"], dict) else {t["name"]: t for t in m["tensors"]})
-    with open(p, "w") as f:
-        json.dump(m, f)
+    with open(p, "wb") as f:  # as a hostile writer would: the checksum recomputed
+        f.write(xckpt.manifest.manifest_bytes(m))
 
 
 def _corrupt(kind: str):

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from xckpt.torch._common import PerRank
 from xckpt.torch._load import LoadResult, load, load_full
 from xckpt.torch._save import save
+from xckpt.torch._state_dict import PerRank
 
 __all__ = [
     "save",

@@ -27,18 +27,10 @@ from xckpt.errors import (
     XckptError,
 )
 from xckpt.source import Source
-from xckpt.torch._common import (
-    PerRank,
-    Piece,
-    Slot,
-    as_numpy,
-    dtype_name,
-    flatten,
-    global_info,
-    local_pieces,
-    torch_dtype,
-)
-from xckpt.torch._save import rank_world
+from xckpt.torch._dist import rank_world
+from xckpt.torch._dtypes import as_numpy, dtype_name, torch_dtype
+from xckpt.torch._placement import Piece, global_info, local_pieces
+from xckpt.torch._state_dict import PerRank, Slot, flatten
 
 __all__ = ["LoadResult", "load", "load_full"]
 

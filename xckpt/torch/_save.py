@@ -44,64 +44,15 @@ import torch
 from xckpt import layout as L
 from xckpt._async import submit, wait_pending
 from xckpt.errors import XckptError
-from xckpt.manifest import Manifest, PlacementInfo
-from xckpt.torch._common import (
-    Local,
-    PerRank,
-    as_numpy,
-    dtype_name,
-    flatten,
-    global_info,
-    local_pieces,
-    raise_for_ranks,
-)
+from xckpt.manifest import Manifest
+from xckpt.torch._dist import distributed, rank_world, share_outcome
+from xckpt.torch._dtypes import as_numpy, dtype_name
+from xckpt.torch._placement import global_info, local_pieces, placement_info
+from xckpt.torch._state_dict import PerRank, flatten
 
 __all__ = ["save"]
 
 _side_groups: dict[Any, Any] = {}
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def rank_world(process_group: Any) -> tuple[int, int, Any]:
-    """(rank, world size, global->group rank function) without any collective."""
-    dist = _dist()
-    if dist is None:
-        if process_group is not None:
-            raise XckptError("a process_group was given but torch.distributed is not initialised")
-        return 0, 1, lambda g: 0 if g == 0 else -1
-    rank = dist.get_rank(process_group)
-    world = dist.get_world_size(process_group)
-    if rank < 0:
-        raise XckptError("this rank is not a member of the process_group passed to xckpt.torch")
-    if process_group is None:
-        return rank, world, lambda g: g if 0 <= g < world else -1
-
-    def group_rank(g: int) -> int:
-        try:
-            return dist.get_group_rank(process_group, g)
-        except (ValueError, RuntimeError):
-            return -1
-
-    return rank, world, group_rank
-
-
-def _placement_info(loc: Local) -> PlacementInfo | None:
-    if loc.layout in ("placements", "fsdp2"):
-        return PlacementInfo(
-            framework="torch",
-            mesh_shape=loc.mesh_shape,
-            axis_names=loc.axis_names,
-            placements=loc.placements,
-            layout=loc.layout,
-        )
-    if loc.layout == "sharded_tensor":
-        return PlacementInfo(framework="torch", mesh_shape=loc.mesh_shape, layout="sharded_tensor")
-    return None
 
 
 class _Job:
@@ -124,7 +75,7 @@ def _plan(flat: Mapping[str, Any], skip: set[str], rank: int, world: int, group_
         if isinstance(v, (torch.Tensor, np.ndarray)):
             shape, tdtype = global_info(v, name)
             loc = local_pieces(v, name, group_rank)
-            job = _Job(name, dtype_name(tdtype, name), shape, _placement_info(loc))
+            job = _Job(name, dtype_name(tdtype, name), shape, placement_info(loc))
             if loc.layout == "replicated":
                 holders: Sequence[int] | None = range(world)
             else:
@@ -234,10 +185,10 @@ def save(
 
     wait_pending()
     rank, world, group_rank = rank_world(process_group)
-    dist = _dist()
+    dist = distributed()
     coordinated = dist is not None and not rank_local and world > 1
     pg = process_group
-    loc_path = os.fspath(path)
+    loc_path = path if isinstance(path, Mapping) else os.fspath(path)  # a kvstore spec dict stays one
 
     if coordinated and save_id is None:
         box = [secrets.token_hex(8) if rank == 0 else None]
@@ -247,19 +198,13 @@ def save(
 
     def fail_all(err: BaseException | None) -> None:
         """Exchange outcomes; every rank raises when any failed."""
-        if not coordinated:
-            if err is not None:
-                raise err
-            return
-        msgs: list[Any] = [None] * world
-        dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}", group=side)
-        if err is not None:
-            raise err
-        raise_for_ranks(
-            msgs,
-            XckptError,
-            f"save to {loc_path!r}",
-            "The location is not a complete checkpoint; fix the error and save again",
+        share_outcome(
+            err,
+            group=side,
+            world=world if coordinated else 1,
+            error=XckptError,
+            what=f"save to {loc_path!r}",
+            fix="The location is not a complete checkpoint; fix the error and save again",
         )
 
     def finish() -> None:

@@ -46,7 +46,9 @@ import torch
 
 from xckpt import value_ranges as V
 from xckpt.errors import ShapeMismatchError, UnsupportedPlacementError, ValueRangeError
-from xckpt.torch._common import as_numpy, is_dtensor, is_sharded_tensor, raise_for_ranks
+from xckpt.torch._dist import share_outcome
+from xckpt.torch._dtypes import as_numpy
+from xckpt.torch._placement import dtensor_local, is_dtensor, is_sharded_tensor
 
 __all__ = [
     "ManagedCollision",
@@ -223,8 +225,6 @@ def _local(v: Any, name: str) -> tuple[torch.Tensor, int | None, int | None]:
             raise UnsupportedPlacementError(f"value group tensor {name!r} must be sharded by rows only")
         return shards[0].tensor, int(md.shard_offsets[0]), n
     if is_dtensor(v):
-        from xckpt.torch._common import dtensor_local
-
         loc = dtensor_local(v, name, lambda g: g)
         if len(loc.pieces) > 1:
             raise UnsupportedPlacementError(f"value group tensor {name!r} must be sharded on dim 0 only")
@@ -483,16 +483,6 @@ def _fill(target: Any, arr: np.ndarray, name: str, where: str) -> None:
         t.copy_(host)
 
 
-def _exchange(err: str | None, process_group: Any, world: int) -> list[str | None]:
-    import torch.distributed as dist
-
-    if world <= 1 or not dist.is_available() or not dist.is_initialized():
-        return [err]
-    msgs: list[Any] = [None] * world
-    dist.all_gather_object(msgs, err, group=process_group)
-    return msgs
-
-
 def load_value_groups(
     ckpt: Any, flat: dict[str, Any], rank: int, world_size: int, process_group: Any, strict_capacity: bool
 ) -> tuple[set[str], dict[str, int]]:
@@ -513,8 +503,7 @@ def load_value_groups(
     keys = [k for k in all_keys if k in flat]
     handled: set[str] = set()
     results: list[tuple[V.GroupInfo, V.RankArrays]] = []
-    err: str | None = None
-    first: Exception | None = None
+    err: Exception | None = None
     try:
         for key in keys:
             g = V.group_info(tensors, key, where)
@@ -531,12 +520,10 @@ def load_value_groups(
                 _check_target(flat[n], a, n, where)
             results.append((g, ra))
     except Exception as e:  # any failure: shared with every rank below (none is left waiting), then re-raised
-        first, err = e, f"{type(e).__name__}: {e}"
-    msgs = _exchange(err, process_group, world_size)
-    if first is not None:
-        raise first
-    raise_for_ranks(
-        msgs, ValueRangeError, f"checkpoint {where!r}: loading value groups", "Nothing of the groups was loaded"
+        err = e
+    share_outcome(
+        err, group=process_group, world=world_size, error=ValueRangeError,
+        what=f"checkpoint {where!r}: loading value groups", fix="Nothing of the groups was loaded",
     )
     evicted: dict[str, int] = {}
     for g, ra in results:
@@ -691,8 +678,7 @@ def redistribute_by_value(
     counts = torch.bincount(owner, minlength=world).tolist()
     got, _ = _a2a(mat[order], counts, process_group)
     g = _np(got)
-    err: str | None = None
-    first: Exception | None = None
+    err: Exception | None = None
     asm: V.Assembled | None = None
     try:
         asm = V.assemble_rank(
@@ -701,17 +687,13 @@ def redistribute_by_value(
             name=p.key, strict_capacity=strict_capacity,
         )
     except Exception as e:  # any failure: shared with every rank, then raised on all
-        first, err = e, f"{type(e).__name__}: {e}"
-    msgs: list[Any] = [None] * world
-    dist.all_gather_object(msgs, err, group=process_group)
-    if first is not None:
-        raise first
-    bad = {r: m for r, m in enumerate(msgs) if m is not None}
-    if bad or asm is None:
-        raise ValueRangeError(
-            f"redistribute_by_value of {group.prefix!r} failed on ranks {sorted(bad)}: "
-            + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
-        )
+        err = e
+    share_outcome(
+        err, group=process_group, world=world, error=ValueRangeError,
+        what=f"redistribute_by_value of {group.prefix!r}", fix="Nothing was moved",
+    )
+    if asm is None:  # share_outcome raised for any failure; this guards the type only
+        raise ValueRangeError(f"redistribute_by_value of {group.prefix!r}: no assignment was computed")
     out: dict[str, torch.Tensor] = {
         p.key: torch.from_numpy(asm.raw).to(dev),
         p.rows: torch.from_numpy(asm.rows).to(dev),

@@ -1,18 +1,21 @@
-"""Shared pieces of the torch adapter: dtypes, numpy views, flattening, boxes.
+"""DTensor and ShardedTensor placements -> :mod:`xckpt.layout` boxes.
 
-Nothing here talks to other ranks. The box arithmetic itself lives in
-:mod:`xckpt.layout`; this module only maps torch objects onto it:
+The torch counterpart of :mod:`xckpt.jax._sharding`. The box arithmetic lives
+in :mod:`xckpt.layout`; this module only maps torch objects onto it:
 
 * :func:`torch_to_layout` turns DTensor placements into layout descriptors;
 * :func:`local_pieces` says which global box each part of a rank's local
   tensor holds, for a plain tensor, a DTensor or a legacy ``ShardedTensor``,
-  checking the local shard's real shape against the computed boxes.
+  checking the local shard's real shape against the computed boxes;
+* :func:`placement_info` records a tensor's placement in the manifest.
+
+Nothing here talks to other ranks.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,171 +23,25 @@ import numpy as np
 import torch
 
 from xckpt import layout as L
-from xckpt.errors import LayoutError, ObjectError, UnsupportedPlacementError, XckptError
+from xckpt.errors import LayoutError, UnsupportedPlacementError, XckptError
+from xckpt.manifest import PlacementInfo
+from xckpt.manifest import dtype_name as manifest_dtype_name
+from xckpt.torch._dtypes import torch_dtype
 
 __all__ = [
-    "PerRank",
     "Piece",
-    "dtype_name",
-    "torch_dtype",
-    "as_numpy",
-    "flatten",
-    "Slot",
-    "torch_to_layout",
-    "local_pieces",
+    "Local",
     "is_dtensor",
     "is_sharded_tensor",
+    "torch_to_layout",
+    "pieces_from_indices",
     "mesh_group_ranks",
+    "dtensor_local",
+    "sharded_tensor_local",
+    "global_info",
+    "local_pieces",
+    "placement_info",
 ]
-
-
-# ---------------------------------------------------------------------------
-# Per-rank objects
-
-
-@dataclass
-class PerRank:
-    """Wrap a non-tensor value that differs between ranks (e.g. a data-loader state).
-
-    On save each rank's own ``value`` is stored. On load, a ``PerRank`` placeholder
-    receives ``PerRank(<this rank's saved value>)``; at another world size that is
-    an error unless the placeholder is ``PerRank(all_ranks=True)``, which receives
-    ``PerRank([value of rank 0, value of rank 1, ...], all_ranks=True)``.
-    """
-
-    value: Any = None
-    all_ranks: bool = False
-
-
-# ---------------------------------------------------------------------------
-# dtypes and numpy views
-
-_NAMES: dict[torch.dtype, str] = {
-    torch.bool: "bool",
-    torch.int8: "int8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.uint8: "uint8",
-    torch.uint16: "uint16",
-    torch.uint32: "uint32",
-    torch.uint64: "uint64",
-    torch.float16: "float16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.complex64: "complex64",
-    torch.complex128: "complex128",
-    torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-    torch.float8_e4m3fnuz: "float8_e4m3fnuz",
-    torch.float8_e5m2fnuz: "float8_e5m2fnuz",
-}
-_DTYPES = {v: k for k, v in _NAMES.items()}
-# dtypes numpy lacks: viewed as same-width unsigned ints, then as ml_dtypes.
-_BITS = {"bfloat16": torch.uint16}
-_BITS.update({n: torch.uint8 for n in _NAMES.values() if n.startswith("float8")})
-
-
-def dtype_name(dtype: torch.dtype, name: str = "<tensor>") -> str:
-    """The manifest dtype name of a torch dtype."""
-    n = _NAMES.get(dtype)
-    if n is None:
-        raise ObjectError(
-            f"tensor {name!r} has dtype {dtype}, which xckpt cannot store; supported: "
-            f"{', '.join(_NAMES.values())}. Cast it before saving"
-        )
-    return n
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a manifest dtype name."""
-    return _DTYPES[name]
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view (no copy) of a CPU tensor, bf16/float8 as ml_dtypes."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        raise XckptError(f"internal: as_numpy needs a CPU tensor, got one on {t.device}")
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    n = _NAMES.get(t.dtype)
-    bits = _BITS.get(n) if n is not None else None
-    if bits is None:
-        return t.numpy()
-    from xckpt.manifest import numpy_dtype
-
-    return t.view(bits).numpy().view(numpy_dtype(n))  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------------------
-# Flattening nested state dicts
-
-
-@dataclass
-class Slot:
-    """Where a flattened leaf lives in the caller's structure (to put objects back)."""
-
-    container: Any
-    key: Any
-
-
-def _holds_tensor(v: Any) -> bool:
-    if isinstance(v, (torch.Tensor, np.ndarray)):
-        return True
-    if isinstance(v, Mapping):
-        return any(_holds_tensor(x) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return any(_holds_tensor(x) for x in v)
-    return False
-
-
-def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Slot]]:
-    """Flatten nested dicts to "."-joined names (keys via ``str``).
-
-    Dicts, lists and tuples are flattened (lists by index) only when they hold a
-    tensor somewhere inside; otherwise they are one leaf (an object), like every
-    other non-tensor value. The same rule applied to the caller's structure on
-    load gives the same names.
-
-    Returns:
-        ``(leaves by name, slot by name)``.
-
-    Raises:
-        XckptError: two paths flatten to the same name.
-    """
-    leaves: dict[str, Any] = {}
-    slots: dict[str, Slot] = {}
-
-    def walk(prefix: str, container: Any, key: Any, v: Any) -> None:
-        if isinstance(v, Mapping) and _holds_tensor(v):
-            for k, x in v.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v, k, x)
-            return
-        if isinstance(v, (list, tuple)) and _holds_tensor(v):
-            for i, x in enumerate(v):
-                walk(f"{prefix}.{i}" if prefix else str(i), v, i, x)
-            return
-        if prefix in leaves:
-            raise XckptError(
-                f"two entries of the state dict flatten to the name {prefix!r} (a key that "
-                "contains '.' next to a nested dict); rename one of them"
-            )
-        leaves[prefix] = v
-        slots[prefix] = Slot(container, key)
-
-    if not isinstance(state, Mapping):
-        raise XckptError(f"state_dict must be a dict, got {type(state).__name__}")
-    for k, v in state.items():
-        walk(str(k), state, k, v)
-    return leaves, slots
-
-
-# ---------------------------------------------------------------------------
-# Placements and local pieces
 
 
 def is_dtensor(v: Any) -> bool:
@@ -238,7 +95,7 @@ class Piece:
     slices: tuple[slice, ...]
 
 
-def _pieces_from_indices(idx: Sequence[Sequence[int]], tensor: Any) -> list[Piece]:
+def pieces_from_indices(idx: Sequence[Sequence[int]], tensor: Any) -> list[Piece]:
     """Boxes of the index sets, with their slices of the local tensor (row-major)."""
     if any(len(i) == 0 for i in idx):
         return []
@@ -333,7 +190,7 @@ def dtensor_local(dt: Any, name: str, group_rank: Any) -> Local:
     axes = [range(n) if isinstance(p, L.Replicate) else (c,) for p, n, c in zip(placements, mesh_shape, coord)]
     holders = tuple(sorted({int(granks[c]) for c in itertools.product(*axes)}))
     return Local(
-        tuple(_pieces_from_indices(idx, local)), holders, kind, mesh_shape, names, pl_strings
+        tuple(pieces_from_indices(idx, local)), holders, kind, mesh_shape, names, pl_strings
     )
 
 
@@ -360,14 +217,8 @@ def global_info(v: Any, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         md = v.metadata()
         return tuple(int(s) for s in md.size), md.tensor_properties.dtype
     if isinstance(v, np.ndarray):
-        return tuple(v.shape), _np_torch_dtype(v, name)
+        return tuple(v.shape), torch_dtype(manifest_dtype_name(v.dtype))
     return tuple(int(s) for s in v.shape), v.dtype
-
-
-def _np_torch_dtype(a: np.ndarray, name: str) -> torch.dtype:
-    from xckpt.manifest import dtype_name as np_name
-
-    return torch_dtype(np_name(a.dtype))
 
 
 def local_pieces(v: Any, name: str, group_rank: Any) -> Local:
@@ -382,22 +233,16 @@ def local_pieces(v: Any, name: str, group_rank: Any) -> Local:
     return Local(pieces, None, "replicated")
 
 
-def iter_tensor_names(leaves: Mapping[str, Any]) -> Iterator[str]:
-    for n, v in leaves.items():
-        if isinstance(v, (torch.Tensor, np.ndarray)):
-            yield n
-
-
-def raise_for_ranks(msgs: Sequence[str | None], error: type[Exception], what: str, fix: str) -> None:
-    """Raise ``error`` naming every rank whose exchanged outcome ``msgs[r]`` is a failure.
-
-    Used after an all-gather of outcomes, so every rank raises together and
-    none is left waiting in a collective.
-    """
-    bad = {r: m for r, m in enumerate(msgs) if m is not None}
-    if bad:
-        raise error(
-            f"{what} failed on ranks {sorted(bad)}: "
-            + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
-            + f". {fix}"
+def placement_info(loc: Local) -> PlacementInfo | None:
+    """The manifest's record of a tensor's placement (None for a plain tensor)."""
+    if loc.layout in ("placements", "fsdp2"):
+        return PlacementInfo(
+            framework="torch",
+            mesh_shape=loc.mesh_shape,
+            axis_names=loc.axis_names,
+            placements=loc.placements,
+            layout=loc.layout,
         )
+    if loc.layout == "sharded_tensor":
+        return PlacementInfo(framework="torch", mesh_shape=loc.mesh_shape, layout="sharded_tensor")
+    return None
