@@ -248,15 +248,10 @@ def _placement(raw: Any, ndim: int) -> tuple[PlacementInfo | None, Any]:
                 axes = tuple(str(a) for a in e)
                 spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         spec.extend([None] * (ndim - len(spec)))
-        return (
-            PlacementInfo(
-                framework="jax",
-                mesh_shape=tuple(int(s) for s in raw["shape"]),
-                axis_names=tuple(str(a) for a in raw["axis_names"]),
-                partition_spec=tuple(spec),
-            ),
-            None,
-        )
+        mesh_shape = tuple(int(s) for s in raw["shape"])
+        names = tuple(str(a) for a in raw["axis_names"])
+        pi = PlacementInfo(framework="jax", mesh_shape=mesh_shape, axis_names=names, partition_spec=(*spec,))
+        return pi, None
     except (KeyError, TypeError, ValueError):
         return None, raw
 
@@ -395,13 +390,7 @@ class OrbaxCheckpoint(Source):
         rel = os.path.relpath(d, self._root)
         for param, (kv, driver, zmeta, stored) in arrays.items():
             name = prefix + param
-            spec = {
-                "driver": driver,
-                "kvstore": kv,
-                "recheck_cached_data": False,
-                "recheck_cached_metadata": False,
-                "fill_missing_data_reads": fill_missing,
-            }
+            spec = {"driver": driver, "kvstore": kv, "fill_missing_data_reads": fill_missing}
             arr = _Array(spec, f"{where}, {'object' if param in scalars else 'tensor'} {name!r}")
             if param in scalars:
                 self._objects[name] = ("scalar", arr)
@@ -550,15 +539,9 @@ class OrbaxCheckpoint(Source):
                     f"{where}: zarr chunk {ck!r} (box at {off}) is missing; orbax stores every chunk, so "
                     "the checkpoint is incomplete: restore it from a copy or load another step"
                 )
-            chunks.append(
-                Chunk(
-                    offset=off,
-                    shape=cshape,
-                    key=f"{keypath}/{ck}",
-                    rank=owners.get(f"{param}/{ck}", 0),
-                    nbytes=math.prod(cshape) * itemsize,
-                )
-            )
+            rank = owners.get(f"{param}/{ck}", 0)
+            nbytes = math.prod(cshape) * itemsize
+            chunks.append(Chunk(offset=off, shape=cshape, key=f"{keypath}/{ck}", rank=rank, nbytes=nbytes))
         placement, other = _placement(raw_sh, len(shape)) if raw_sh is not None else (None, None)
         if other is not None:
             self._meta.setdefault("shardings", {})[name] = other
@@ -644,12 +627,11 @@ class OrbaxCheckpoint(Source):
 
     def _verify_objects(self) -> list[str]:
         problems = []
-        for n, (kind, _) in self._objects.items():
-            if kind == "scalar":
-                try:
-                    self.objects([n])
-                except CorruptChunkError as e:
-                    problems.append(str(e))
+        for n in (n for n, (kind, _) in self._objects.items() if kind == "scalar"):
+            try:
+                self.objects([n])
+            except CorruptChunkError as e:
+                problems.append(str(e))
         return problems
 
     def close(self) -> None:
