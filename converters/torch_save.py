@@ -2,7 +2,7 @@
 
 The file's ``data.pkl`` is read with the restricted unpickler (tensor rebuild
 functions, storages, plain containers and scalars; nothing else is called) and
-flattened as :func:`xckpt.torch._common.flatten` flattens a state dict: dicts,
+flattened as ``xckpt.torch`` flattens a state dict (``xckpt/torch/_state_dict.py``): dicts,
 lists and tuples that hold a tensor somewhere inside are walked and their keys
 joined with "."; anything else (an int ``step``, a list of floats) is one
 object, returned as it was saved. Each tensor is one chunk (the whole tensor,
@@ -159,8 +159,8 @@ class TorchSaveSource(Source):
         if head.startswith(LEGACY_MAGIC):
             raise XckptError(
                 f"{where} uses torch's legacy (pre-1.6) serialization, which is a plain pickle "
-                "xckpt will not read. Re-save it with torch>=1.6's default zip serialization: "
-                "torch.save(torch.load(path, weights_only=True), new_path) in a trusted environment"
+                "xckpt will not read. Re-save it with torch>=1.6's default zip serialization: load it "
+                "with torch (weights_only=True) in a trusted environment and torch.save it again"
             )
         if not head.startswith(ZIP_MAGIC):
             raise XckptError(

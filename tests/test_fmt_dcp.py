@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from dcp_cases import OBJECTS, expected, same_bits, tensors
 from dist_utils import run_ranks
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from xckpt.converters import torch_dcp
 
 import xckpt
@@ -473,3 +475,40 @@ def test_malicious_chunk_pickle_refused(small: str, tmp_path: Any, kind: str) ->
         with pytest.raises(XckptError, match=r"tensor 'a'.*the pickle asks for .*not on xckpt's allow-list"):
             src.read("a")
     assert not marker.exists()
+
+
+# -- fuzzing the metadata path ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seed_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import warnings
+
+    path = str(tmp_path_factory.mktemp("seed") / "ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _single_save(path, _small_state())
+    return path
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=6), st.none() | st.integers(0, 2000))
+def test_fuzz_mutated_metadata(seed_ckpt: str, tmp_path: Any, edits: list[tuple[int, int]], cut: int | None) -> None:
+    """A mutated .metadata (and .distcp) gives an XckptError or correct reads, nothing else."""
+    path = str(tmp_path / "ck")
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    shutil.copytree(seed_ckpt, path)
+    target = os.path.join(path, ".metadata" if (cut or 0) % 2 == 0 else "__0_0.distcp")
+    with open(target, "rb") as f:
+        b = bytearray(f.read())
+    for pos, val in edits:
+        b[pos % len(b)] = val
+    with open(target, "wb") as f:
+        f.write(bytes(b[:cut]) if cut is not None and target.endswith("metadata") else bytes(b))
+    try:
+        with xckpt.open(path, format="torch-dcp") as src:
+            src.read_all()
+    except XckptError:
+        pass
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
