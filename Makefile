@@ -28,6 +28,7 @@ demo: venv
 	$(BIN)/python examples/demo_torch.py $(DEMO_DIR)/torch
 	$(BIN)/python examples/demo_value_groups.py
 	$(BIN)/python examples/demo_jax.py $(DEMO_DIR)/torch
+	$(BIN)/python examples/demo_formats.py $(DEMO_DIR)/formats
 
 lint: venv
 	$(BIN)/ruff check .

@@ -99,7 +99,8 @@ def open(  # noqa: A001
 
     Args:
         path: a local directory or file, a kvstore URL (``file://``, ``memory://``,
-            ``gs://``, ``s3://``) or a tensorstore kvstore spec dict.
+            ``gs://``, ``s3://``), a tensorstore kvstore spec dict, or an open
+            :class:`~xckpt.source.Source` (returned as is, seen through ``rules``).
         format: force a format (``xckpt``, ``torch-dcp``, ``orbax``, ``safetensors``,
             ``torch``) instead of detecting it.
         allow_pickle: let pickled objects (DCP's non-tensor values) be read. Tensor
@@ -112,6 +113,10 @@ def open(  # noqa: A001
         CheckpointNotFoundError: nothing recognised at ``path``.
         XckptError: ``format`` does not fit what is there, or the metadata is bad.
     """
+    if isinstance(path, Source):  # already open: only the rules view is added
+        if format is not None and format != path.format:
+            raise XckptError(f"{path.path!r} is open as {path.format}, not {format}")
+        return path if rules is None else _with_rules(path, rules)
     fmt = detect(path) if format is None else format
     if fmt not in FORMATS:
         raise XckptError(f"unknown format {fmt!r}; known formats: {', '.join(FORMATS)}")
@@ -127,11 +132,18 @@ def open(  # noqa: A001
                 "locally, or convert it to xckpt, which reads from any kvstore"
             )
         src = _module(fmt).open(local, allow_pickle=allow_pickle)
-    if rules is not None:
-        from xckpt.rules import apply_rules
+    return src if rules is None else _with_rules(src, rules)
 
-        src = apply_rules(src, rules)
-    return src
+
+def _with_rules(src: Source, rules: Any) -> Source:
+    """``src`` seen through ``rules``; a bad rule closes the source it was given."""
+    from xckpt.rules import apply_rules
+
+    try:
+        return apply_rules(src, rules)
+    except BaseException:
+        src.close()
+        raise
 
 
 def load(

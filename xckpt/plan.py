@@ -93,7 +93,8 @@ class LoadPlan:
     def summary(self) -> str:
         """One line: total, the busiest rank, over-read."""
         m = self.max_rank if self.ranks else None
-        busiest = f"; max rank {m.rank} reads {_human(m.bytes_to_read)}" if m else ""
+        who = "device" if self.target == "jax" else "rank"
+        busiest = f"; max {who} {m.rank} reads {_human(m.bytes_to_read)}" if m else ""
         return (
             f"{len(self.ranks)} {'devices' if self.target == 'jax' else 'ranks'} read "
             f"{_human(self.total_bytes_to_read)} of {_human(self.stored_bytes)} stored "
@@ -265,7 +266,7 @@ def plan_load(
     """
     from xckpt.formats import open as open_source
 
-    src = path if isinstance(path, Source) else open_source(path, format=format, rules=rules)
+    src = open_source(path, format=format, rules=rules)
     kind = "torch" if _is_torch_target(target) else "jax"
     boxes = _torch_boxes(src, target) if kind == "torch" else _jax_boxes(src, target)
     ranks = sorted({r for per in boxes.values() for r in per})

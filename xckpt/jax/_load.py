@@ -181,10 +181,7 @@ def load(
             saved shape or dtype.
         UnsupportedPlacementError: a sharding cannot lay out the saved shape.
     """
-    if isinstance(path, Source):
-        ck = path
-    else:
-        ck = open_source(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context)
+    ck = open_source(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context)
     if target is None:
         result: dict[str, Any] = dict(ck.read_all(show_progress=show_progress))
         result.update(
