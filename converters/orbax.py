@@ -368,10 +368,10 @@ class OrbaxCheckpoint(Source):
             vm = leaf.get("value_metadata") if isinstance(leaf, dict) else None
             vm = vm if isinstance(vm, dict) else {}
             vtype = vm.get("value_type") if isinstance(vm.get("value_type"), str) else None
-            if vm.get("skip_deserialize"):
-                continue
-            if vtype in _EMPTY:
+            if vtype in _EMPTY:  # no data: orbax rebuilds these from _METADATA alone
                 self._objects[prefix + param] = ("value", _EMPTY[vtype])
+            elif vm.get("skip_deserialize"):
+                continue
             elif vtype == "string":
                 if param not in strings:
                     raise IncompleteCheckpointError(

@@ -51,6 +51,7 @@ KINDS = {
     "pytree_zarr3_no_ocdbt": ("pytree", False, True),
 }
 EXTRA = {"lr": 0.25, "sched": {"warmup": 5, "kind": "cosine"}}
+HOST = np.arange(15, dtype=np.int16).reshape(3, 5) - 7  # a numpy leaf (no sharding)
 
 
 def expected(name: str) -> np.ndarray:
@@ -91,8 +92,8 @@ def _tree(with_string: bool) -> dict[str, Any]:
     flat: dict[str, Any] = {n: jax.device_put(expected(n), NamedSharding(mesh, P(*spec)))
                             for n, (_, _, spec) in ARRAYS.items()}
     flat["step"] = STEP
-    if with_string:
-        flat["name"] = "run-1"
+    if with_string:  # PyTreeCheckpointer: strings, None, empty containers, numpy arrays too
+        flat.update({"name": "run-1", "none": None, "empty": {}, "host": HOST})
     return _nest(flat)
 
 
@@ -153,10 +154,14 @@ def test_open_names_boxes_values(root: str, kind: str) -> None:
     src = xckpt.open(path_of(root, kind), format="orbax")
     pre = prefix_of(kind)
     assert src.format == "orbax" and src.world_size == 1
-    assert sorted(src.names()) == sorted(pre + n for n in ARRAYS)
-    objects = {pre + "step": STEP}
-    if KINDS.get(kind, ("",))[0] == "pytree":
-        objects["name"] = "run-1"
+    pytree = KINDS.get(kind, ("",))[0] == "pytree"
+    assert sorted(src.names()) == sorted([pre + n for n in ARRAYS] + (["host"] if pytree else []))
+    objects: dict[str, Any] = {pre + "step": STEP}
+    if pytree:
+        objects.update({"name": "run-1", "none": None, "empty": {}})
+        host = src.info("host")
+        assert (host.dtype, host.shape, host.placement) == ("int16", (3, 5), None)
+        assert np.array_equal(src.read("host"), HOST)
     if kind == "composite":
         objects.update({"extra.lr": 0.25, "extra.sched.warmup": 5, "extra.sched.kind": "cosine"})
     assert src.objects() == objects
@@ -327,7 +332,7 @@ def test_missing_orbax_metadata_still_reads(root: str, tmp_path: Any, kind: str)
     assert orbax_fmt.detect(path)
     src = xckpt.open(path, format="orbax")
     # Without _METADATA a python scalar cannot be told from a 0-d array: it reads as a tensor.
-    assert sorted(src.names()) == sorted([*ARRAYS, "step"])
+    assert sorted(src.names()) == sorted([*ARRAYS, "step"] + (["host"] if kind.startswith("pytree") else []))
     got = src.read_all()
     assert all(bits(got[n]) == bits(expected(n)) for n in ARRAYS)
     assert got["step"].item() == STEP and src.info("params.w").placement is None
@@ -502,6 +507,8 @@ def test_reads_without_jax(root: str) -> None:
         want = {pre + n: [expected(n).dtype.name, list(expected(n).shape),
                           hashlib.sha256(np.ascontiguousarray(expected(n)).tobytes()).hexdigest()]
                 for n in ARRAYS}
+        if kind.startswith("pytree"):
+            want["host"] = ["int16", [3, 5], hashlib.sha256(HOST.tobytes()).hexdigest()]
         assert got["arrays"] == want, kind
 
 
