@@ -19,7 +19,7 @@ import numpy as np
 from xckpt.errors import CorruptChunkError, ObjectError, XckptError
 from xckpt.manifest import Chunk, numpy_dtype
 
-from ._torchzip import ZIP_MAGIC, Archive, FileBytes, read_box
+from ._torchzip import ZIP_MAGIC, Archive, FileBytes, read_box, read_boxes
 from ._unpickle import StorageRef, TensorRef, TorchDtype, unrestricted_load
 
 if TYPE_CHECKING:
@@ -95,8 +95,8 @@ class ChunkReader:
 
     # -- tensors --------------------------------------------------------------
 
-    def read(self, name: str, chunk: Chunk, slices: tuple[slice, ...], out: np.ndarray) -> None:
-        """``out[...] = chunk[slices]`` reading only the bytes needed."""
+    def read(self, name: str, chunk: Chunk, items: list[tuple[tuple[slice, ...], np.ndarray]]) -> None:
+        """``out[...] = chunk[slices]`` for each item, reading only the bytes needed."""
         key = (name, chunk.offset)  # not the byte offset: safetensors items share one
         got = self._parsed.get(key)
         if got is None:
@@ -104,7 +104,7 @@ class ChunkReader:
             with self._lock:
                 self._parsed[key] = got
         reader, t, start = got
-        read_box(reader, t, start, slices, out)
+        read_boxes(reader, t, start, items)
 
     def release(self, name: str, chunk: Chunk) -> None:
         """The reads of this chunk are done: drop its in-memory copy, keep its description."""

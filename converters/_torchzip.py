@@ -32,7 +32,7 @@ from xckpt.errors import CorruptChunkError, XckptError
 
 from ._unpickle import TORCH_SAVE_GLOBALS, StorageRef, TensorRef, restricted_load
 
-__all__ = ["FileBytes", "Archive", "read_box", "LEGACY_MAGIC", "ZIP_MAGIC", "first_record_name"]
+__all__ = ["FileBytes", "Archive", "read_box", "read_boxes", "LEGACY_MAGIC", "ZIP_MAGIC", "first_record_name"]
 
 ZIP_MAGIC = b"PK\x03\x04"
 #: torch.save's pre-1.6 format: a protocol-2 pickle whose first value is this magic number.
@@ -159,8 +159,8 @@ class Archive:
 
     # -- raw access -------------------------------------------------------------
 
-    def _bad(self, what: str) -> XckptError:
-        return XckptError(f"{self.where}: not a valid torch.save archive: {what}")
+    def _bad(self, what: str) -> CorruptChunkError:
+        return CorruptChunkError(f"{self.where}: not a valid torch.save archive: {what}")
 
     def _get(self, off: int, n: int) -> bytes:
         if off < 0 or n < 0 or off + n > self.length:
@@ -406,6 +406,53 @@ def read_box(
     )
     out[...] = view
     return span
+
+
+class _Mem:
+    """A tensor's storage span held in memory, read like a file (zero-copy views)."""
+
+    def __init__(self, buf: bytearray, base: int, big_endian: bool) -> None:
+        self.mv = memoryview(buf)
+        self.base = base
+        self.big_endian = big_endian
+
+    def pread(self, offset: int, n: int) -> memoryview:
+        return self.mv[offset - self.base : offset - self.base + n]
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        buf[:] = self.mv[offset - self.base : offset - self.base + buf.nbytes]
+
+
+def _span(t: TensorRef, slices: tuple[slice, ...], itemsize: int) -> tuple[int, int]:
+    """(first element, bytes) of the storage span the box ``slices`` of ``t`` touches."""
+    lo = [s.start for s in slices]
+    first = t.offset + sum(a * st for a, st in zip(lo, t.stride))
+    last = t.offset + sum((s.stop - 1) * st for s, st in zip(slices, t.stride))
+    return first, (last - first + 1) * itemsize
+
+
+def read_boxes(reader: Any, t: TensorRef, start: int, items: list[tuple[tuple[slice, ...], np.ndarray]]) -> None:
+    """Several boxes of one tensor, each ``out[...] = tensor[slices]``.
+
+    When the boxes' byte spans add up to more than the tensor's whole span (column
+    slices of row-major storage, as 8 devices sharding dim 1 ask), the whole span is
+    read once and every box is cut from memory; otherwise each box is read alone.
+    """
+    items = [(sl, out) for sl, out in items if out.size]
+    if not items:
+        return
+    itemsize = items[0][1].dtype.itemsize
+    whole = tuple(slice(0, n) for n in t.size)
+    first, total = _span(t, whole, itemsize)
+    if len(items) > 1 and sum(_span(t, sl, itemsize)[1] for sl, _ in items) > total:
+        buf = bytearray(total)
+        reader.readinto(start + first * itemsize, memoryview(buf))
+        mem = _Mem(buf, start + first * itemsize, reader.big_endian)
+        for sl, out in items:
+            read_box(mem, t, start, sl, out)
+        return
+    for sl, out in items:
+        read_box(reader, t, start, sl, out)
 
 
 def _c_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:

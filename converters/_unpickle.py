@@ -45,6 +45,7 @@ __all__ = [
     "TorchDtype",
     "TorchEnum",
     "Record",
+    "field",
     "StorageRef",
     "TensorRef",
     "METADATA_GLOBALS",
@@ -236,9 +237,6 @@ class Record:
                 raise XckptError(f"bad state for {type(self).__name__}: {type(part).__name__}")
             self.__dict__.update(part)
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.__dict__.get(key, default)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
 
@@ -254,6 +252,16 @@ class _TensorProperties(Record):
 
 class _MetadataIndex(Record):
     """Hashed by identity: duplicates are found by the reader, not merged by a dict."""
+
+
+def field(rec: Any, key: str) -> Any:
+    """Field ``key`` of a :class:`Record` (None when absent or ``rec`` is not a record).
+
+    Read from the instance dict, so a pickled field can never shadow a method.
+    """
+    if not isinstance(rec, Record):
+        return None
+    return rec.__dict__.get(key)
 
 
 def _record(name: str, base: type = Record) -> type:

@@ -57,7 +57,7 @@ from xckpt.source import ChunkRead, Source, whole_request
 
 from . import _dcp_items as items
 from ._torchzip import FileBytes
-from ._unpickle import METADATA_GLOBALS, Record, TorchDtype, restricted_load
+from ._unpickle import METADATA_GLOBALS, Record, TorchDtype, field, restricted_load
 from .torch_save import run_jobs
 
 __all__ = ["FORMAT", "detect", "open", "DcpSource"]
@@ -119,15 +119,15 @@ def _ints(v: Any, what: str, where: str) -> tuple[int, ...]:
 def _parse_one(md: Any, md_rank: int | None, where: str, out: _Parsed) -> None:
     if type(md).__name__ != "Metadata" or not isinstance(md, Record):
         raise XckptError(f"{where}: the pickle holds a {type(md).__name__}, not DCP Metadata")
-    sdm = md.get("state_dict_metadata")
-    sdata = md.get("storage_data")
+    sdm = field(md, "state_dict_metadata")
+    sdata = field(md, "storage_data")
     if not isinstance(sdm, dict) or not isinstance(sdata, dict):
         raise XckptError(f"{where}: Metadata lacks state_dict_metadata or storage_data")
     storage: dict[tuple[str, tuple[int, ...] | None], _Item] = {}
     for idx, info in sdata.items():
         if type(idx).__name__ != "MetadataIndex" or type(info).__name__ != "_StorageInfo":
             raise XckptError(f"{where}: storage_data holds {type(idx).__name__} -> {type(info).__name__}")
-        fqn, off = idx.get("fqn"), idx.get("offset")
+        fqn, off = field(idx, "fqn"), field(idx, "offset")
         if type(fqn) is not str:
             raise XckptError(f"{where}: a storage entry's fqn is {fqn!r}")
         key = (fqn, None if off is None else _ints(off, f"offset of {fqn!r}", where))
@@ -147,12 +147,12 @@ def _parse_one(md: Any, md_rank: int | None, where: str, out: _Parsed) -> None:
         if kind != "TensorStorageMetadata":
             raise XckptError(f"{where}: entry {fqn!r} is a {kind}")
         w = f"{where}, tensor {fqn!r}"
-        props = tmd.get("properties")
-        dtype = props.get("dtype") if isinstance(props, Record) else None
+        props = field(tmd, "properties")
+        dtype = field(props, "dtype") if isinstance(props, Record) else None
         if not isinstance(dtype, TorchDtype):
             raise XckptError(f"{w}: no dtype in its properties")
-        size = _ints(tmd.get("size"), "size", w)
-        raw_chunks = tmd.get("chunks")
+        size = _ints(field(tmd, "size"), "size", w)
+        raw_chunks = field(tmd, "chunks")
         if not isinstance(raw_chunks, list):
             raise XckptError(f"{w}: chunks is not a list")
         prev = out.tensors.get(fqn)
@@ -165,8 +165,8 @@ def _parse_one(md: Any, md_rank: int | None, where: str, out: _Parsed) -> None:
         for c in raw_chunks:
             if not isinstance(c, Record):
                 raise XckptError(f"{w}: a chunk is a {type(c).__name__}")
-            off = _ints(c.get("offsets"), "chunk offsets", w)
-            shape = _ints(c.get("sizes"), "chunk sizes", w)
+            off = _ints(field(c, "offsets"), "chunk offsets", w)
+            shape = _ints(field(c, "sizes"), "chunk sizes", w)
             if len(off) != len(size) or len(shape) != len(size):
                 raise XckptError(f"{w}: chunk offsets {off} / sizes {shape} do not fit the shape {size}")
             it = storage.get((fqn, off))
@@ -174,25 +174,25 @@ def _parse_one(md: Any, md_rank: int | None, where: str, out: _Parsed) -> None:
                 raise XckptError(f"{w}: the chunk at {off} has no storage entry")
             chunks.append((off, shape, it))
         out.tensors[fqn] = (dtype, size, chunks)
-    planner = md.get("planner_data")
+    planner = field(md, "planner_data")
     if isinstance(planner, dict):
         for k, v in planner.items():
             if type(k) is str and isinstance(v, (tuple, list)) and all(type(x) in (str, int) for x in v) and v:
                 out.paths.setdefault(k, tuple(v))
-    meta = md.get("storage_meta")
+    meta = field(md, "storage_meta")
     if isinstance(meta, Record):
-        sid = meta.get("save_id")
+        sid = field(meta, "save_id")
         out.save_ids.append(sid if isinstance(sid, str) else None)
-        if out.checkpoint_id is None and meta.get("checkpoint_id") is not None:
-            out.checkpoint_id = str(meta.get("checkpoint_id"))
-    version = md.get("version")
+        if out.checkpoint_id is None and field(meta, "checkpoint_id") is not None:
+            out.checkpoint_id = str(field(meta, "checkpoint_id"))
+    version = field(md, "version")
     if isinstance(version, str):
         out.version = version
 
 
 def _item(info: Any, md_rank: int | None, fqn: str, where: str) -> _Item:
-    rel, off, length = info.get("relative_path"), info.get("offset"), info.get("length")
-    tr = info.get("transform_descriptors") or ()
+    rel, off, length = field(info, "relative_path"), field(info, "offset"), field(info, "length")
+    tr = field(info, "transform_descriptors") or ()
     if type(rel) is not str or type(off) is not int or type(length) is not int or off < 0 or length < 0:
         raise XckptError(f"{where}: storage entry of {fqn!r} is {info!r}")
     parts = rel.replace("\\", "/").split("/")
@@ -368,11 +368,13 @@ class DcpSource(Source):
             groups.setdefault((job.name, job.chunk.offset), []).append(job)
 
         def one(group: list[ChunkRead]) -> None:
+            items = []
+            for job in group:
+                req = job.req if job.req is not None else whole_request(job.chunk)
+                out = job.out[req.target_slices] if job.out.ndim else job.out  # 0-d: a view, not a scalar
+                items.append((req.chunk_slices, out))
             try:
-                for job in group:
-                    req = job.req if job.req is not None else whole_request(job.chunk)
-                    out = job.out[req.target_slices] if job.out.ndim else job.out  # 0-d: a view, not a scalar
-                    self._reader.read(job.name, job.chunk, req.chunk_slices, out)
+                self._reader.read(group[0].name, group[0].chunk, items)
             finally:
                 self._reader.release(group[0].name, group[0].chunk)
 

@@ -30,7 +30,7 @@ from xckpt.layout import check_coverage
 from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import ChunkRead, Source, whole_request
 
-from ._torchzip import LEGACY_MAGIC, ZIP_MAGIC, Archive, FileBytes, first_record_name, read_box
+from ._torchzip import LEGACY_MAGIC, ZIP_MAGIC, Archive, FileBytes, first_record_name, read_boxes
 from ._unpickle import TensorRef
 
 __all__ = ["FORMAT", "detect", "open", "TorchSaveSource", "flatten_refs", "entry_for", "run_jobs"]
@@ -200,16 +200,23 @@ class TorchSaveSource(Source):
         return e
 
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
-        def one(job: ChunkRead) -> None:
-            req = job.req if job.req is not None else whole_request(job.chunk)
-            t = self._tensors[job.name]
-            out = job.out[req.target_slices] if job.out.ndim else job.out  # a 0-d index gives a scalar
-            read_box(self._archive, t, self._starts[job.name], req.chunk_slices, out)
+        groups: dict[str, list[ChunkRead]] = {}
+        for job in jobs:
+            groups.setdefault(job.name, []).append(job)
 
-        def size(job: ChunkRead) -> int:
-            return job.chunk.nbytes if job.req is None else job.req.box.volume * job.out.itemsize
+        def one(group: list[ChunkRead]) -> None:
+            items = []
+            for job in group:
+                req = job.req if job.req is not None else whole_request(job.chunk)
+                out = job.out[req.target_slices] if job.out.ndim else job.out  # 0-d: a view, not a scalar
+                items.append((req.chunk_slices, out))
+            name = group[0].name
+            read_boxes(self._archive, self._tensors[name], self._starts[name], items)
 
-        run_jobs(one, jobs, bar, size)
+        def size(group: list[ChunkRead]) -> int:
+            return sum(j.chunk.nbytes if j.req is None else j.req.box.volume * j.out.itemsize for j in group)
+
+        run_jobs(one, list(groups.values()), bar, size)
 
     def object_names(self) -> list[str]:
         return list(self._objects)

@@ -162,6 +162,24 @@ def test_rows_read_only_their_bytes(saved: tuple[str, dict[str, Any]]) -> None:
         assert src.bytes_read - before == 64 * 256 * 4
 
 
+def test_column_shards_read_the_tensor_once(saved: tuple[str, dict[str, Any]]) -> None:
+    """8 devices each asking for a column slice of row-major storage: one read of the tensor, not 8."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import xckpt.jax as xj
+
+    path, sd = saved
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P(None, "x"))
+    with xckpt.open(path) as src:
+        before = src.bytes_read
+        arr = xj.load(src, {"big": sharding})["big"]
+        assert src.bytes_read - before == 512 * 256 * 4
+    for shard in arr.addressable_shards:
+        assert same_bits(shard.data, _np(sd["big"])[shard.index])
+
+
 _NO_TORCH = r"""
 import json, sys
 sys.modules["torch"] = None  # any import of torch now fails
