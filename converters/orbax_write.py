@@ -1,0 +1,458 @@
+"""orbax output of ``xckpt.convert``: a pytree checkpoint written directly, chunk by chunk.
+
+orbax's own writer (``StandardCheckpointer().save``) needs every array in memory
+as a ``jax.Array``; this writer lays out what its restore reads (orbax 0.12.8,
+REFERENCE.md sections 3 and 9) with tensorstore and json alone, no jax or orbax:
+
+* one OCDBT database at the root (``manifest.ocdbt``, ``d/``), configured as
+  orbax configures its own (``max_inline_value_bytes`` 1024, single-file
+  manifest); orbax writes per-process databases and merges them into the root,
+  a converter writes from one process straight into the root;
+* a zarr v2 array per leaf at key ``<param name>/`` (``.zarray``, chunk keys
+  ``i.j``), zstd level 1 and ``fill_value: null``, as orbax's v0 handlers write
+  by default; every chunk is stored, equal to the fill value or not, as
+  ``_METADATA``'s ``store_array_data_equal_to_fill_value: true`` promises;
+* ``_METADATA`` (the tree: ``key_metadata`` per level, ``value_metadata`` with
+  ``jax.Array`` / ``scalar`` / ``string`` / ``np.ndarray`` / empty values),
+  ``_sharding``, ``array_metadatas/process_0``, ``_strings.json`` (string
+  leaves), ``_CHECKPOINT_METADATA``; ``commit_success.txt`` last (the marker
+  orbax checks on object stores).
+
+Decisions (where the design is silent):
+
+* Names become a nested tree: ``a.b`` -> ``{"a": {"b": ...}}`` (orbax's
+  parameter name is the key path joined with ``"."``, so the zarr keys keep the
+  flat name). A name that is both a leaf and a node (``a`` and ``a.b``), an
+  empty or ``/``-holding component, or two leaves with one parameter name, is an
+  :class:`~xckpt.errors.XckptError` before anything is written.
+* zarr chunk grid: zarr needs one regular grid per array, so per dimension the
+  grid step is the gcd of the source boxes' non-zero starts (the whole extent
+  when the tensor is not split along it): the uneven ``Shard(0)`` boxes of torch
+  (multiples of ``ceil(n/W)``) and orbax's own shards map one to one onto zarr
+  chunks, and each box is written as whole chunks. Where that step would be
+  under 1/8 of the largest box's extent (irregular splits), the step is that
+  largest extent instead and boxes share chunks (tensorstore merges them
+  within one transaction). Chunks larger than :data:`MAX_CHUNK_BYTES` are split
+  along their leading dimensions, as orbax splits shards over its target file
+  size, keeping box alignment. ``write_shape`` in ``_METADATA`` is that grid.
+* ``_sharding``: every array on a one-device mesh of the device with id 0
+  (``NamedSharding``, replicated), so ``restore(path)`` without a target works
+  on any machine, putting each array on the first device; restoring onto a
+  sharding takes a target (abstract ``ShapeDtypeStruct`` tree, or
+  ``ArrayRestoreArgs``), as orbax recommends in any case.
+* ``_CHECKPOINT_METADATA`` names ``StandardCheckpointHandler``; both
+  ``StandardCheckpointer`` and ``PyTreeCheckpointer`` restore it.
+* Objects: nested dicts (str keys) and lists/tuples become subtrees (tuples come
+  back as lists, as orbax restores them without a target); python and numpy
+  scalars become ``scalar`` leaves (0-d arrays, restored as python scalars);
+  strings go to ``_strings.json``; numpy arrays become ``np.ndarray`` leaves;
+  ``None`` and empty containers are recorded as orbax records them. Anything
+  else (bytes, ints outside 64 bits, custom classes) cannot be held: the object
+  is dropped with a warning naming it.
+* Memory: one source chunk at a time; writes go into a tensorstore transaction
+  committed every :data:`TXN_BYTES`, a large chunk in bands of whole grid rows of
+  about that size, so at most about one chunk plus ``TXN_BYTES`` is held.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from xckpt.errors import XckptError
+from xckpt.manifest import dtype_name
+
+__all__ = ["write", "choose_grid", "MAX_CHUNK_BYTES", "TXN_BYTES"]
+
+FORMAT = "orbax"
+
+#: Largest zarr chunk written; bigger ones are split along leading dimensions.
+MAX_CHUNK_BYTES = 256 << 20
+#: Bytes of writes held in one tensorstore transaction before it is committed.
+TXN_BYTES = 64 << 20
+#: OCDBT data file size (a writer-side knob; orbax uses 2 GiB on local disk).
+DATA_FILE_BYTES = 256 << 20
+
+_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+_DICT, _SEQ = 2, 1  # orbax's KeyType values
+_SHARDING = json.dumps(
+    {
+        "sharding_type": "NamedSharding",
+        "shape": [1],
+        "axis_names": ["d"],
+        "partition_spec": [],
+        "device_mesh": {"mesh": [{"id": 0}]},
+    }
+)
+
+
+class _Leaf:
+    """One orbax leaf: a tensor of the source, or a value taken from an object."""
+
+    __slots__ = ("keys", "kind", "tensor", "value", "grid", "dtype", "shape")
+
+    def __init__(self, keys: tuple[tuple[str, int], ...], kind: str, tensor: str | None = None, value: Any = None):
+        self.keys = keys  # ((name, key type), ...)
+        self.kind = kind  # "jax.Array", "np.ndarray", "scalar", "string", or an empty typestr
+        self.tensor = tensor
+        self.value = value
+        self.grid: list[int] | None = None
+        self.dtype: str | None = None
+        self.shape: tuple[int, ...] | None = None
+
+    @property
+    def param(self) -> str:
+        return ".".join(k for k, _ in self.keys)
+
+
+# -- grid ---------------------------------------------------------------------------------------
+
+
+def choose_grid(shape: Sequence[int], boxes: Sequence[Any], itemsize: int, max_bytes: int = MAX_CHUNK_BYTES) -> list[int]:
+    """The zarr chunk shape for a tensor stored as ``boxes`` (see the module docstring).
+
+    Per dimension: the gcd of the boxes' non-zero starts, so every box is a union
+    of whole chunks; the largest extent where that gcd would make chunks tiny;
+    then leading dimensions divided (by factors of the step when boxes constrain
+    it) until a chunk holds at most ``max_bytes``. zarr forbids 0: empty dims get 1.
+    """
+    grid: list[int] = []
+    aligned: list[bool] = []
+    for d, n in enumerate(shape):
+        starts = [b.offset[d] for b in boxes if b.volume and 0 < b.offset[d] < n]
+        widest = max([b.shape[d] for b in boxes if b.volume] or [n])
+        if not starts:
+            grid.append(max(1, n))
+            aligned.append(False)
+            continue
+        g = math.gcd(*starts)
+        if g * 8 < widest:
+            grid.append(max(1, widest))
+            aligned.append(False)
+        else:
+            grid.append(g)
+            aligned.append(True)
+    for d in range(len(grid)):
+        rest = itemsize * math.prod(grid[d + 1 :])
+        if rest * grid[d] <= max_bytes:
+            break
+        want = max(1, max_bytes // max(1, rest))
+        if aligned[d]:
+            # A divisor of the step keeps boxes made of whole chunks.
+            grid[d] = max(f for f in _divisors(grid[d]) if f <= want)
+        else:
+            pieces = -(-grid[d] // want)
+            grid[d] = -(-grid[d] // pieces)
+    return grid
+
+
+def _divisors(n: int) -> list[int]:
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return small + [n // i for i in small]
+
+
+# -- the tree -----------------------------------------------------------------------------------
+
+
+def _split(name: str, what: str) -> tuple[tuple[str, int], ...]:
+    parts = name.split(".")
+    if any(p == "" for p in parts) or "/" in name:
+        raise XckptError(
+            f"orbax output: {what} {name!r} cannot be an orbax tree path (empty component or '/'); "
+            "rename it with a rule (rules=[{'match': ..., 'rename': ...}]) or exclude it"
+        )
+    return tuple((p, _DICT) for p in parts)
+
+
+class _Drop(Exception):
+    """An object value orbax cannot hold (the object is dropped with a warning)."""
+
+
+def _object_leaves(keys: tuple[tuple[str, int], ...], value: Any, depth: int = 0) -> list[_Leaf]:
+    if depth > 64:
+        raise _Drop("nesting deeper than 64 levels")
+    if value is None:
+        return [_Leaf(keys, "None")]
+    if isinstance(value, (bool, np.bool_)):
+        return [_Leaf(keys, "scalar", value=np.asarray(bool(value)))]
+    if isinstance(value, int):
+        if not -(1 << 63) <= value < (1 << 63):
+            raise _Drop(f"the int {value} does not fit 64 bits")
+        return [_Leaf(keys, "scalar", value=np.asarray(value, dtype=np.int64))]
+    if isinstance(value, float):
+        return [_Leaf(keys, "scalar", value=np.asarray(value, dtype=np.float64))]
+    if isinstance(value, np.generic) or isinstance(value, np.ndarray):
+        arr = np.asarray(value)
+        try:
+            dtype_name(arr.dtype)
+        except XckptError:
+            raise _Drop(f"numpy dtype {arr.dtype} has no zarr equivalent") from None
+        return [_Leaf(keys, "scalar" if isinstance(value, np.generic) else "np.ndarray", value=arr)]
+    if isinstance(value, str):
+        if any("~" in k for k, _ in keys):
+            raise _Drop("a string under a key holding '~' (orbax reads strings by JSON pointer)")
+        return [_Leaf(keys, "string", value=value)]
+    if isinstance(value, Mapping):
+        if not value:
+            return [_Leaf(keys, "Dict")]
+        out = []
+        for k, v in value.items():
+            if not isinstance(k, str) or k == "" or "/" in k:
+                raise _Drop(f"dict key {k!r} (orbax dict keys are non-empty strings without '/')")
+            out.extend(_object_leaves(keys + ((k, _DICT),), v, depth + 1))
+        return out
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return [_Leaf(keys, "List")]
+        out = []
+        for i, v in enumerate(value):
+            out.extend(_object_leaves(keys + ((str(i), _SEQ),), v, depth + 1))
+        return out
+    raise _Drop(f"a value of type {type(value).__name__}")
+
+
+def _plan(job: Any) -> list[_Leaf]:
+    """Every leaf, checked: no name both a leaf and a node, no parameter name twice."""
+    leaves = [_Leaf(_split(n, "tensor"), "jax.Array", tensor=n) for n in job.names]
+    dropped = []
+    for name, value in job.objects.items():
+        keys = _split(name, "object")
+        try:
+            leaves.extend(_object_leaves(keys, value))
+        except _Drop as e:
+            dropped.append(f"{name!r} ({e})")
+    if dropped:
+        warnings.warn(
+            f"orbax output of {job.src.path!r}: dropping objects orbax cannot hold: {', '.join(dropped)}; "
+            "convert to xckpt or torch-dcp to keep them",
+            UserWarning,
+            stacklevel=4,
+        )
+    paths: dict[tuple[str, ...], _Leaf] = {}
+    params: dict[str, _Leaf] = {}
+    for leaf in leaves:
+        path = tuple(k for k, _ in leaf.keys)
+        what = leaf.tensor if leaf.tensor is not None else leaf.param
+        if path in paths or leaf.param in params:
+            other = paths.get(path) or params[leaf.param]
+            raise XckptError(
+                f"orbax output: {what!r} and {other.tensor or other.param!r} are the same orbax parameter "
+                f"{leaf.param!r}; rename one with a rule or exclude it"
+            )
+        paths[path] = leaf
+        params[leaf.param] = leaf
+    for path, leaf in paths.items():
+        for i in range(1, len(path)):
+            if path[:i] in paths:
+                node = paths[path[:i]]
+                raise XckptError(
+                    f"orbax output: {node.tensor or node.param!r} is a leaf and also a node of "
+                    f"{leaf.tensor or leaf.param!r} (orbax nests names at '.'); rename one with a rule "
+                    "or exclude it"
+                )
+    return sorted(leaves, key=_order)
+
+
+def _order(leaf: _Leaf) -> tuple:
+    # jax flattens dicts in sorted key order and sequences by index.
+    return tuple((int(k), "") if t == _SEQ else (-1, k) for k, t in leaf.keys)
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+class _Txn:
+    """A tensorstore transaction committed every ``TXN_BYTES`` of writes."""
+
+    def __init__(self, ts: Any) -> None:
+        self._ts = ts
+        self.txn = ts.Transaction()
+        self._pending = 0
+
+    def add(self, nbytes: int) -> None:
+        self._pending += nbytes
+        if self._pending >= TXN_BYTES:
+            self.commit()
+
+    def commit(self) -> None:
+        self.txn.commit_async().result()
+        self.txn = self._ts.Transaction()
+        self._pending = 0
+
+
+def _array_spec(kv: dict[str, Any], param: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> dict[str, Any]:
+    return {
+        "driver": "zarr",
+        "kvstore": {**kv, "path": param + "/"},
+        "metadata": {
+            "dtype": _zarr_dtype(dtype),
+            "shape": list(shape),
+            "chunks": list(grid),
+            "compressor": {"id": "zstd", "level": 1},
+            "dimension_separator": ".",
+            "fill_value": None,
+            "filters": None,
+            "order": "C",
+        },
+        "store_data_equal_to_fill_value": True,
+        "create": True,
+    }
+
+
+def _zarr_dtype(dtype: str) -> str:
+    # zarr v2 names: numpy's typestr, tensorstore's extension names for bf16 and float8.
+    if dtype == "bfloat16" or dtype.startswith("float8"):
+        return dtype
+    return np.dtype(dtype).str
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _value_metadata(leaf: _Leaf) -> dict[str, Any]:
+    if leaf.kind in ("None", "Dict", "List"):
+        return {"value_type": leaf.kind, "skip_deserialize": True}
+    vm: dict[str, Any] = {"value_type": leaf.kind, "skip_deserialize": False}
+    if leaf.kind == "jax.Array":
+        vm["write_shape"] = list(leaf.grid or [])
+    return vm
+
+
+def write(job: Any) -> None:
+    """Write ``job.src``'s tensors and ``job.objects`` as an orbax pytree checkpoint at ``job.dst``.
+
+    Raises:
+        XckptError: a name cannot be an orbax tree path, or two names collide.
+    """
+    import tensorstore as ts
+
+    from xckpt.storage import default_context
+
+    leaves = _plan(job)
+    init = time.time_ns()
+    dst = os.path.abspath(job.dst)
+    os.makedirs(dst)
+    kv = {
+        "driver": "ocdbt",
+        "base": {"driver": "file", "path": dst + "/"},
+        "config": {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100000000, "manifest_kind": "single"},
+        "target_data_file_size": DATA_FILE_BYTES,
+    }
+    ctx = default_context()
+    txn = _Txn(ts)
+    strings: dict[str, str] = {}
+    for leaf in leaves:
+        if leaf.kind == "string":
+            strings[leaf.param] = leaf.value
+        elif leaf.kind in ("scalar", "np.ndarray"):
+            arr = leaf.value
+            leaf.dtype, leaf.shape, leaf.grid = dtype_name(arr.dtype), arr.shape, [max(1, s) for s in arr.shape]
+            spec = _array_spec(kv, leaf.param, leaf.dtype, arr.shape, leaf.grid)
+            t = ts.open(spec, context=ctx, transaction=txn.txn).result()
+            t.write(arr).result()
+            txn.add(arr.nbytes)
+        elif leaf.kind == "jax.Array":
+            _write_tensor(job, leaf, kv, ctx, txn, ts)
+    txn.commit()
+
+    if strings:
+        _write_json(os.path.join(dst, "_strings.json"), strings)
+    arrays = [leaf for leaf in leaves if leaf.kind == "jax.Array"]
+    _write_json(
+        os.path.join(dst, "_sharding"),
+        {base64.urlsafe_b64encode(leaf.param.encode()).decode(): _SHARDING for leaf in arrays},
+    )
+    os.makedirs(os.path.join(dst, "array_metadatas"))
+    _write_json(
+        os.path.join(dst, "array_metadatas", "process_0"),
+        {
+            "array_metadatas": [
+                {
+                    "array_metadata": {
+                        "param_name": leaf.param,
+                        "write_shape": leaf.grid,
+                        "chunk_shape": leaf.grid,
+                        "ext_metadata": None,
+                    }
+                }
+                for leaf in arrays
+            ]
+        },
+    )
+    tree = {
+        str(tuple(k for k, _ in leaf.keys)): {
+            "key_metadata": [{"key": k, "key_type": t} for k, t in leaf.keys],
+            "value_metadata": _value_metadata(leaf),
+        }
+        for leaf in leaves
+    }
+    _write_json(
+        os.path.join(dst, "_METADATA"),
+        {
+            "tree_metadata": tree,
+            "use_ocdbt": True,
+            "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+        },
+    )
+    _write_json(
+        os.path.join(dst, "_CHECKPOINT_METADATA"),
+        {
+            "item_handlers": _HANDLER,
+            "metrics": {},
+            "performance_metrics": {},
+            "init_timestamp_nsecs": init,
+            "commit_timestamp_nsecs": time.time_ns(),
+            "custom_metadata": {},
+        },
+    )
+    with open(os.path.join(dst, "commit_success.txt"), "w") as f:
+        f.write(f"Checkpoint commit was successful to {dst}")
+
+
+def _write_tensor(job: Any, leaf: _Leaf, kv: dict[str, Any], ctx: Any, txn: _Txn, ts: Any) -> None:
+    t = job.info(leaf.tensor)
+    leaf.dtype, leaf.shape = t.dtype, tuple(t.shape)
+    leaf.grid = choose_grid(t.shape, t.boxes, t.np_dtype.itemsize, MAX_CHUNK_BYTES)
+    spec = _array_spec(kv, leaf.param, t.dtype, t.shape, leaf.grid)
+    arr = ts.open(spec, context=ctx, transaction=txn.txn).result()
+    if math.prod(t.shape) == 0:
+        # zarr stores nothing for an empty array; orbax restores it from .zarray alone.
+        return
+    bound = txn.txn
+    for chunk, data in job.chunks(leaf.tensor):
+        if data.size == 0:
+            continue
+        for offset, piece in _slabs(chunk.offset, data, leaf.grid[0] if leaf.grid else 1):
+            if bound is not txn.txn:  # the previous transaction was committed
+                arr, bound = arr.with_transaction(txn.txn), txn.txn
+            box = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
+            arr[box].write(piece).result()
+            job.bar.update(piece.nbytes)
+            txn.add(piece.nbytes)
+
+
+def _slabs(offset: Sequence[int], data: np.ndarray, step0: int) -> Any:
+    """``data`` in bands of whole grid rows of about ``TXN_BYTES``, so a transaction holds a band
+    rather than a copy of a whole large chunk (bands start on the chunk's own offset, so
+    aligned boxes stay whole zarr chunks)."""
+    if data.ndim == 0 or data.nbytes <= TXN_BYTES:
+        yield tuple(offset), data
+        return
+    row = data.nbytes // data.shape[0]
+    rows = max(step0, (TXN_BYTES // row) // step0 * step0)
+    for a in range(0, data.shape[0], rows):
+        yield (offset[0] + a, *offset[1:]), data[a : a + rows]

@@ -1,0 +1,180 @@
+"""torch DCP output of ``xckpt.convert``: per-rank ``.distcp`` files and a ``.metadata``, chunk by chunk.
+
+What ``torch.distributed.checkpoint.save`` writes with its defaults
+(``FileSystemWriter``, ``single_file_per_rank=True``, one thread, TORCH_SAVE
+serialization; REFERENCE.md sections 2 and 9), from one process:
+
+* ``__<r>_0.distcp`` for every source writer ``r`` holding a chunk
+  (``chunk.rank``): each chunk is a complete ``torch.save`` archive of that box,
+  appended to its rank's file as DCP's ``_write_item`` does, so
+  ``torch.distributed.checkpoint.load`` at any world size reads exactly the
+  boxes the source stored (a DCP or xckpt checkpoint saved by 4 ranks comes out
+  with the same 4 ranks' files and boxes);
+* ``.metadata``: a pickled ``Metadata`` built from torch's own classes:
+  ``TensorStorageMetadata(TensorProperties(dtype), size, [ChunkStorageMetadata(offsets, sizes)])``
+  per tensor, ``BytesStorageMetadata()`` per object,
+  ``storage_data = {MetadataIndex(fqn, offset, index): _StorageInfo(file, offset, length)}``,
+  ``planner_data`` (the flatten mapping), a ``StorageMeta`` with a fresh
+  ``save_id``, ``version`` = torch's ``CURRENT_DCP_VERSION``. It is written last
+  (through ``.metadata.tmp`` and a rename, as torch does), after every data file
+  is fsynced: until then no DCP reader takes the directory for a checkpoint.
+
+Decisions (where the design is silent):
+
+* Tensor names are DCP keys as they are (flat, dotted); ``planner_data`` maps
+  each to a one-element path, so ``dcp.load`` into a nested state dict (which
+  DCP flattens to the same dotted keys) and ``dcp_to_torch_save`` (a flat dict)
+  both work.
+* Objects are flattened exactly as ``dcp.save`` flattens a state dict (torch's
+  own ``flatten_state_dict``: a dict ``cfg`` becomes items ``cfg.lr`` ...), so
+  ``dcp.load`` fills the caller's nested structure; each item is
+  ``torch.save``'d into bytes (a ``BYTE_IO`` item, as DCP does) in rank 0's file.
+  A flattened object key that is also a tensor name, or a value that cannot be
+  pickled, is an error naming it; nothing is left complete.
+* Memory: one chunk at a time (the ``torch.save`` archive is streamed into the
+  open rank file; the numpy buffer is shared with the tensor, not copied).
+
+Needs torch (imported when writing). Nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import secrets
+from typing import Any
+
+import numpy as np
+
+from xckpt.errors import ObjectError, XckptError
+
+__all__ = ["write", "torch_tensor"]
+
+FORMAT = "torch-dcp"
+
+# numpy buffers of these dtypes go to torch through a same-width integer view.
+_VIA = {"bfloat16": np.int16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8,
+        "float8_e4m3fnuz": np.uint8, "float8_e5m2fnuz": np.uint8}
+
+
+def torch_tensor(arr: np.ndarray, dtype: str) -> Any:
+    """A torch tensor sharing ``arr``'s memory, of xckpt dtype ``dtype`` (bf16/float8 by view)."""
+    import torch
+
+    tdt = getattr(torch, dtype)
+    a = arr if arr.flags.c_contiguous else arr.copy()  # ascontiguousarray would make 0-d 1-d
+    if dtype in _VIA:
+        return torch.from_numpy(a.view(_VIA[dtype])).view(tdt)
+    return torch.from_numpy(a)
+
+
+def _fsync_close(f: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+def write(job: Any) -> None:
+    """Write ``job.src``'s tensors and ``job.objects`` as a torch DCP checkpoint at ``job.dst``.
+
+    Raises:
+        XckptError: an object's flattened key is also a tensor name.
+        ObjectError: an object cannot be pickled by ``torch.save``.
+    """
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    flat_objects, object_paths = flatten_state_dict(dict(job.objects)) if job.objects else ({}, {})
+    tensors = set(job.names)
+    clash = sorted(k for k in flat_objects if k in tensors)
+    if clash:
+        raise XckptError(
+            f"torch DCP output of {job.src.path!r}: object keys {clash} (objects flattened as dcp.save "
+            "flattens a state dict) are also tensor names; rename or exclude one of them"
+        )
+
+    dst = os.path.abspath(job.dst)
+    os.makedirs(dst)
+    files: dict[int, Any] = {}
+
+    def rank_file(r: int) -> tuple[str, Any]:
+        rel = f"__{r}_0.distcp"
+        if r not in files:
+            files[r] = open(os.path.join(dst, rel), "wb")  # noqa: SIM115 - closed below
+        return rel, files[r]
+
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple[Any, ...]] = {}
+    try:
+        for name in job.names:
+            t = job.info(name)
+            chunks = []
+            # A tensor with no stored chunk (empty) still gets one, as DCP writes empty shards.
+            if not t.chunks:
+                data = np.empty(t.shape, dtype=t.np_dtype)
+                pieces = iter([((0,) * len(t.shape), 0, data)])
+            else:
+                pieces = ((c.offset, c.rank, d) for c, d in job.chunks(name))
+            for i, (offset, rank, data) in enumerate(pieces):
+                rel, f = rank_file(rank)
+                start = f.tell()
+                torch.save(torch_tensor(data, t.dtype), f)
+                length = f.tell() - start
+                index = MetadataIndex(name, torch.Size(offset), i)
+                storage[index] = _StorageInfo(rel, start, length)
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(data.shape)))
+                job.bar.update(data.nbytes)
+                del data
+            state[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=getattr(torch, t.dtype)),
+                size=torch.Size(t.shape),
+                chunks=chunks,
+            )
+            planner[name] = (name,)
+        for key, value in flat_objects.items():
+            buf = io.BytesIO()
+            try:
+                torch.save(value, buf)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                raise ObjectError(
+                    f"torch DCP output of {job.src.path!r}: object {key!r} cannot be pickled "
+                    f"({type(e).__name__}: {e}); exclude it (exclude=[...]) or convert to xckpt"
+                ) from None
+            rel, f = rank_file(0)
+            start = f.tell()
+            f.write(buf.getbuffer())
+            storage[MetadataIndex(key)] = _StorageInfo(rel, start, f.tell() - start)
+            state[key] = BytesStorageMetadata()
+            planner[key] = tuple(object_paths[key])
+        for f in files.values():
+            _fsync_close(f)
+    finally:
+        for f in files.values():
+            if not f.closed:
+                f.close()
+
+    meta = Metadata(
+        state_dict_metadata=state,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=None, save_id=secrets.token_hex(16)),
+        version=CURRENT_DCP_VERSION,
+    )
+    tmp = os.path.join(dst, ".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(dst, ".metadata"))
