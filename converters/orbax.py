@@ -9,7 +9,9 @@ Neither jax nor orbax is imported: the layout is read from what is on disk
   (``use_ocdbt=False``); zarr v2 (``.zarray``) and zarr3 (``zarr.json``) alike;
 * a composite checkpoint (a ``CheckpointManager`` step: items in subdirectories):
   each item's names are prefixed by the item's name (``state.b.c``). An item's
-  directory opened alone has bare names (``b.c``).
+  directory opened alone has bare names (``b.c``), and so has a step holding
+  only the ``default`` item (a manager saving one unnamed item), as orbax's
+  ``restore`` returns that tree bare.
 
 Decisions (where the design is silent, what an orbax user would expect):
 
@@ -304,10 +306,12 @@ class OrbaxCheckpoint(Source):
             json_items = [s for s in subs if s not in items and _is_json_item(os.path.join(self._root, s))]
             if not items and not json_items:
                 self._not_orbax()
+            # A manager step of one unnamed item ("default"): orbax restores its tree bare.
+            bare = items + json_items == ["default"]
             for s in items:
-                self._load_item(os.path.join(self._root, s), s + ".")
+                self._load_item(os.path.join(self._root, s), "" if bare else s + ".")
             for s in json_items:
-                self._load_json_item(os.path.join(self._root, s), s)
+                self._load_json_item(os.path.join(self._root, s), "" if bare else s)
             skipped = sorted(set(subs) - set(items) - set(json_items))
             if skipped:
                 self._meta["skipped_items"] = skipped
@@ -362,9 +366,11 @@ class OrbaxCheckpoint(Source):
 
         # _METADATA's leaves tell objects from arrays; arrays it does not list are still tensors.
         scalars: set[str] = set()
+        order: dict[str, int] = {}  # names follow the tree's order where _METADATA gives it
         tree = meta.get("tree_metadata")
         for key, leaf in tree.items() if isinstance(tree, dict) else ():
             param = _param_name(key, leaf)
+            order.setdefault(param, len(order))
             vm = leaf.get("value_metadata") if isinstance(leaf, dict) else None
             vm = vm if isinstance(vm, dict) else {}
             vtype = vm.get("value_type") if isinstance(vm.get("value_type"), str) else None
@@ -388,7 +394,8 @@ class OrbaxCheckpoint(Source):
             elif vtype == "scalar":
                 scalars.add(param)
         rel = os.path.relpath(d, self._root)
-        for param, (kv, driver, zmeta, stored) in arrays.items():
+        for param in sorted(arrays, key=lambda p: order.get(p, len(order))):
+            kv, driver, zmeta, stored = arrays[param]
             name = prefix + param
             spec = {"driver": driver, "kvstore": kv, "fill_missing_data_reads": fill_missing}
             arr = _Array(spec, f"{where}, {'object' if param in scalars else 'tensor'} {name!r}")

@@ -119,6 +119,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
                                                    extra=ocp.args.JsonSave(EXTRA)))
         mgr.wait_until_finished()
         mgr.close()
+        one = ocp.CheckpointManager(os.path.join(base, "one_item"))  # one unnamed item: "default"
+        one.save(3, args=ocp.args.StandardSave(_tree(False)))
+        one.wait_until_finished()
+        one.close()
     return base
 
 
@@ -392,6 +396,13 @@ def test_item_directory_opens_with_bare_names(root: str) -> None:
     assert sorted(state.names()) == sorted(ARRAYS) and state.objects() == {"step": STEP}
     extra = xckpt.open(os.path.join(root, "manager", "1", "extra"), format="orbax")
     assert extra.names() == [] and extra.objects() == {"lr": 0.25, "sched.warmup": 5, "sched.kind": "cosine"}
+
+
+def test_default_item_opens_bare(root: str) -> None:
+    """A manager step holding only the "default" item: names as orbax's restore returns them."""
+    src = xckpt.open(os.path.join(root, "one_item", "3"), format="orbax")
+    assert sorted(src.names()) == sorted(ARRAYS) and src.objects() == {"step": STEP}
+    assert bits(src.read("params.b")) == bits(expected("params.b"))
 
 
 def test_detection(root: str, tmp_path: Any) -> None:
