@@ -512,3 +512,35 @@ def test_fuzz_mutated_metadata(seed_ckpt: str, tmp_path: Any, edits: list[tuple[
     except XckptError:
         pass
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_real_model_and_adam_state(tmp_path: Any) -> None:
+    """A Linear and its Adam state (0-d step tensors, param_groups) saved by DCP load back through xckpt."""
+    import xckpt.torch as xt
+
+    def trained(seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(3, 2)
+        opt = torch.optim.Adam(m.parameters(), lr=0.01 * (seed + 1))
+        m(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        return m, opt
+
+    m, opt = trained(0)
+    path = str(tmp_path / "ck")
+    _single_save(path, {"model": m.state_dict(), "optim": opt.state_dict()})
+    m2, opt2 = trained(1)
+    sd = {"model": m2.state_dict(), "optim": opt2.state_dict()}
+    res = xt.load(path, sd, allow_pickle=True)
+    assert (res.missing, res.unexpected, res.skipped) == ([], [], [])
+    want = {"model": m.state_dict(), "optim": opt.state_dict()}
+    for k in ("weight", "bias"):
+        assert torch.equal(sd["model"][k], want["model"][k])
+    for p in (0, 1):
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd["optim"]["state"][p][k], want["optim"]["state"][p][k]), (p, k)
+    assert sd["optim"]["param_groups"] == want["optim"]["param_groups"]
+    with xckpt.open(path) as src:
+        assert src.object_names() == ["optim.param_groups"]
+        assert src.info("optim.state.0.step").shape == ()
