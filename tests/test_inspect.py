@@ -69,7 +69,25 @@ def test_plot_layout_with_torch_and_jax_targets(ck):
     assert {t.get_text() for t in ax.texts} == {"rank 0", "rank 1", "rank 2", "rank 3"}
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
     ax = ck.plot_layout("w", target=NamedSharding(mesh, P(None, "x")))
-    assert len(ax.patches) == 3 + 2
+    assert len(ax.patches) == 3 + 2 and "target of 2 devices" in ax.get_title()
+    assert {t.get_text() for t in ax.texts} == {"device 0", "device 1"}
+    assert ax.get_legend().get_texts()[-1].get_text() == "target box (what a device reads)"
+
+
+def test_plot_layout_labels_each_box_once_with_all_its_holders(ck):
+    # replicated over the first mesh axis: 4 distinct boxes, each held by 2 ranks
+    ax = ck.plot_layout("w", target=((2, 4), "Replicate(), Shard(0)"))
+    assert len(ax.patches) == 3 + 4
+    assert sorted(t.get_text() for t in ax.texts) == ["ranks 0,4", "ranks 1,5", "ranks 2,6", "ranks 3,7"]
+    mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[:8])
+    ax = ck.plot_layout("w", target=NamedSharding(mesh, P()))
+    assert [t.get_text() for t in ax.texts] == ["devices 0-7"]
+    assert inspect._ranks_label("rank", [3]) == "rank 3"
+    assert inspect._ranks_label("device", [0, 1, 2, 5, 6, 9]) == "devices 0-2,5,6,9"
+    assert inspect._ranks_label("rank", list(range(0, 40, 2))) == "ranks 0,2,4,... (20)"
+    # boxes that differ only in a collapsed dim share one outline
+    ax = ck.plot_layout("cube", target=((2,), "Shard(2)"))
+    assert len(ax.patches) == 1 + 1 and [t.get_text() for t in ax.texts] == ["ranks 0,1"]
     ax = ck.plot_layout("cube")
     assert "projected on dims 0 and 1" in ax.get_title()
     with pytest.raises(XckptError, match="tensor 'w' has no value-range annotation"):
@@ -81,4 +99,4 @@ def test_plot_plan(ck):
     ax = plan.plot()
     assert len(ax.patches) == 4 and ax.get_xlabel() == "rank"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3"]
-    assert "4 ranks read" in ax.get_title()
+    assert ax.get_title().startswith("load plan: 4 ranks read") and "\nmax rank" in ax.get_title()

@@ -156,17 +156,36 @@ def _xy(box: Box) -> tuple[tuple[int, int], tuple[int, int]]:
     return (0, 0), (1, 1)
 
 
-def _target_boxes(ck: Source, name: str, target: Any) -> dict[int, tuple[Box, ...]]:
+def _target_boxes(ck: Source, name: str, target: Any) -> tuple[str, dict[int, tuple[Box, ...]]]:
+    """("rank" or "device", rank -> boxes of ``name``) for a torch or JAX target."""
     from xckpt.plan import _is_torch_target, _jax_boxes, _torch_boxes
 
     if isinstance(target, tuple) and len(target) == 2:
         target = {name: target}
     elif not isinstance(target, dict):
         target = {name: target}
-    boxes = _torch_boxes(ck, target) if _is_torch_target(target) else _jax_boxes(ck, target)
+    torch_target = _is_torch_target(target)
+    boxes = _torch_boxes(ck, target) if torch_target else _jax_boxes(ck, target)
     if name not in boxes:
         raise XckptError(f"plot_layout: the target does not lay out tensor {name!r}")
-    return boxes[name]
+    return ("rank" if torch_target else "device"), boxes[name]
+
+
+def _ranks_label(who: str, ranks: list[int]) -> str:
+    """``rank 3``, ``devices 0-3``, ``devices 0,2,4,6`` (runs collapsed; long lists cut)."""
+    if len(ranks) == 1:
+        return f"{who} {ranks[0]}"
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [f"{g[0]}-{g[-1]}" if len(g) > 2 else ",".join(map(str, g)) for g in runs]
+    text = ",".join(parts)
+    if len(text) > 24:
+        text = ",".join(parts[:3]) + f",... ({len(ranks)})"
+    return f"{who}s {text}"
 
 
 def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) -> Any:
@@ -198,22 +217,25 @@ def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) ->
     handles = [Patch(facecolor=colors[r], edgecolor="black", label=f"writer {r}") for r in writers[:20]]
     title = f"{name} {t.dtype}{list(t.shape)}: {len(t.chunks)} saved chunks"
     if target is not None:
-        per_rank = _target_boxes(ck, name, target)
+        who, per_rank = _target_boxes(ck, name, target)
+        # one outline per distinct (projected) box, labelled with every rank that holds it:
+        # replicated boxes and boxes differing only in collapsed dims share a label
+        holders: dict[tuple[tuple[int, int], tuple[int, int]], list[int]] = {}
         for rank, boxes in sorted(per_rank.items()):
             for b in boxes:
-                if b.empty:
-                    continue
-                (y, x), (h, w) = _xy(b)
-                ax.add_patch(
-                    Rectangle((x, y), w, h, fill=True, facecolor=(0, 0, 0, 0.08), hatch="//",
-                              edgecolor="black", linewidth=2.0, linestyle="--")
-                )
-                ax.text(x + w / 2, y + h / 2, f"rank {rank}", ha="center", va="center",
-                        fontsize="small", fontweight="bold",
-                        bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+                if not b.empty:
+                    holders.setdefault(_xy(b), []).append(rank)
+        for ((y, x), (h, w)), ranks in holders.items():
+            ax.add_patch(
+                Rectangle((x, y), w, h, fill=True, facecolor=(0, 0, 0, 0.08), hatch="//",
+                          edgecolor="black", linewidth=2.0, linestyle="--")
+            )
+            ax.text(x + w / 2, y + h / 2, _ranks_label(who, sorted(set(ranks))), ha="center", va="center",
+                    fontsize="small", fontweight="bold",
+                    bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
         handles.append(Patch(facecolor=(0, 0, 0, 0.08), hatch="//", edgecolor="black", linestyle="--",
-                             label="target box (what a rank reads)"))
-        title += f" vs a target of {len(per_rank)} ranks"
+                             label=f"target box (what a {who} reads)"))
+        title += f" vs a target of {len(per_rank)} {who}s"
     ax.set_xlim(0, max(cols, 1))
     ax.set_ylim(max(rows, 1), 0)
     if len(t.shape) >= 2:
@@ -247,7 +269,8 @@ def plot_plan(plan: LoadPlan, ax: Any = None) -> Any:
     ax.set_xticks(range(len(ranks)), [str(r) for r in ranks])
     ax.set_xlabel(who)
     ax.set_ylabel(unit)
-    ax.set_title(f"plan: {plan.summary()}", fontsize="small", wrap=True)
+    head, _, tail = plan.summary().partition("; ")
+    ax.set_title(f"load plan: {head}\n{tail}", fontsize="small")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return ax
 
@@ -277,19 +300,23 @@ def plot_value_ranges(ck: Source, name: str, ax: Any = None, *, world_size: int 
         ax.barh(i, hi - lo, left=lo, color=colors[c.rank], edgecolor="black", height=0.6)
     ax.set_yticks(range(len(ranged)), [f"rows {c.offset[0]}:{c.offset[0] + c.shape[0]}" for c in ranged])
     handles = [Patch(facecolor=colors[r], edgecolor="black", label=f"saved by rank {r}") for r in writers]
-    title = f"{name}: key ranges of {len(ranged)} chunks (group {t.value_range.group})"
+    short = name if len(name) <= 60 else "..." + name[-57:]
+    title = f"{short}: key ranges of {len(ranged)} saved chunks"
     domain = t.value_range.domain
+    ax.set_ylim(-0.6, len(ranged) - 0.4)
     if world_size is not None:
         if domain is None:
             raise XckptError(f"tensor {name!r}: its annotation records no key domain to split")
         lo0, hi0 = domain
+        ax.set_ylim(-0.6, len(ranged) + 0.2)  # a lane above the bars for the new owners' labels
         for r, (start, size) in enumerate(chunk_sizes(hi0 - lo0, world_size)):
             if size == 0:
                 continue
-            ax.axvspan(lo0 + start, lo0 + start + size, color="grey" if r % 2 else "white", alpha=0.15)
+            ax.axvspan(lo0 + start, lo0 + start + size, color="grey", alpha=0.22 if r % 2 else 0.08)
             ax.axvline(lo0 + start, color="black", linestyle=":", linewidth=1)
-            ax.text(lo0 + start + size / 2, len(ranged) - 0.4, f"new rank {r}", ha="center", fontsize="small")
-        title += f"\nowners at world size {world_size}: the input domain in {world_size} blocks"
+            ax.text(lo0 + start + size / 2, len(ranged) - 0.15, f"new rank {r}", ha="center", va="center",
+                    fontsize="small", fontweight="bold")
+        title += f"\nshaded: the key domain split among {world_size} ranks (who owns each id after the load)"
     if domain is not None:
         ax.set_xlim(domain[0], domain[1])
     ax.set_xlabel("key value (raw id)")
