@@ -47,6 +47,7 @@ _TAIL = 1024  # first look at an archive's end: EOCD + a torch-sized central dir
 _WHOLE = 64 << 10  # archives this small are read in one go
 _MAX_RECORDS = 1 << 20
 _EXPAND_LIMIT = 1 << 30
+_SLAB = 64 << 20  # bytes of a tensor held at once when several boxes are cut from it
 
 
 class FileBytes:
@@ -435,8 +436,9 @@ def read_boxes(reader: Any, t: TensorRef, start: int, items: list[tuple[tuple[sl
     """Several boxes of one tensor, each ``out[...] = tensor[slices]``.
 
     When the boxes' byte spans add up to more than the tensor's whole span (column
-    slices of row-major storage, as 8 devices sharding dim 1 ask), the whole span is
-    read once and every box is cut from memory; otherwise each box is read alone.
+    slices of row-major storage, as 8 devices sharding dim 1 ask), the tensor is read
+    once, in slabs of rows of about :data:`_SLAB` bytes, and every box is cut from
+    memory; otherwise each box is read alone.
     """
     items = [(sl, out) for sl, out in items if out.size]
     if not items:
@@ -444,15 +446,27 @@ def read_boxes(reader: Any, t: TensorRef, start: int, items: list[tuple[tuple[sl
     itemsize = items[0][1].dtype.itemsize
     whole = tuple(slice(0, n) for n in t.size)
     first, total = _span(t, whole, itemsize)
-    if len(items) > 1 and sum(_span(t, sl, itemsize)[1] for sl, _ in items) > total:
-        buf = bytearray(total)
-        reader.readinto(start + first * itemsize, memoryview(buf))
-        mem = _Mem(buf, start + first * itemsize, reader.big_endian)
+    if len(items) < 2 or sum(_span(t, sl, itemsize)[1] for sl, _ in items) <= total:
         for sl, out in items:
-            read_box(mem, t, start, sl, out)
+            read_box(reader, t, start, sl, out)
         return
-    for sl, out in items:
-        read_box(reader, t, start, sl, out)
+    rows = t.size[0] if t.size else 1
+    if t.size and total > _SLAB and t.stride[0] == max(t.stride):
+        rows = max(1, _SLAB // max(1, t.stride[0] * itemsize))  # dim 0 outermost: slabs of rows
+    for r0 in range(0, max(t.size[0], 1) if t.size else 1, rows):
+        slab = (slice(r0, min(r0 + rows, t.size[0])),) + whole[1:] if t.size else ()
+        lo, span = _span(t, slab, itemsize)
+        buf = bytearray(span)
+        reader.readinto(start + lo * itemsize, memoryview(buf))
+        mem = _Mem(buf, start + lo * itemsize, reader.big_endian)
+        for sl, out in items:
+            if not t.size:
+                read_box(mem, t, start, sl, out)
+                continue
+            a, b = max(sl[0].start, slab[0].start), min(sl[0].stop, slab[0].stop)
+            if a < b:
+                part = out[a - sl[0].start : b - sl[0].start]
+                read_box(mem, t, start, (slice(a, b),) + sl[1:], part)
 
 
 def _c_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:

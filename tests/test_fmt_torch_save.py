@@ -162,8 +162,14 @@ def test_rows_read_only_their_bytes(saved: tuple[str, dict[str, Any]]) -> None:
         assert src.bytes_read - before == 64 * 256 * 4
 
 
-def test_column_shards_read_the_tensor_once(saved: tuple[str, dict[str, Any]]) -> None:
-    """8 devices each asking for a column slice of row-major storage: one read of the tensor, not 8."""
+@pytest.mark.parametrize("slab", [None, 64 << 10])
+def test_column_shards_read_the_tensor_once(
+    saved: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, slab: int | None
+) -> None:
+    """8 devices each asking for a column slice of row-major storage: one read of the tensor, not 8
+    (in slabs of rows when the tensor is larger than the slab)."""
+    if slab is not None:
+        monkeypatch.setattr(_torchzip, "_SLAB", slab)
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
