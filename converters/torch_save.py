@@ -41,14 +41,26 @@ _MAX_DEPTH = 200
 
 
 def detect(path: str) -> bool:
-    """A file whose first zip record is ``<archive>/data.pkl``, or a legacy torch.save pickle."""
+    """A zip file with an ``<archive>/data.pkl`` record (torch writes it first), or a legacy torch.save pickle."""
     if not os.path.isfile(path):
         return False
     head = _read_head(path, 512)
     if head.startswith(LEGACY_MAGIC):
         return True
     name = first_record_name(head)
-    return name is not None and name.endswith("/data.pkl") and name.count("/") == 1
+    if name is None:
+        return False
+    if name.endswith("/data.pkl") and name.count("/") == 1:
+        return True  # torch writes data.pkl first
+    # Another zip writer may order records differently: look in the central directory.
+    f = FileBytes(path, path)
+    try:
+        Archive(f, 0, f.size, path, unpickle=False)
+        return True
+    except XckptError:
+        return False
+    finally:
+        f.close()
 
 
 def _read_head(path: str, n: int) -> bytes:

@@ -237,10 +237,22 @@ def test_zip64_archive(saved: tuple[str, dict[str, Any]], tmp_path: Any, monkeyp
     monkeypatch.undo()
     with open(out, "rb") as f:
         assert b"PK\x06\x06" in f.read()  # a zip64 end-of-central-directory record
+    assert torch_save.detect(out)
     assert same_bits(_np(torch.load(out, weights_only=True)["big"]), _np(sd["big"]))  # torch accepts it
     with xckpt.open(out) as src:
         for name in TENSORS:
             assert same_bits(src.read(name), _np(_value(sd, name))), name
+
+
+def test_records_in_another_order(saved: tuple[str, dict[str, Any]], tmp_path: Any) -> None:
+    path, sd = saved
+    out = str(tmp_path / "reordered.pt")
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(out, "w") as zout:
+        for n in reversed(zin.namelist()):  # data.pkl last
+            zout.writestr(n, zin.read(n))
+    assert torch_save.detect(out)
+    with xckpt.open(out) as src:
+        assert same_bits(src.read("wt"), _np(sd["wt"]))
 
 
 def test_big_endian_archive(tmp_path: Any) -> None:
@@ -258,6 +270,7 @@ def test_big_endian_archive(tmp_path: Any) -> None:
         return data
 
     _rewrite(path, out, edit=edit)
+    assert torch_save.detect(out)
     back = torch.load(out, weights_only=True)  # torch reads it as the same values
     with xckpt.open(out) as src:
         for n, t in sd.items():
