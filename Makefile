@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.xckpt-installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean soak
 
 venv: $(STAMP)
 
@@ -38,6 +38,11 @@ test: venv lint
 
 bench: venv
 	$(BIN)/python bench/io.py
+
+# Not in CI: the reliability, fuzz and object-storage tests with many more trials
+# (killed saves, byte flips, races, hypothesis examples); prints the figures.
+soak: venv
+	XCKPT_SOAK=1 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_reliability.py tests/test_manifest_fuzz.py tests/test_s3.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
