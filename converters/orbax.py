@@ -80,6 +80,7 @@ _JSON_ITEM_FILE = "metadata"  # JsonCheckpointHandler's default file name
 #: Chunks an array may claim beyond those stored (an old orbax skipped fill-value chunks).
 _MAX_SPARSE_CHUNKS = 1 << 24
 _OCDBT_NODE_CACHE = 64 << 20
+_OCDBT_DATA_DIRS = ("d", "ocdbt_data", "ocdbt_meta")
 
 
 def _entries(path: str) -> list[str]:
@@ -422,7 +423,8 @@ class OrbaxCheckpoint(Source):
                     "another step"
                 )
             has_manifest = os.path.exists(os.path.join(sub, "manifest.ocdbt"))
-            if has_manifest and not os.path.isdir(os.path.join(sub, "d")):
+            # Data files live in d/ (or ocdbt_data/ + ocdbt_meta/ when orbax splits them).
+            if has_manifest and not any(os.path.isdir(os.path.join(sub, x)) for x in _OCDBT_DATA_DIRS):
                 raise IncompleteCheckpointError(
                     f"{where}: the {label} OCDBT database in {sub!r} has a manifest.ocdbt but no d/ "
                     "directory (its data files); the checkpoint is incomplete: restore it from a copy"

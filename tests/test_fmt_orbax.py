@@ -541,24 +541,64 @@ def _fuzz_dir(root: str) -> str:
     return path
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_MUTATION = st.tuples(st.integers(0, 20), st.sampled_from(["key_metadata", "value_metadata", "value_type",
+                                                        "partition_spec", "shape", "axis_names", "whole"]),
+                      _JSON)
+
+
+def _mutate(orig: dict[str, Any], mutation: tuple[int, str, Any], sharding: bool) -> dict[str, Any]:
+    """``orig`` (a parsed _METADATA or _sharding) with one entry's field replaced."""
+    out = json.loads(json.dumps(orig))
+    entries = out["tree_metadata"] if not sharding else out
+    key = sorted(entries)[mutation[0] % len(entries)]
+    field, value = mutation[1], mutation[2]
+    if sharding:
+        inner = json.loads(entries[key])
+        if field == "whole":
+            entries[key] = value
+        else:
+            inner[field] = value
+            entries[key] = json.dumps(inner)
+    elif field == "whole":
+        entries[key] = value
+    elif field == "value_type":
+        entries[key]["value_metadata"]["value_type"] = value
+    elif field in ("key_metadata", "value_metadata"):
+        entries[key][field] = value
+    return out
+
+
+@settings(max_examples=int(os.environ.get("XCKPT_FUZZ_EXAMPLES", "40")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fields=st.dictionaries(st.sampled_from(_ZARRAY_FIELDS),
                               _JSON | st.lists(st.integers(-2, 1 << 40), max_size=3), max_size=3),
-       meta=st.one_of(st.none(), st.binary(max_size=40), _JSON.map(lambda v: json.dumps(v).encode())))
-def test_damaged_metadata_gives_typed_errors(root: str, fields: dict[str, Any], meta: bytes | None) -> None:
-    """Whatever the zarr metadata or _METADATA say, open and read either work or raise XckptError."""
+       meta=st.one_of(st.none(), st.binary(max_size=40), _JSON.map(lambda v: json.dumps(v).encode()),
+                      _MUTATION),
+       sharding=st.one_of(st.none(), _MUTATION))
+def test_damaged_metadata_gives_typed_errors(
+    root: str, fields: dict[str, Any], meta: Any, sharding: Any
+) -> None:
+    """Whatever the zarr metadata, _METADATA or _sharding say, open and read either work or
+    raise XckptError."""
     path = _fuzz_dir(root)
-    orig = json.loads(open(os.path.join(root, "pytree_no_ocdbt", "params.w", ".zarray")).read())
+    orig_dir = os.path.join(root, "pytree_no_ocdbt")
+    orig = json.loads(open(os.path.join(orig_dir, "params.w", ".zarray")).read())
     with open(os.path.join(path, "params.w", ".zarray"), "w") as f:
         json.dump({**orig, **fields}, f)
-    if meta is not None:
-        with open(os.path.join(path, "_METADATA"), "wb") as f:
-            f.write(meta)
+    for name, m in (("_METADATA", meta), ("_sharding", sharding)):
+        if isinstance(m, tuple):
+            saved = json.loads(open(os.path.join(orig_dir, name)).read())
+            m = json.dumps(_mutate(saved, m, name == "_sharding"))
+        data = open(os.path.join(orig_dir, name), "rb").read() if m is None else m
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
     try:
         with xckpt.open(path, format="orbax") as src:
             # zarr chunks are compressed: a claimed shape is checked when its chunks decode.
             small = [n for n in src.names() if src.info(n).nbytes < 1 << 20]
             src.read_all(small, show_progress=False)
             src.objects()
+            assert all(src.info(n).name == n for n in src.names())
+            json.dumps(dict(src.metadata))  # metadata is plain JSON
     except XckptError:
         pass
