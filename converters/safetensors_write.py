@@ -101,6 +101,7 @@ def _write_file(job: Any, path: str, names: list[str], metadata: dict[str, str] 
             for piece in job.rows(n):
                 f.write(memoryview(piece.reshape(-1).view(np.uint8)))
                 job.bar.update(piece.nbytes)
+                del piece  # free it before the next piece is read: one piece in memory
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:

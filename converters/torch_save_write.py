@@ -194,5 +194,6 @@ def write(job: Any) -> None:
                 for piece in job.rows(name):
                     w.write(memoryview(piece.reshape(-1).view(np.uint8)))
                     job.bar.update(piece.nbytes)
+                    del piece  # free it before the next piece is read: one piece in memory
         with _open_record(zf, "version", 2) as w:
             w.write(b"3\n")

@@ -63,7 +63,7 @@ WRITERS: dict[str, str] = {
 }
 
 #: Bytes the xckpt writer may hold in flight during a conversion.
-CONVERT_INFLIGHT_BYTES = 64 << 20
+CONVERT_INFLIGHT_BYTES = 32 << 20
 #: huggingface_hub's default shard size.
 DEFAULT_SHARD_SIZE = 5 * 10**9
 
@@ -583,6 +583,7 @@ def write_xckpt(job: WriteJob) -> None:
                     name, arr, global_shape=t.shape, offset=c.offset, chunk_value_range=c.value_range
                 )
                 job.bar.update(arr.nbytes)
+                del arr  # the Writer holds it until flushed; drop ours before the next read
         for oname, value in job.objects.items():
             if oname in job.per_rank_objects and isinstance(value, list) and len(value) == world:
                 w.write_object(oname, value[r], per_rank=True)

@@ -379,6 +379,8 @@ class Writer:
                 self._flush()
             self._pending.append(_Pending(key, self._tensors[name]["dtype"], arr, grid))
             self._pending_bytes += nbytes
+            if self._pending_bytes >= self.inflight_bytes:
+                self._flush()  # a chunk as large as the budget is written at once, not held
         self._chunks[name].append(chunk)
 
     def _bar_update(self, n: int) -> None:
