@@ -100,3 +100,17 @@ def test_plot_plan(ck):
     assert len(ax.patches) == 4 and ax.get_xlabel() == "rank"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3"]
     assert ax.get_title().startswith("load plan: 4 ranks read") and "\nmax rank" in ax.get_title()
+
+
+def test_plot_layout_marks_inner_chunks(tmp_path):
+    xckpt.save({"big": np.zeros((16384, 64), np.float32), "small": np.zeros(4)}, tmp_path / "g")
+    src = xckpt.open(tmp_path / "g")
+    assert src.info("big").chunks[0].grid == (4096, 64)  # 4 MiB stored as 4 inner chunks
+    ax = src.plot_layout("big")
+    assert [line.get_ydata()[0] for line in ax.lines] == [4096, 8192, 12288]
+    assert ax.get_legend().get_texts()[-1].get_text() == "inner chunk (one read)"
+    # through a transposing view the boundaries turn with the tensor
+    ax = xckpt.open(tmp_path / "g", rules=[{"match": "big", "transpose": [1, 0]}]).plot_layout("big")
+    assert [line.get_xdata()[0] for line in ax.lines] == [4096, 8192, 12288]
+    ax = src.plot_layout("small")  # packed: no inner grid
+    assert not ax.lines and [t.get_text() for t in ax.get_legend().get_texts()] == ["writer 0"]

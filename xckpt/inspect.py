@@ -32,6 +32,8 @@ __all__ = ["text_table", "html_table", "plot_layout", "plot_plan", "plot_value_r
 MAX_ROWS = 200
 #: Boxes drawn in one HTML glyph before it says "+N".
 GLYPH_BOXES = 64
+#: Inner-chunk boundary lines drawn per saved chunk in :func:`plot_layout` (more: none drawn).
+GRID_LINES = 64
 #: Writers listed per row before the rest are summed.
 WRITERS_SHOWN = 4
 
@@ -188,8 +190,31 @@ def _ranks_label(who: str, ranks: list[int]) -> str:
     return f"{who}s {text}"
 
 
+def _draw_grids(ax: Any, chunks: Any) -> bool:
+    """Dotted lines at the inner (zarr) chunk boundaries of array chunks, the unit a load reads;
+    skipped for a chunk whose projection has more than :data:`GRID_LINES` of them."""
+    drawn = False
+    for c in chunks:
+        if c.grid is None:
+            continue
+        (y, x), (h, w) = _xy(c.box)
+        (_, _), (gh, gw) = _xy(Box(c.offset, c.grid))
+        ys, xs = range(y + gh, y + h, gh), range(x + gw, x + w, gw)
+        if len(ys) + len(xs) > GRID_LINES:
+            continue
+        for yy in ys:
+            ax.plot([x, x + w], [yy, yy], color="white", linestyle=":", linewidth=1.2)
+        for xx in xs:
+            ax.plot([xx, xx], [y, y + h], color="white", linestyle=":", linewidth=1.2)
+        drawn = drawn or bool(len(ys) + len(xs))
+    return drawn
+
+
 def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) -> Any:
     """Draw a tensor's saved chunk boxes coloured by writer; returns the Axes.
+
+    Dotted white lines mark the inner chunks of xckpt array chunks (and of their
+    views through rules): the unit a load reads.
 
     Args:
         ck: any source.
@@ -203,6 +228,7 @@ def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) ->
     onto dims 0 and 1 (the title says so).
     """
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch, Rectangle
 
     t = ck.info(name)
@@ -215,6 +241,9 @@ def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) ->
         (y, x), (h, w) = _xy(c.box)
         ax.add_patch(Rectangle((x, y), w, h, facecolor=colors[c.rank], edgecolor="black", alpha=0.75))
     handles = [Patch(facecolor=colors[r], edgecolor="black", label=f"writer {r}") for r in writers[:20]]
+    if _draw_grids(ax, t.chunks):
+        handles.append(Line2D([], [], color="white", linestyle=":", linewidth=1.2,
+                              label="inner chunk (one read)"))
     title = f"{name} {t.dtype}{list(t.shape)}: {len(t.chunks)} saved chunks"
     if target is not None:
         who, per_rank = _target_boxes(ck, name, target)
