@@ -286,6 +286,11 @@ class OrbaxCheckpoint(Source):
                 f"{path!r} is not a directory: an orbax checkpoint is a directory holding _METADATA "
                 "(or a CheckpointManager step holding item directories)"
             )
+        if "orbax-checkpoint-tmp" in os.path.basename(self._root.rstrip(os.sep)):
+            raise IncompleteCheckpointError(
+                f"{path!r} is an unfinished orbax save (orbax renames its temporary directory when the "
+                "save commits): wait for the save to finish, or open the last committed step"
+            )
         import tensorstore as ts
 
         self._ts = ts

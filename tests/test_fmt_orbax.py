@@ -383,6 +383,13 @@ def test_array_listed_in_metadata_but_absent(root: str, tmp_path: Any) -> None:
         xckpt.open(path, format="orbax")
 
 
+def test_unfinished_save_is_an_error(root: str, tmp_path: Any) -> None:
+    path = str(tmp_path / "5.orbax-checkpoint-tmp-1712")
+    shutil.copytree(os.path.join(root, "standard"), path)
+    with pytest.raises(IncompleteCheckpointError, match=r"is an unfinished orbax save.*wait for the save"):
+        xckpt.open(path, format="orbax")
+
+
 def test_manager_root_names_its_steps(root: str) -> None:
     path = os.path.join(root, "manager")
     assert orbax_fmt.detect(path)
