@@ -6,7 +6,7 @@ the default input domain 2**63-1, rows a permutation of each rank's range, LFU
 counts), an fp32 weight of ``--dim`` columns. Saved at W = 2 and W = 4 (one
 Writer per simulated rank), then loaded at W' = 3 rank by rank:
 
-* value path: :func:`xckpt.value_ranges.read_group_rank` (what ``xckpt.torch.load``
+* value path: :func:`xckpt.value_load.read_group_rank` (what ``xckpt.torch.load``
   and the JAX adapter run), the correct result;
 * position-sliced: each rank reads rows ``[lo', hi')`` of every group tensor, the
   I/O a positional loader does (its result loses lookups; it is the baseline).
@@ -32,7 +32,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from _common import drop_caches, markdown_table, out_dir, remove  # noqa: E402
 
 import xckpt  # noqa: E402
-from xckpt.value_ranges import INT64_MAX, MCLayout, ceil_bounds, read_group_rank  # noqa: E402
+from xckpt.value_load import read_group_rank  # noqa: E402
+from xckpt.value_ranges import INT64_MAX, MCLayout, ceil_bounds  # noqa: E402
 
 P = "m._managed_collision_collection._managed_collision_modules.t"
 RAW, ROWS, CNT, W_NAME = P + "._mch_sorted_raw_ids", P + "._mch_remapped_ids_mapping", P + "._mch_counts", "w"
@@ -119,10 +120,10 @@ def main() -> None:
         lay = MCLayout(INT64_MAX, ceil_bounds(args.rows, w2))
         for r in range(w2):
             cold = drop_caches()
-            stats: dict[str, int] = {}
             t0 = time.perf_counter()
-            got = read_group_rank(ckpt, RAW, r, w2, stats=stats)
+            got = read_group_rank(ckpt, RAW, r, w2)
             t_val = time.perf_counter() - t0
+            stats = {"bytes": got.read.bytes, "key_bytes": got.read.key_bytes}
             lo, hi = lay.rows(r)
             moved = int(np.count_nonzero(got.source_rows != np.arange(lo, hi)))
             needed = stats["key_bytes"] + (hi - lo) * args.dim * 4  # the least a value load can read

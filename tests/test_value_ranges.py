@@ -41,18 +41,23 @@ from xckpt.torch.value_groups import (
     save_value_groups,
     split_value_groups,
 )
+from xckpt.value_load import read_group_rank
 from xckpt.value_ranges import (
     INT64_MAX,
+    GroupAnnotation,
     MCLayout,
+    Members,
+    annotations,
     assemble_rank,
     ceil_bounds,
     check_keys,
+    plan_rank_read,
     position_equivalent,
     position_rank,
-    read_group_rank,
     row_runs,
     value_chunks,
 )
+from xckpt.value_save import LocalRows, plan_mc_save
 
 M = INT64_MAX
 
@@ -293,6 +298,65 @@ def test_divisible_position_path_equals_value_path(tmp_path: os.PathLike, w: int
             assert np.array_equal(pos.arrays[k], val.arrays[k]), k
 
 
+def test_annotation_round_trips_through_the_manifest(tmp_path: os.PathLike) -> None:
+    states = [make_rank_state(N, 2, r, I_SMALL, seed=2) for r in range(2)]
+    save_sim(str(tmp_path), [named(s) for s in states], [_decl(I_SMALL, chunk_rows=5)])
+    ckpt = xckpt.open(str(tmp_path))
+    (got,) = annotations(ckpt).values()
+    members = Members(rows=ROWS, metadata=(COUNTS,), weight=WEIGHT, row_aligned=(MOM,), segments=SEG, current_iter=ITER)
+    want = GroupAnnotation.managed_collision(
+        PREFIX, RAW, members, input_size=I_SMALL, row_bounds=ceil_bounds(N, 2), rank_by=(COUNTS,)
+    )
+    assert got == want
+    assert got.names() == [RAW, ROWS, COUNTS, WEIGHT, MOM, SEG, ITER]
+    assert {n: ckpt.info(n).value_range for n in got.names()} == {n: want.value_range(n) for n in got.names()}
+
+
+@pytest.mark.parametrize(
+    ("w2", "force", "path", "why"),
+    [(1, None, "position", "position slicing equals the value path"),
+     (1, "value", "value", r"forced \(force_path='value'\)"),
+     (3, None, "value", "not unions of the 2 saved ranks'.*input owner")],
+)
+def test_read_plan_says_which_path_and_why(tmp_path: os.PathLike, w2: int, force: str | None, path: str, why: str) -> None:
+    states = [make_rank_state(N, 2, r, I_SMALL, seed=4) for r in range(2)]
+    save_sim(str(tmp_path), [named(s) for s in states], [_decl(I_SMALL, chunk_rows=5)])
+    ckpt = xckpt.open(str(tmp_path))
+    ann = annotations(ckpt)[RAW]
+    plans = [plan_rank_read(ann, ckpt.info(RAW), r, w2, force_path=force) for r in range(w2)]
+    assert plans == [plan_rank_read(ann, ckpt.info(RAW), r, w2, force_path=force) for r in range(w2)]  # pure
+    for p in plans:
+        assert p.path == path and re.search(why, p.reason), p.reason
+        ilo, ihi = p.input_range
+        # exactly the key chunks whose range meets the rank's inputs (value) or lie in its rows (position)
+        for c in ckpt.info(RAW).chunks:
+            if path == "value":
+                meets = c.value_range is not None and c.value_range[0] < ihi and ilo < c.value_range[1]
+            else:
+                meets = True  # one new rank holds every saved rank's rows
+            assert (c in p.key_chunks) == meets
+    assert sum(len(p.key_chunks) for p in plans) >= len([c for c in ckpt.info(RAW).chunks if c.value_range])
+
+
+def test_save_plan_is_a_pure_function_of_the_state() -> None:
+    st = named(make_rank_state(N, 2, 1, I_SMALL, seed=8))
+    members = Members(rows=ROWS, metadata=(COUNTS,), weight=WEIGHT, segments=SEG, current_iter=ITER)
+    ann = GroupAnnotation.managed_collision(PREFIX, RAW, members, input_size=I_SMALL, row_bounds=ceil_bounds(N, 2))
+    local = {n: LocalRows(st[n]) for n in ann.names()}
+    plan, arrays = plan_mc_save(ann, 1, local, chunk_rows=5)
+    again, _ = plan_mc_save(ann, 1, local, chunk_rows=5)
+    assert plan == again
+    # rank 1 of 2 holds rows [24, 48) and input ids [5000, 10000); its used keys are cut every 5
+    used = int(np.count_nonzero(st[RAW] != M))
+    key_writes = [w for w in plan.writes if w.name == RAW]
+    assert [(w.start, w.stop) for w in key_writes][:2] == [(0, 5), (5, 10)]
+    assert key_writes[0].chunk_range[0] == 5000 and key_writes[-1].chunk_range is None
+    assert key_writes[-2].chunk_range[1] == 10_000 and key_writes[-2].stop == used
+    assert all(w.offset[0] == 24 + w.start for w in key_writes)
+    assert [w.name for w in plan.writes if w.name not in (RAW, ROWS, COUNTS)] == [WEIGHT, ITER]  # segments: rank 0
+    assert np.array_equal(arrays[RAW], np.sort(st[RAW]))
+
+
 def test_forcing_position_where_not_equivalent_raises(tmp_path: os.PathLike) -> None:
     states = [make_rank_state(N, 2, r, I_SMALL) for r in range(2)]
     save_sim(str(tmp_path), [named(s) for s in states], [_decl(I_SMALL)])
@@ -309,21 +373,20 @@ def test_read_path_reads_about_one_share(tmp_path: os.PathLike, w: int) -> None:
     buf_row = 3 * 8  # raw, rows, counts
     table = n * buf_row + 2 * n * 8 * 4  # buffers + weight + momentum
     for r in range(3):
-        stats: dict[str, int] = {}
-        got = read_group_rank(ckpt, RAW, r, 3, stats=stats, box_cost=0)
+        got = read_group_rank(ckpt, RAW, r, 3, box_cost=0)
+        stats = got.read
         # MCH buffers: 1/W' of them plus at most one chunk at each end of the rank's input range.
-        assert stats["key_bytes"] <= n * buf_row / 3 + 2 * chunk * buf_row
+        assert stats.key_bytes <= n * buf_row / 3 + 2 * chunk * buf_row
         # weight + momentum: exactly the saved rows its new rows come from (kept or moved in).
         lo = ceil_bounds(n, 3)[r]
         zch = got.source_rows.size
         moved = int(np.count_nonzero(got.source_rows != np.arange(lo, lo + zch)))
         assert 0 < moved < zch
-        assert stats["row_bytes"] == np.unique(got.source_rows).size * 2 * 8 * 4
-        assert stats["bytes"] == stats["key_bytes"] + stats["row_bytes"] + 8 * 1025 + 8 * w
+        assert stats.row_bytes == np.unique(got.source_rows).size * 2 * 8 * 4
+        assert stats.bytes == stats.key_bytes + stats.row_bytes + 8 * 1025 + 8 * w
         # the default cost model merges gaps into fewer reads, never past the saved table
-        dflt: dict[str, int] = {}
-        again = read_group_rank(ckpt, RAW, r, 3, stats=dflt)
-        assert dflt["row_bytes"] <= (zch + n) * 2 * 8 * 4
+        again = read_group_rank(ckpt, RAW, r, 3)
+        assert again.read.row_bytes <= (zch + n) * 2 * 8 * 4
         assert all(np.array_equal(again.arrays[k], got.arrays[k]) for k in got.arrays)
     assert table > 0
 

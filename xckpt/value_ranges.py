@@ -1,11 +1,22 @@
 """Value groups: state partitioned by the *values* it holds (DESIGN.md section 4).
 
-Framework-free core of value-aware resharding: annotations, checks, the
-input-owner / row-range arithmetic, the five-step redistribution of torchrec's
-managed-collision (MCH/ZCH) state as pure numpy functions, the position path
-where it is equivalent, read planning, and :func:`read_group_rank`, which gives
-new rank r' of W' the numpy arrays of every tensor of a group (the torch and
-JAX adapters both call it, so both load the same arrays).
+Framework-free core of value-aware resharding, pure (no I/O, no collectives):
+
+* the model: :class:`GroupAnnotation` (with :class:`Members`), the one typed
+  form of the on-disk annotation, built to save or parsed and checked against
+  the chunks once (:meth:`GroupAnnotation.from_manifest`);
+* the arithmetic: input owners and row ranges (:class:`MCLayout`), the
+  five-step redistribution of torchrec's managed-collision (MCH/ZCH) state
+  (:func:`assemble_rank`), the position path where it is equivalent
+  (:func:`position_rank`), chunking and key checks, row runs;
+* the read plan: :func:`plan_rank_read` says, for a rank at W', which chunks
+  it reads, by which path (value or position) and why (a frozen value).
+
+Beside it, by job: :mod:`xckpt.value_save` plans what a saving rank writes
+under which annotation, :mod:`xckpt.value_load` is the read driver. The adapters only turn tensors
+into numpy, run collectives and introspect torchrec
+(:mod:`xckpt.torch.value_groups`, :mod:`xckpt.torch.redistribute`,
+:mod:`xckpt.jax._value_groups`).
 
 Saved layout (decided here; the design leaves it open):
 
@@ -64,21 +75,22 @@ Decisions where the design is silent:
 * Checks that need every rank's data (a row or id duplicated between two
   chunks that different new ranks read) are not made; each rank checks what
   it reads, and the torch adapter shares the outcome so all ranks fail together.
+* The annotation is validated strictly: ``members`` may name only the roles
+  above (a string or null for rows, weight, segments, current_iter; a list for
+  metadata, columns, row_aligned).
 * Group tensors given as DTensors must be ``Shard(0)`` on a 1-D mesh of the
   loading ranks (torch.chunk split = torchrec's ceil split).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from xckpt.errors import ShapeMismatchError, ValueRangeError
-from xckpt.layout import Box
 from xckpt.manifest import Chunk, TensorEntry, ValueRange
 
 __all__ = [
@@ -86,26 +98,30 @@ __all__ = [
     "MC_KIND",
     "GENERIC_KIND",
     "DEFAULT_CHUNK_ROWS",
+    "BOX_COST",
+    "ROLES",
+    "ROW_ROLES",
     "ceil_bounds",
     "MCLayout",
     "Assembled",
     "assemble_rank",
     "position_rank",
+    "position_equivalent",
     "evict_order",
     "value_chunks",
     "generic_chunks",
     "check_keys",
+    "first_duplicate",
     "row_runs",
-    "GroupInfo",
-    "group_info",
-    "groups_in",
-    "position_equivalent",
-    "RankArrays",
-    "read_group_rank",
+    "Members",
+    "GroupAnnotation",
+    "group_keys",
+    "annotations",
+    "annotation_error",
+    "RankReadPlan",
+    "plan_rank_read",
     "target_layout",
 ]
-
-log = logging.getLogger("xckpt.value_ranges")
 
 INT64_MAX = 2**63 - 1
 MC_KIND = "managed_collision"
@@ -172,7 +188,7 @@ def evict_order(raw: np.ndarray, meta: Mapping[str, np.ndarray], rank_by: Sequen
     return np.lexsort(tuple(keys))
 
 
-def _dup(values: np.ndarray) -> Any:
+def first_duplicate(values: np.ndarray) -> Any:
     s = np.sort(values)
     d = s[1:][s[1:] == s[:-1]]
     return int(d[0]) if d.size else None
@@ -209,10 +225,10 @@ def assemble_rank(
     ilo, ihi = layout.inputs(rank)
     if raw.size and (raw.min() < ilo or raw.max() >= ihi):
         raise ValueRangeError(f"{name}: raw ids outside [{ilo}, {ihi}) were routed to rank {rank}")
-    d = _dup(raw)
+    d = first_duplicate(raw)
     if d is not None:
         raise ValueRangeError(f"{name}: raw id {d} appears twice; the saved group is corrupt")
-    d = _dup(rows)
+    d = first_duplicate(rows)
     if d is not None:
         raise ValueRangeError(f"{name}: row {d} is mapped by two raw ids; the saved group is corrupt")
     cap = max(zch - 1, 0)
@@ -272,10 +288,10 @@ def position_rank(
     raw = np.asarray(raw, np.int64)
     rows = np.asarray(rows, np.int64)
     used = raw != INT64_MAX
-    d = _dup(raw[used])
+    d = first_duplicate(raw[used])
     if d is not None:
         raise ValueRangeError(f"{name}: raw id {d} appears twice; the saved group is corrupt")
-    d = _dup(rows)
+    d = first_duplicate(rows)
     if d is not None:
         raise ValueRangeError(f"{name}: row {d} appears twice; the saved group is corrupt")
     er = np.sort(rows[~used])
@@ -353,7 +369,7 @@ def check_keys(
             f"{where}: tensor {name!r} holds key {int(bad[0])} outside its chunk's range [{lo}, {hi}) "
             f"({bad.size} such keys); the data does not match its annotation"
         )
-    d = _dup(used)
+    d = first_duplicate(used)
     if d is not None:
         raise ValueRangeError(f"{where}: tensor {name!r} holds key {d} twice; keys must be unique")
 
@@ -385,111 +401,242 @@ def row_runs(
     return list(zip(starts.tolist(), stops.tolist()))
 
 
-# -- the manifest side ---------------------------------------------------------
+# -- the annotation model --------------------------------------------------------------
+
+#: Member roles, in the order a group lists its tensors (the key first).
+ROLES = ("rows", "metadata", "columns", "weight", "row_aligned", "segments", "current_iter")
+#: Roles holding one tensor name (the others hold a list).
+_ONE = ("rows", "weight", "segments", "current_iter")
+#: Roles whose tensors are row-aligned with the key and chunked like it.
+_COLUMN_ROLES = ("rows", "metadata", "columns")
+#: Roles whose rows follow the key's rows by value (loaded per new rank).
+ROW_ROLES = ("rows", "metadata", "columns", "weight", "row_aligned")
 
 
-@dataclass(frozen=True)
-class GroupInfo:
-    """A value group as recorded in a manifest."""
+@dataclass(frozen=True, kw_only=True)
+class Members:
+    """The tensors of a group by role (names as saved); the key is the group's own field."""
+
+    rows: str | None = None
+    metadata: tuple[str, ...] = ()
+    columns: tuple[str, ...] = ()
+    weight: str | None = None
+    row_aligned: tuple[str, ...] = ()
+    segments: str | None = None
+    current_iter: str | None = None
+
+    def of(self, role: str) -> tuple[str, ...]:
+        """The names holding ``role`` (none, one or several)."""
+        v = getattr(self, role)
+        return tuple(v) if isinstance(v, tuple) else (() if v is None else (v,))
+
+    def to_json(self, kind: str) -> dict[str, Any]:
+        if kind == GENERIC_KIND:
+            return {"columns": list(self.columns)}
+        return {
+            "rows": self.rows, "metadata": list(self.metadata), "weight": self.weight,
+            "row_aligned": list(self.row_aligned), "segments": self.segments, "current_iter": self.current_iter,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupAnnotation:
+    """A value group as the manifest records it, checked against its chunks once.
+
+    The key tensor's :class:`~xckpt.manifest.ValueRange` carries it (``attrs``:
+    ``members``, ``input_bounds``, ``rank_by``, and for managed collision
+    ``input_size``, ``row_bounds``, ``miss_row``); every member's own
+    ``ValueRange`` names the group and its role. Build one with
+    :meth:`managed_collision` / :meth:`generic` to save, or read it with
+    :meth:`from_manifest`, which is the only parser and validator.
+    """
 
     group: str
     kind: str
     key: str
-    members: Mapping[str, Any]
-    attrs: Mapping[str, Any]
+    members: Members
     domain: tuple[int, int]
     empty_marker: int | None
-    saved: MCLayout | None  # managed collision only
     input_bounds: tuple[int, ...]
-    rank_by: tuple[str, ...] = field(default=())
+    rank_by: tuple[str, ...] = ()
+    input_size: int | None = None  # managed collision only
+    row_bounds: tuple[int, ...] | None = None  # managed collision only
+
+    @classmethod
+    def managed_collision(
+        cls, group: str, key: str, members: Members, *, input_size: int, row_bounds: Sequence[int],
+        rank_by: Sequence[str] = (),
+    ) -> GroupAnnotation:
+        """A managed-collision group saved with rows split at ``row_bounds``."""
+        lay = MCLayout(int(input_size), tuple(int(b) for b in row_bounds))
+        return cls(
+            group=group, kind=MC_KIND, key=key, members=members, domain=(0, lay.input_size),
+            empty_marker=INT64_MAX, input_bounds=lay.input_bounds, rank_by=tuple(rank_by),
+            input_size=lay.input_size, row_bounds=lay.row_bounds,
+        )
+
+    @classmethod
+    def generic(
+        cls, key: str, domain: tuple[int, int], columns: Sequence[str], *, empty_marker: int | None,
+        rank_by: Sequence[str] = (),
+    ) -> GroupAnnotation:
+        """A generic group named after its key tensor."""
+        lo, hi = int(domain[0]), int(domain[1])
+        return cls(
+            group=key, kind=GENERIC_KIND, key=key, members=Members(columns=tuple(columns)), domain=(lo, hi),
+            empty_marker=empty_marker, input_bounds=(lo, hi), rank_by=tuple(rank_by),
+        )
+
+    @property
+    def saved(self) -> MCLayout | None:
+        """The saved managed-collision layout (None for a generic group)."""
+        if self.input_size is None or self.row_bounds is None:
+            return None
+        return MCLayout(self.input_size, self.row_bounds)
 
     def names(self) -> list[str]:
         """Every tensor of the group, key first."""
-        out = [self.key]
-        for role in ("rows", "metadata", "columns", "weight", "row_aligned", "segments", "current_iter"):
-            v = self.members.get(role)
-            if isinstance(v, str):
-                out.append(v)
-            elif isinstance(v, list):
-                out.extend(v)
-        return out
+        return [self.key, *(n for role in ROLES for n in self.members.of(role))]
 
     def columns(self) -> list[str]:
         """Row-aligned columns chunked like the key (rows, metadata / generic columns)."""
-        out = [self.members["rows"]] if self.kind == MC_KIND else []
-        return out + list(self.members.get("metadata", [])) + list(self.members.get("columns", []))
+        return [n for role in _COLUMN_ROLES for n in self.members.of(role)]
+
+    def row_tensors(self) -> list[str]:
+        """The weight and the row-aligned tensors (rows moved with re-slotted entries)."""
+        return [*self.members.of("weight"), *self.members.of("row_aligned")]
+
+    def row_members(self) -> list[str]:
+        """Tensors whose rows a new rank gets by value: the key and the row roles."""
+        return [self.key, *(n for role in ROW_ROLES for n in self.members.of(role))]
+
+    def role_of(self, name: str) -> str:
+        if name == self.key:
+            return "key"
+        for role in ROLES:
+            if name in self.members.of(role):
+                return role
+        raise ValueRangeError(f"tensor {name!r} is not a member of value group {self.group!r}")
+
+    def value_range(self, name: str) -> ValueRange:
+        """The :class:`ValueRange` to save ``name`` under (attrs on the key only)."""
+        role = self.role_of(name)
+        if role != "key":
+            return ValueRange(group=self.group, role=role, kind=self.kind)
+        attrs: dict[str, Any] = {}
+        if self.kind == MC_KIND:
+            attrs = {
+                "input_size": self.input_size, "input_bounds": list(self.input_bounds),
+                "row_bounds": list(self.row_bounds or ()), "members": self.members.to_json(self.kind),
+                "rank_by": list(self.rank_by), "miss_row": "last", "version": 1,
+            }
+        else:
+            attrs = {
+                "input_bounds": list(self.input_bounds), "members": self.members.to_json(self.kind),
+                "rank_by": list(self.rank_by), "version": 1,
+            }
+        return ValueRange(
+            group=self.group, role="key", kind=self.kind, domain=self.domain, empty_marker=self.empty_marker,
+            attrs=attrs,
+        )
+
+    @classmethod
+    def from_manifest(cls, tensors: Mapping[str, TensorEntry], key: str, where: str) -> GroupAnnotation:
+        """Parse the group whose key tensor is ``key`` and check it against every member's chunks.
+
+        Raises:
+            ValueRangeError: the annotation is inconsistent with itself or the chunks.
+        """
+        ann = _parse(tensors[key], key, where)
+        _check_chunks(tensors, ann, where)
+        return ann
 
 
-def _bad(where: str, name: str, what: str) -> ValueRangeError:
+def group_keys(tensors: Mapping[str, TensorEntry]) -> list[str]:
+    """Key tensor names of every value group in a manifest."""
+    return [n for n, t in tensors.items() if t.value_range is not None and t.value_range.role == "key"]
+
+
+def annotations(src: Any) -> dict[str, GroupAnnotation]:
+    """Every value group of a :class:`xckpt.source.Source`, by key name, each validated."""
+    tensors = {n: src.info(n) for n in src.names()}
+    return {k: GroupAnnotation.from_manifest(tensors, k, str(src.path)) for k in group_keys(tensors)}
+
+
+def annotation_error(where: str, name: str, what: str) -> ValueRangeError:
     return ValueRangeError(
         f"checkpoint {where!r}: tensor {name!r}: {what}; the value-range annotation disagrees with "
         "the chunks, so the checkpoint cannot be resharded by value (re-save it)"
     )
 
 
-def group_info(tensors: Mapping[str, TensorEntry], key: str, where: str) -> GroupInfo:
-    """Parse and check the annotation of the group whose key tensor is ``key``.
+def _members(raw: Any, kind: str, key: str, where: str) -> Members:
+    bad = not isinstance(raw, dict) or any(r not in ROLES for r in raw)
+    fields: dict[str, Any] = {}
+    for role, v in (raw.items() if isinstance(raw, dict) else ()):
+        if role in _ONE and (v is None or isinstance(v, str)):
+            fields[role] = v
+        elif role not in _ONE and isinstance(v, list) and all(isinstance(x, str) for x in v):
+            fields[role] = tuple(v)
+        else:
+            bad = True
+    if bad or (kind == MC_KIND and not isinstance(fields.get("rows"), str)):
+        raise annotation_error(where, key, f"attrs 'members' must name tensors, got {raw!r}"[:300])
+    return Members(**fields)
 
-    Raises:
-        ValueRangeError: the annotation is inconsistent with itself or the chunks.
-    """
-    t = tensors[key]
+
+def _parse(t: TensorEntry, key: str, where: str) -> GroupAnnotation:
     vr = t.value_range
     if vr is None or vr.role != "key":
-        raise _bad(where, key, "it is not the key of a value group")
+        raise annotation_error(where, key, "it is not the key of a value group")
     a = dict(vr.attrs)
-    members = a.get("members")
-    if not isinstance(members, dict):
-        raise _bad(where, key, "attrs lack 'members'")
+    if not isinstance(a.get("members"), dict):
+        raise annotation_error(where, key, "attrs lack 'members'")
     if vr.domain is None:
-        raise _bad(where, key, "the annotation has no domain")
+        raise annotation_error(where, key, "the annotation has no domain")
+    if vr.kind not in (MC_KIND, GENERIC_KIND):
+        raise annotation_error(where, key, f"unknown group kind {vr.kind!r}")
     try:
         ib = tuple(int(x) for x in a.get("input_bounds", ()))
         rb = tuple(int(x) for x in a.get("row_bounds", ()))
         size = int(a.get("input_size", -1))
+        rank_by = tuple(str(x) for x in a.get("rank_by", ()))
     except (TypeError, ValueError):
-        raise _bad(where, key, "attrs input_bounds / row_bounds / input_size are not integers") from None
-    bad_member = [
-        v for v in members.values()
-        if v is not None and not isinstance(v, str) and not (isinstance(v, list) and all(isinstance(x, str) for x in v))
-    ]
-    if bad_member or (vr.kind == MC_KIND and not isinstance(members.get("rows"), str)):
-        raise _bad(where, key, f"attrs 'members' must name tensors, got {members!r}"[:300])
-    saved = None
+        raise annotation_error(where, key, "attrs input_bounds / row_bounds / input_size are not integers") from None
+    members = _members(a["members"], vr.kind, key, where)
+    domain = (int(vr.domain[0]), int(vr.domain[1]))
     if vr.kind == MC_KIND:
         if len(rb) < 2 or rb[0] != 0 or rb[-1] != t.shape[0] or any(b > c for b, c in zip(rb, rb[1:])):
-            raise _bad(where, key, f"row_bounds {list(rb)[:8]} do not split its {t.shape[0]} rows")
-        saved = MCLayout(size, rb)
-        if ib != saved.input_bounds or tuple(vr.domain) != (0, size):
-            raise _bad(where, key, f"input_bounds / domain disagree with input_size {size}")
-    elif vr.kind == GENERIC_KIND:
-        if len(ib) < 2 or ib[0] != vr.domain[0] or ib[-1] != vr.domain[1]:
-            raise _bad(where, key, "input_bounds do not split the domain")
-    else:
-        raise _bad(where, key, f"unknown group kind {vr.kind!r}")
-    info = GroupInfo(
-        group=vr.group, kind=vr.kind, key=key, members=members, attrs=a, domain=tuple(vr.domain),  # type: ignore[arg-type]
-        empty_marker=vr.empty_marker, saved=saved, input_bounds=ib, rank_by=tuple(a.get("rank_by", ())),
+            raise annotation_error(where, key, f"row_bounds {list(rb)[:8]} do not split its {t.shape[0]} rows")
+        if ib != MCLayout(size, rb).input_bounds or domain != (0, size):
+            raise annotation_error(where, key, f"input_bounds / domain disagree with input_size {size}")
+        return GroupAnnotation(
+            group=vr.group, kind=MC_KIND, key=key, members=members, domain=domain, empty_marker=vr.empty_marker,
+            input_bounds=ib, rank_by=rank_by, input_size=size, row_bounds=rb,
+        )
+    if len(ib) < 2 or ib[0] != domain[0] or ib[-1] != domain[1]:
+        raise annotation_error(where, key, "input_bounds do not split the domain")
+    return GroupAnnotation(
+        group=vr.group, kind=GENERIC_KIND, key=key, members=members, domain=domain, empty_marker=vr.empty_marker,
+        input_bounds=ib, rank_by=rank_by,
     )
-    _check_chunks(tensors, info, where)
-    return info
 
 
-def _check_chunks(tensors: Mapping[str, TensorEntry], g: GroupInfo, where: str) -> None:
+def _check_chunks(tensors: Mapping[str, TensorEntry], g: GroupAnnotation, where: str) -> None:
     t = tensors[g.key]
     boxes = sorted((c.offset, c.shape, c.value_range) for c in t.chunks)
     for name in g.names():
         if name not in tensors:
-            raise _bad(where, name, f"group {g.group!r} names it but it is not saved")
+            raise annotation_error(where, name, f"group {g.group!r} names it but it is not saved")
         vr = tensors[name].value_range
         if vr is None or vr.group != g.group:
-            raise _bad(where, name, f"it is not annotated as a member of group {g.group!r}")
+            raise annotation_error(where, name, f"it is not annotated as a member of group {g.group!r}")
     for name in g.columns():
         c = tensors[name]
         if c.shape[0] != t.shape[0] or sorted((x.offset, x.shape, x.value_range) for x in c.chunks) != boxes:
-            raise _bad(where, name, f"its chunks differ from those of the key {g.key!r}")
+            raise annotation_error(where, name, f"its chunks differ from those of the key {g.key!r}")
     n_ranks = len(g.input_bounds) - 1
-    bounds = g.saved.row_bounds if g.saved is not None else None
+    bounds = g.row_bounds
     for c in t.chunks:
         if c.value_range is None:
             continue
@@ -497,272 +644,132 @@ def _check_chunks(tensors: Mapping[str, TensorEntry], g: GroupInfo, where: str) 
         if bounds is not None:
             r = int(np.searchsorted(bounds[1:], c.offset[0], side="right"))
             if r >= n_ranks or c.offset[0] + c.shape[0] > bounds[r + 1]:
-                raise _bad(where, g.key, f"chunk at row {c.offset[0]} spans saved ranks")
+                raise annotation_error(where, g.key, f"chunk at row {c.offset[0]} spans saved ranks")
             rlo, rhi = g.input_bounds[r], g.input_bounds[r + 1]
         else:
             rlo, rhi = g.domain
         if not (rlo <= lo <= hi <= rhi):
-            raise _bad(where, g.key, f"chunk range [{lo}, {hi}) lies outside its rank's input range [{rlo}, {rhi})")
+            raise annotation_error(where, g.key, f"chunk range [{lo}, {hi}) lies outside its rank's input range [{rlo}, {rhi})")
     if g.kind == MC_KIND:
-        for role in ("weight",):
-            wname = g.members.get(role)
-            if wname is not None and tensors[wname].shape[0] != t.shape[0]:
-                raise _bad(where, wname, f"it has {tensors[wname].shape[0]} rows, the group {t.shape[0]}")
-        for name in g.members.get("row_aligned", []):
+        for name in g.row_tensors():
             if tensors[name].shape[0] != t.shape[0]:
-                raise _bad(where, name, f"it has {tensors[name].shape[0]} rows, the group {t.shape[0]}")
+                raise annotation_error(where, name, f"it has {tensors[name].shape[0]} rows, the group {t.shape[0]}")
 
 
-def groups_in(tensors: Mapping[str, TensorEntry]) -> list[str]:
-    """Key tensor names of every value group in a manifest."""
-    return [n for n, t in tensors.items() if t.value_range is not None and t.value_range.role == "key"]
+# -- read plans ---------------------------------------------------------------------------
 
 
-def target_layout(g: GroupInfo, world: int, row_bounds: Sequence[int] | None = None) -> MCLayout:
+def target_layout(g: GroupAnnotation, world: int, row_bounds: Sequence[int] | None = None) -> MCLayout:
     """The managed-collision layout at ``world`` ranks (default rows: torchrec's ceil split).
 
     Raises:
         ShapeMismatchError: ``row_bounds`` does not split the saved rows.
     """
-    if g.saved is None:
+    saved = g.saved
+    if saved is None:
         raise ValueRangeError(f"group {g.group!r} is not a managed-collision group")
-    n = g.saved.row_bounds[-1]
+    n = saved.row_bounds[-1]
     rb = ceil_bounds(n, world) if row_bounds is None else tuple(int(x) for x in row_bounds)
     if len(rb) != world + 1 or rb[0] != 0 or rb[-1] != n or any(b > c for b, c in zip(rb, rb[1:])):
         raise ShapeMismatchError(
             f"group {g.group!r}: row bounds {list(rb)[:8]} do not split the saved {n} rows over "
             f"{world} ranks; the table must keep its size"
         )
-    return MCLayout(g.saved.input_size, rb)
+    return MCLayout(saved.input_size, rb)
 
 
-@dataclass
-class RankArrays:
-    """What one new rank loads of a group: arrays by tensor name, evictions, path taken."""
+@dataclass(frozen=True)
+class RankReadPlan:
+    """What new rank ``rank`` of ``world`` reads of a group, by which path, and why.
 
-    arrays: dict[str, np.ndarray]
-    evicted: int
+    ``key_chunks``: the chunks of the key (the same boxes of every column) it
+    reads. The weight rows follow from the key chunks' contents: after
+    :func:`assemble_rank` they are ``source_rows``, read in :func:`row_runs`.
+    ``layout``: the new managed-collision layout; ``capacity``: a generic
+    group's rows per rank.
+    """
+
+    annotation: GroupAnnotation
+    rank: int
+    world: int
     path: str
-    source_rows: np.ndarray | None = None
+    reason: str
+    input_range: tuple[int, int]
+    key_chunks: tuple[Chunk, ...]
+    names: tuple[str, ...]
+    layout: MCLayout | None = None
+    capacity: int | None = None
 
 
-def _read_rows(ckpt: Any, name: str, box: Box, stats: dict[str, int] | None) -> np.ndarray:
-    t = ckpt.info(name)
-    out = np.empty(box.shape, dtype=t.np_dtype)
-    if not box.empty:
-        ckpt.read_into([(name, box, out)])
-    if stats is not None:
-        stats["bytes"] = stats.get("bytes", 0) + out.nbytes
-    return out
-
-
-def _rows_box(t: TensorEntry, start: int, stop: int) -> Box:
-    return Box((start,) + (0,) * (len(t.shape) - 1), (stop - start,) + tuple(t.shape[1:]))
-
-
-def _read_chunks(ckpt: Any, g: GroupInfo, chunks: list[Chunk], stats: Any) -> dict[str, np.ndarray]:
-    """Read ``chunks`` (boxes of the key) of the key and every column, checking keys."""
-    where = str(ckpt.path)
-    names = [g.key, *g.columns()]
-    items = []
-    outs: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    for c in chunks:
-        for n in names:
-            t = ckpt.info(n)
-            out = np.empty(c.shape, dtype=t.np_dtype)
-            items.append((n, c.box, out))
-            outs[n].append(out)
-    if items:
-        ckpt.read_into(items)
-    if stats is not None:
-        nb = sum(o.nbytes for _, _, o in items)
-        stats["bytes"] = stats.get("bytes", 0) + nb
-        stats["key_bytes"] = stats.get("key_bytes", 0) + nb
-    for c, keys in zip(chunks, outs[g.key]):
-        check_keys(keys, c.value_range, g.key, f"checkpoint {where!r}, chunk at row {c.offset[0]}", g.empty_marker)
-        if g.kind == MC_KIND and g.saved is not None:
-            rows = outs[g.members["rows"]][chunks.index(c)]
-            r = int(np.searchsorted(g.saved.row_bounds[1:], c.offset[0], side="right"))
-            lo, hi = g.saved.rows(r)
-            if rows.size and (rows.min() < lo or rows.max() >= hi):
-                bad = rows[(rows < lo) | (rows >= hi)]
-                raise ValueRangeError(
-                    f"checkpoint {where!r}: tensor {g.members['rows']!r} maps to row {int(bad[0])} outside "
-                    f"saved rank {r}'s rows [{lo}, {hi}); the data does not match its annotation"
-                )
-    empty = np.zeros(0, np.int64)
-    return {n: (np.concatenate(v) if v else empty) for n, v in outs.items()}
-
-
-def read_group_rank(
-    ckpt: Any,
-    key: str,
+def plan_rank_read(
+    ann: GroupAnnotation,
+    key_entry: TensorEntry,
     rank: int,
     world: int,
     *,
     row_bounds: Sequence[int] | None = None,
     capacity: int | None = None,
     names: Sequence[str] | None = None,
-    strict_capacity: bool = False,
-    stats: dict[str, int] | None = None,
     force_path: str | None = None,
-    box_cost: int = BOX_COST,
-) -> RankArrays:
-    """Every tensor of a value group as new rank ``rank`` of ``world`` holds it.
-
-    Managed collision: the five steps of DESIGN section 4, reading only the
-    key chunks whose range meets the rank's input range, the rank's weight
-    rows and the rows moved in (or the position path where equivalent). The
-    arrays: key, rows, metadata (zch' each), weight and row-aligned tensors
-    (zch' rows), segments (rebuilt, padded with -1 as saved), current iter (1,).
-    Generic: the key and its columns, ``capacity`` rows.
+) -> RankReadPlan:
+    """Plan new rank ``rank`` of ``world``'s read of a group (a pure function of the manifest).
 
     Args:
-        ckpt: an open :class:`xckpt.source.Source`.
-        key: the group's key tensor name.
-        rank, world: the new rank and world size.
+        ann: the group; ``key_entry``: its key tensor's manifest entry.
         row_bounds: managed collision: the new row boundaries (default ceil split).
         capacity: generic: rows of the rank's key tensor.
         names: restrict to these tensors (default: all of the group).
-        strict_capacity: raise instead of evicting.
-        stats: if given, accumulates the bytes read: ``bytes`` in all,
-            ``key_bytes`` of the key and its columns, ``row_bytes`` of the
-            weight and row-aligned tensors.
         force_path: "value" to take the value path even where position slicing
             is equivalent (tests, benchmarks); "position" only where it is.
-        box_cost: estimated bytes one more read box costs; scattered weight
-            rows moved in are read in runs that merge gaps cheaper than that
-            (0: exactly the rows needed).
 
     Raises:
-        ValueRangeError: bad keys, duplicates, a disagreeing annotation, or a
-            capacity overflow with ``strict_capacity``.
+        ValueRangeError: "position" forced where it is not equivalent; a generic
+            group without ``capacity``.
+        ShapeMismatchError: ``row_bounds`` do not split the saved rows.
     """
-    where = str(ckpt.path)
-    g = group_info({n: ckpt.info(n) for n in ckpt.names()}, key, where)
-    want = set(g.names() if names is None else names)
-    if g.kind == GENERIC_KIND:
-        return _generic_rank(ckpt, g, rank, world, capacity, strict_capacity, stats)
-    new = target_layout(g, world, row_bounds)
-    saved = g.saved if g.saved is not None else new
+    want = tuple(ann.names() if names is None else [n for n in ann.names() if n in set(names)])
+
+    def meets(c: Chunk, lo: int, hi: int) -> bool:
+        return c.value_range is not None and c.value_range[0] < hi and lo < c.value_range[1]
+
+    def by_row(cs: Any) -> tuple[Chunk, ...]:
+        return tuple(sorted(cs, key=lambda c: c.offset[0]))
+
+    if ann.kind == GENERIC_KIND:
+        if capacity is None:
+            raise ValueRangeError(f"group {ann.group!r}: a generic group needs the rank's capacity (rows)")
+        b = ceil_bounds(ann.domain[1] - ann.domain[0], world)
+        ilo, ihi = ann.domain[0] + b[rank], ann.domain[0] + b[rank + 1]
+        chunks = by_row(c for c in key_entry.chunks if meets(c, ilo, ihi))
+        return RankReadPlan(
+            ann, rank, world, "value", "a generic group loads by value: its saved rows need not be "
+            "partitioned by key", (ilo, ihi), chunks, want, capacity=int(capacity),
+        )
+    saved = ann.saved
+    if saved is None:
+        raise ValueRangeError(f"group {ann.group!r} has no saved layout")
+    new = target_layout(ann, world, row_bounds)
     lo, hi = new.rows(rank)
     ilo, ihi = new.inputs(rank)
-    kt = ckpt.info(key)
-    meta_names = list(g.members.get("metadata", []))
     equiv = position_equivalent(saved, new)
     if force_path == "position" and not equiv:
         raise ValueRangeError(
-            f"group {g.group!r}: position slicing is not equivalent from {saved.world} to {world} ranks "
+            f"group {ann.group!r}: position slicing is not equivalent from {saved.world} to {world} ranks "
             "(the new ranges are not unions of saved ones); load by value"
         )
     if equiv and force_path != "value":
         path = "position"
-        chunks = [c for c in kt.chunks if lo <= c.offset[0] and c.offset[0] + c.shape[0] <= hi]
+        reason = (
+            f"every new row and input boundary at {world} ranks is one of the {saved.world} saved ranks': "
+            "position slicing equals the value path"
+        )
+        chunks = by_row(c for c in key_entry.chunks if lo <= c.offset[0] and c.offset[0] + c.shape[0] <= hi)
     else:
         path = "value"
-        chunks = [c for c in kt.chunks if c.value_range is not None and c.value_range[0] < ihi and ilo < c.value_range[1]]
-    chunks.sort(key=lambda c: c.offset[0])
-    data = _read_chunks(ckpt, g, chunks, stats)
-    raw, rows = data[key], data[g.members["rows"]]
-    meta = {m: data[m] for m in meta_names}
-    if path == "position":
-        got = position_rank(raw, rows, meta, new, rank, name=key)
-    else:
-        mine = (raw >= ilo) & (raw < ihi)
-        got = assemble_rank(
-            raw[mine], rows[mine], {m: v[mine] for m, v in meta.items()}, new, rank, g.rank_by,
-            name=key, strict_capacity=strict_capacity,
+        reason = (
+            "forced (force_path='value')" if equiv else
+            f"the ranges at {world} ranks are not unions of the {saved.world} saved ranks': entries go to the "
+            "input owner of their raw id"
         )
-    log.debug("value group %r: rank %d of %d loads by %s path", g.group, rank, world, path)
-    arrays: dict[str, np.ndarray] = {key: got.raw, g.members["rows"]: got.rows}
-    arrays.update(got.meta)
-    row_tensors = [n for n in [g.members.get("weight"), *g.members.get("row_aligned", [])] if n is not None]
-    src = got.source_rows
-    for n in row_tensors:
-        if n not in want:
-            continue
-        t = ckpt.info(n)
-        row_bytes = int(np.prod(t.shape[1:], dtype=np.int64)) * t.np_dtype.itemsize
-        # Every saved row this rank needs (its own rows in place, the rows moved in),
-        # read in runs chosen by the cost model, then gathered in new-row order.
-        runs = row_runs(src, row_bytes=row_bytes, box_cost=box_cost)
-        lens = np.array([b - a for a, b in runs], np.int64)
-        base = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        buf = np.empty((int(base[-1]), *t.shape[1:]), dtype=t.np_dtype)  # the runs, back to back
-        items = [(n, _rows_box(t, a, b), buf[base[i] : base[i + 1]]) for i, (a, b) in enumerate(runs)]
-        ckpt.read_into(items)  # one call: all boxes read concurrently
-        if stats is not None:
-            stats["bytes"] = stats.get("bytes", 0) + buf.nbytes
-            stats["row_bytes"] = stats.get("row_bytes", 0) + buf.nbytes
-        if runs:
-            starts = np.array([a for a, _ in runs], np.int64)
-            which = np.searchsorted(starts, src, side="right") - 1
-            arrays[n] = buf[base[which] + (src - starts[which])]
-        else:
-            arrays[n] = buf[:0]
-    seg = g.members.get("segments")
-    if seg is not None and seg in want:
-        st = ckpt.info(seg)
-        saved_seg = _read_rows(ckpt, seg, Box((0,), st.shape), stats)
-        valid = saved_seg[saved_seg >= 0] if saved_seg.size else saved_seg
-        if tuple(int(x) for x in valid) != saved.row_bounds:
-            raise _bad(where, seg, f"it holds {valid.tolist()[:8]} but row_bounds are {list(saved.row_bounds)[:8]}")
-        new_seg = np.full(st.shape, -1, np.int64)
-        new_seg[: new.world + 1] = new.row_bounds
-        arrays[seg] = new_seg
-    cur = g.members.get("current_iter")
-    if cur is not None and cur in want:
-        ct = ckpt.info(cur)
-        arrays[cur] = _read_rows(ckpt, cur, Box((0,), ct.shape), stats).max(initial=0).reshape(1)
-    return RankArrays({n: v for n, v in arrays.items() if n in want}, got.evicted, path, got.source_rows)
-
-
-def _generic_rank(
-    ckpt: Any, g: GroupInfo, rank: int, world: int, capacity: int | None, strict: bool, stats: Any
-) -> RankArrays:
-    if capacity is None:
-        raise ValueRangeError(f"group {g.group!r}: a generic group needs the rank's capacity (rows)")
-    bounds = ceil_bounds(g.domain[1] - g.domain[0], world)
-    ilo, ihi = g.domain[0] + bounds[rank], g.domain[0] + bounds[rank + 1]
-    kt = ckpt.info(g.key)
-    chunks = sorted(
-        (c for c in kt.chunks if c.value_range is not None and c.value_range[0] < ihi and ilo < c.value_range[1]),
-        key=lambda c: c.offset[0],
-    )
-    data = _read_chunks(ckpt, g, chunks, stats)
-    keys = data[g.key]
-    mine = (keys >= ilo) & (keys < ihi)
-    if g.empty_marker is not None:
-        mine &= keys != g.empty_marker
-    keys = keys[mine]
-    cols = {n: data[n][mine] for n in g.columns()}
-    d = _dup(keys)
-    if d is not None:
-        raise ValueRangeError(f"checkpoint {str(ckpt.path)!r}: tensor {g.key!r}: key {d} appears twice")
-    evicted = 0
-    if keys.size > capacity:
-        if strict:
-            raise ValueRangeError(
-                f"{g.key}: rank {rank} of {world} owns {keys.size} keys but has room for {capacity}; "
-                "give it more rows or load with strict_capacity=False"
-            )
-        keep = np.sort(evict_order(keys, cols, g.rank_by)[:capacity])
-        evicted = int(keys.size - capacity)
-        keys = keys[keep]
-        cols = {n: v[keep] for n, v in cols.items()}
-    order = np.argsort(keys, kind="stable")
-    n_e = capacity - keys.size
-    fill = g.empty_marker if g.empty_marker is not None else 0
-    arrays = {g.key: np.concatenate([keys[order], np.full(n_e, fill, keys.dtype)])}
-    for n, v in cols.items():
-        t = ckpt.info(n)
-        arrays[n] = np.concatenate([v[order], np.zeros((n_e,) + tuple(t.shape[1:]), t.np_dtype)])
-    return RankArrays(arrays, evicted, "value")
-
-
-def annotation(
-    group: str, role: str, kind: str, *, domain: tuple[int, int] | None = None, attrs: Mapping[str, Any] | None = None,
-    empty_marker: int | None = None,
-) -> ValueRange:
-    """The :class:`ValueRange` of one member tensor (attrs only on the key)."""
-    return ValueRange(group=group, role=role, kind=kind, domain=domain, empty_marker=empty_marker, attrs=dict(attrs or {}))
+        chunks = by_row(c for c in key_entry.chunks if meets(c, ilo, ihi))
+    return RankReadPlan(ann, rank, world, path, reason, (ilo, ihi), chunks, want, layout=new)

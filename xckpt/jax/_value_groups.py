@@ -5,8 +5,9 @@ columns, the weight and row-aligned optimizer state) is not sliced by
 position. Its sharding's distinct dim-0 ranges are the new ranks' row ranges
 (they must tile the rows: W' = their number), and device d holding rows
 ``[lo, hi)`` gets exactly what torch rank r' (the index of that range) loads:
-:func:`xckpt.value_ranges.read_group_rank` computes both. Trailing dims may be
-sharded too; they are sliced after the rows are assembled.
+:func:`xckpt.value_ranges.plan_rank_read` plans and
+:func:`xckpt.value_load.load_rank` reads both. Trailing dims may be sharded
+too; they are sliced after the rows are assembled.
 
 The group's other tensors (``_output_segments_tensor``, ``_current_iter_tensor``)
 are ordinary saved tensors and load by position.
@@ -26,6 +27,7 @@ from xckpt import value_ranges as V
 from xckpt.errors import UnsupportedPlacementError
 from xckpt.layout import Box, box_from_index
 from xckpt.source import Source
+from xckpt.value_load import RankArrays, load_rank
 
 from ._tree import device_boxes
 
@@ -33,23 +35,12 @@ __all__ = ["row_members", "load_group_arrays"]
 
 log = logging.getLogger("xckpt.jax")
 
-_ROW_ROLES = ("rows", "metadata", "columns", "weight", "row_aligned")
-
-
-def row_members(ck: Source) -> dict[str, str]:
-    """{tensor name: key name of its group} for every row tensor of every value group."""
-    out: dict[str, str] = {}
-    tensors = {n: ck.info(n) for n in ck.names()}
-    for key, entry in tensors.items():
-        vr = entry.value_range
-        if vr is None or vr.role != "key":
-            continue
-        g = V.group_info(tensors, key, ck.path)
-        out[key] = key
-        for role in _ROW_ROLES:
-            names = g.members.get(role)
-            for n in [names] if isinstance(names, str) else (names or []):
-                out[n] = key
+def row_members(ck: Source) -> dict[str, V.GroupAnnotation]:
+    """{tensor name: its group} for every row tensor of every value group (each checked once)."""
+    out: dict[str, V.GroupAnnotation] = {}
+    for ann in V.annotations(ck).values():
+        for n in ann.row_members():
+            out[n] = ann
     return out
 
 
@@ -75,7 +66,7 @@ def _row_ranges(ck: Source, name: str, boxes: dict[Any, Box], n_rows: int) -> tu
 def load_group_arrays(
     ck: Source,
     jobs: list[tuple[int, str, Sharding]],
-    members: dict[str, str],
+    members: dict[str, V.GroupAnnotation],
     out: list[Any],
     *,
     strict_capacity: bool = False,
@@ -85,26 +76,28 @@ def load_group_arrays(
     ``jobs`` are (output index, tensor name, sharding). Each (group, new rank) is
     read once, whichever of its tensors and devices need it.
     """
-    cache: dict[tuple[str, tuple[int, ...], int], V.RankArrays] = {}
+    cache: dict[tuple[str, tuple[int, ...], int], RankArrays] = {}
     evicted: dict[str, int] = {}
     for index, name, sharding in jobs:
         entry = ck.info(name)
-        key = members[name]
+        ann = members[name]
+        key = ann.key
         shape = tuple(entry.shape)
         boxes = device_boxes(sharding, shape, name, addressable=True)
         bounds = _row_ranges(ck, name, device_boxes(sharding, shape, name, addressable=False), shape[0])
         world = len(bounds) - 1
         starts = list(bounds[:-1])
-        group = ck.info(key).value_range.group  # type: ignore[union-attr]
+        group = ann.group
         per_box: dict[Box, np.ndarray] = {}
         for box in set(boxes.values()):
             r = starts.index(box.offset[0])
             got = cache.get((key, bounds, r))
             if got is None:
-                got = V.read_group_rank(ck, key, r, world, row_bounds=bounds, strict_capacity=strict_capacity)
+                plan = V.plan_rank_read(ann, ck.info(key), r, world, row_bounds=bounds)
+                got = load_rank(ck, plan, strict_capacity=strict_capacity)
                 cache[(key, bounds, r)] = got
                 evicted[group] = evicted.get(group, 0) + got.evicted
-                log.info("value group %r: device rows %s loaded by the %s path", group, box, got.path)
+                log.info("value group %r: device rows %s loaded by the %s path: %s", group, box, plan.path, plan.reason)
             rows = got.arrays[name]
             per_box[box] = np.ascontiguousarray(rows[(slice(None),) + box.slices()[1:]])
 

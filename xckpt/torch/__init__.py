@@ -7,7 +7,9 @@ imports torch; ``import xckpt`` does not.
 
 Value groups (value-partitioned state such as torchrec's managed-collision
 modules) are declared with ``ManagedCollision`` / ``managed_collision_groups``
-from :mod:`xckpt.torch.value_groups`, re-exported here lazily.
+from :mod:`xckpt.torch.value_groups`; ``redistribute_by_value``
+(:mod:`xckpt.torch.redistribute`) moves one held in memory. Both are
+re-exported here lazily.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ _LAZY = ("ManagedCollision", "ValueGroup", "managed_collision_groups", "redistri
 
 
 def __getattr__(name: str) -> Any:
+    if name == "redistribute_by_value":
+        from xckpt.torch.redistribute import redistribute_by_value
+
+        return redistribute_by_value
     if name in _LAZY:
         from xckpt.torch import value_groups
 

@@ -1,17 +1,26 @@
-"""Value groups in the PyTorch adapter: torchrec managed-collision state that reshards by value.
+"""Value groups in the PyTorch adapter: tensors to numpy, collectives, torchrec introspection.
+
+The value-group logic is the core's (:mod:`xckpt.value_ranges`: the annotation
+model and read plans; :mod:`xckpt.value_save`: save plans;
+:mod:`xckpt.value_load`: the read driver). This module finds the groups of a
+state dict (declared, or torchrec MCH buffers by name), turns their tensors
+into numpy (local shard and row offset of plain tensors, ShardedTensors and
+DTensors), reads the target's row split off the torch targets, shares the
+outcome between ranks and fills the targets.
 
 Call protocol (the adapter's ``save`` / ``load`` make these calls, on every rank):
 
 1. ``save``: :func:`split_value_groups` (no I/O, no collectives) finds the groups
-   (declared, or torchrec MCH buffers found by name) and returns their plans and
+   and returns their resolved names (:class:`MCNames` / :class:`ValueGroup`) and
    the flat names they own; the adapter saves everything else. Then
-   :func:`save_value_groups` checks and writes this rank's part of each group
-   through the rank's :class:`xckpt.Writer` (no collectives).
+   :func:`save_value_groups` builds each group's annotation, has the core plan
+   this rank's part and writes it through the rank's :class:`xckpt.Writer`
+   (no collectives).
 2. ``load``: :func:`load_value_groups` finds the groups of the checkpoint whose
-   key tensor the caller asks for, computes every group tensor of this rank
-   with :func:`xckpt.value_ranges.read_group_rank`, exchanges the outcome with
-   the other ranks (one ``all_gather_object``), and only when every rank
-   succeeded fills the targets in place. It returns the names it handled and
+   key tensor the caller asks for, has the core plan and read every group
+   tensor of this rank, exchanges the outcome with the other ranks (one
+   ``all_gather_object``), and only when every rank succeeded fills the
+   targets in place. It returns the names it handled and
    ``{group prefix: entries this rank evicted}``.
 
 Declaring groups (names as in the saved state dict)::
@@ -26,6 +35,7 @@ Declaring groups (names as in the saved state dict)::
 torchrec MCH buffers under ``..._managed_collision_modules.<t>.`` are found
 without a declaration (input size 2**63-1, weight by torchrec's name rule, no
 row-aligned tensors). Loading needs no declaration: the manifest has it all.
+Moving a group held in memory is :func:`xckpt.torch.redistribute.redistribute_by_value`.
 
 Group tensors may be plain per-rank tensors (each rank's own rows), row-wise
 ``ShardedTensor``s (``DistributedModelParallel`` state dicts) or DTensors
@@ -45,16 +55,21 @@ import numpy as np
 import torch
 
 from xckpt import value_ranges as V
+from xckpt import value_save as V_save
 from xckpt.errors import ShapeMismatchError, UnsupportedPlacementError, ValueRangeError
+from xckpt.source import Source
 from xckpt.torch._dist import share_outcome
 from xckpt.torch._dtypes import as_numpy
 from xckpt.torch._placement import dtensor_local, is_dtensor, is_sharded_tensor
+from xckpt.value_load import RankArrays, load_rank
 
 __all__ = [
     "ManagedCollision",
     "ValueGroup",
     "managed_collision_groups",
-    "redistribute_by_value",
+    "MCNames",
+    "resolve_managed_collision",
+    "local_rows",
     "split_value_groups",
     "save_value_groups",
     "load_value_groups",
@@ -67,7 +82,7 @@ _ROWS = "_mch_remapped_ids_mapping"
 _SEG = "_output_segments_tensor"
 _ITER = "_current_iter_tensor"
 _MCM = "_managed_collision_modules."
-_RANK_BY = ("_mch_counts", "_mch_last_access_iter")
+RANK_BY = ("_mch_counts", "_mch_last_access_iter")
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,7 @@ class ValueGroup:
 
 
 @dataclass
-class _MCPlan:
+class MCNames:
     decl: ManagedCollision
     key: str
     rows: str
@@ -129,6 +144,20 @@ class _MCPlan:
     row_aligned: list[str]
     segments: str | None
     current_iter: str | None
+
+    def members(self) -> V.Members:
+        return V.Members(
+            rows=self.rows, metadata=tuple(self.metadata), weight=self.weight, row_aligned=tuple(self.row_aligned),
+            segments=self.segments, current_iter=self.current_iter,
+        )
+
+    def rank_by(self) -> tuple[str, ...]:
+        """The declared eviction columns, else torchrec's LFU/LRU columns the state holds."""
+        d = self.decl
+        if d.rank_by is not None:
+            return tuple(d.rank_by)
+        pre = f"{d.prefix}." if d.prefix else ""
+        return tuple(m for m in (pre + c for c in RANK_BY) if m in self.metadata)
 
     def owned(self) -> set[str]:
         return {
@@ -150,7 +179,7 @@ def _weight_by_rule(prefix: str, flat: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _mc_plan(flat: Mapping[str, Any], d: ManagedCollision) -> _MCPlan:
+def resolve_managed_collision(flat: Mapping[str, Any], d: ManagedCollision) -> MCNames:
     key = f"{d.prefix}.{_RAW}" if d.prefix else _RAW
     pre = f"{d.prefix}." if d.prefix else ""
     if key not in flat or pre + _ROWS not in flat:
@@ -165,7 +194,7 @@ def _mc_plan(flat: Mapping[str, Any], d: ManagedCollision) -> _MCPlan:
             raise ValueRangeError(f"value group {d.prefix!r}: declared tensor {n!r} is not in the state dict")
     if weight is None:
         log.warning("value group %r: no embedding weight found; rows re-slotted at load keep no weights", d.prefix)
-    return _MCPlan(
+    return MCNames(
         d, key, pre + _ROWS, meta, weight, list(d.row_aligned),
         pre + _SEG if pre + _SEG in flat else None, pre + _ITER if pre + _ITER in flat else None,
     )
@@ -184,7 +213,7 @@ def split_value_groups(flat: dict[str, Any], value_groups: Sequence[Any] | None)
     seen: set[str] = set()
     for d in value_groups or ():
         if isinstance(d, ManagedCollision):
-            plans.append(_mc_plan(flat, d))
+            plans.append(resolve_managed_collision(flat, d))
             seen.add(d.prefix)
         elif isinstance(d, ValueGroup):
             for n in [d.key, *d.columns]:
@@ -197,11 +226,11 @@ def split_value_groups(flat: dict[str, Any], value_groups: Sequence[Any] | None)
         if n.endswith("." + _RAW) and _MCM in n:
             prefix = n[: -len(_RAW) - 1]
             if prefix not in seen:
-                plans.append(_mc_plan(flat, ManagedCollision(prefix)))
+                plans.append(resolve_managed_collision(flat, ManagedCollision(prefix)))
                 seen.add(prefix)
     owned: set[str] = set()
     for p in plans:
-        new = p.owned() if isinstance(p, _MCPlan) else {p.key, *p.columns}
+        new = p.owned() if isinstance(p, MCNames) else {p.key, *p.columns}
         if owned & new:
             raise ValueRangeError(f"tensors {sorted(owned & new)} belong to two value groups")
         owned |= new
@@ -211,7 +240,7 @@ def split_value_groups(flat: dict[str, Any], value_groups: Sequence[Any] | None)
 # -- local views --------------------------------------------------------------
 
 
-def _local(v: Any, name: str) -> tuple[torch.Tensor, int | None, int | None]:
+def local_tensor(v: Any, name: str) -> tuple[torch.Tensor, int | None, int | None]:
     """(local tensor, its row offset or None, global rows or None)."""
     if is_sharded_tensor(v):
         shards = v.local_shards()
@@ -240,57 +269,67 @@ def _local(v: Any, name: str) -> tuple[torch.Tensor, int | None, int | None]:
     return v, None, None
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
     return as_numpy(t.detach().cpu())
 
 
-def _segments(flat: Mapping[str, Any], p: _MCPlan) -> tuple[int, ...] | None:
+def local_rows(v: Any, name: str) -> V_save.LocalRows:
+    """This rank's rows of a member as numpy, with their global offset and row count."""
+    t, off, n = local_tensor(v, name)
+    return V_save.LocalRows(to_numpy(t), off, n)
+
+
+def segment_bounds(flat: Mapping[str, Any], p: MCNames) -> tuple[int, ...] | None:
     if p.segments is None:
         return None
-    seg = _np(_local(flat[p.segments], p.segments)[0]).astype(np.int64)
+    seg = to_numpy(local_tensor(flat[p.segments], p.segments)[0]).astype(np.int64)
     return tuple(int(x) for x in seg[seg >= 0])
 
 
-def _row_bounds_save(flat: Mapping[str, Any], p: _MCPlan, world: int) -> tuple[int, ...]:
+def _row_bounds_save(flat: Mapping[str, Any], p: MCNames, world: int) -> tuple[int, ...]:
     v = flat[p.key]
     if is_sharded_tensor(v):
         offs = sorted({int(s.shard_offsets[0]) for s in v.metadata().shards_metadata if s.shard_sizes[0] > 0})
         n = int(v.metadata().size[0])
         b = tuple(sorted(set(offs) | {0, n}))
         return b
-    seg = _segments(flat, p)
+    seg = segment_bounds(flat, p)
     if seg is not None:
         return seg
     if world == 1:
-        return (0, int(_local(v, p.key)[0].shape[0]))
+        return (0, int(local_tensor(v, p.key)[0].shape[0]))
     raise ValueRangeError(
         f"value group {p.decl.prefix!r}: cannot tell the row split (no {_SEG} and plain tensors); "
         "save the module's _output_segments_tensor with it"
     )
 
 
-def _sorted_by_key(keys: np.ndarray, cols: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    if keys.size < 2 or bool(np.all(keys[1:] >= keys[:-1])):
-        return keys, cols
-    order = np.argsort(keys, kind="stable")
-    return keys[order], {n: c[order] for n, c in cols.items()}
-
-
 def save_value_groups(writer: Any, flat: dict[str, Any], plans: list[Any], rank: int, world_size: int) -> None:
     """Check and write this rank's part of every group (no collectives).
+
+    Each group's annotation and save plan come from the core
+    (:mod:`xckpt.value_save`); this only turns the members into numpy.
 
     Raises:
         ValueRangeError: a used raw id or row lies outside this rank's ranges,
             or one appears twice; the message names the tensor.
     """
     for p in plans:
-        if isinstance(p, _MCPlan):
-            _save_mc(writer, flat, p, rank, world_size)
+        if isinstance(p, MCNames):
+            ann = _mc_annotation(flat, p, world_size)
+            local = {n: local_rows(flat[n], n) for n in ann.names()}
+            plan, arrays = V_save.plan_mc_save(ann, rank, local, p.decl.chunk_rows)
         else:
-            _save_generic(writer, flat, p, rank, world_size)
+            lo, hi = (0, int(p.domain)) if isinstance(p.domain, int) else (int(p.domain[0]), int(p.domain[1]))
+            ann = V.GroupAnnotation.generic(
+                p.key, (lo, hi), list(p.columns), empty_marker=p.empty_marker, rank_by=list(p.rank_by)
+            )
+            local = {n: local_rows(flat[n], n) for n in ann.names()}
+            plan, arrays = V_save.plan_generic_save(ann, rank, world_size, local, p.chunk_rows)
+        V_save.write_group(writer, plan, arrays)
 
 
-def _save_mc(writer: Any, flat: dict[str, Any], p: _MCPlan, rank: int, world: int) -> None:
+def _mc_annotation(flat: Mapping[str, Any], p: MCNames, world: int) -> V.GroupAnnotation:
     d = p.decl
     rb = _row_bounds_save(flat, p, world)
     if len(rb) - 1 != world:
@@ -298,140 +337,18 @@ def _save_mc(writer: Any, flat: dict[str, Any], p: _MCPlan, rank: int, world: in
             f"value group {d.prefix!r}: {p.segments or p.key} splits the rows over {len(rb) - 1} ranks, "
             f"but {world} ranks save; rebuild the modules for this world size"
         )
-    lay = V.MCLayout(int(d.input_size), rb)
-    off, hi = lay.rows(rank)
-    ilo, ihi = lay.inputs(rank)
-    n = rb[-1]
-    cols: dict[str, np.ndarray] = {}
-    for name in [p.key, p.rows, *p.metadata]:
-        t, toff, _ = _local(flat[name], name)
-        if t.shape[0] != hi - off or (toff is not None and t.shape[0] and toff != off):
-            raise ValueRangeError(
-                f"value group {d.prefix!r}: tensor {name!r} holds rows at {toff} of size {t.shape[0]} on "
-                f"rank {rank}, but its range is [{off}, {hi})"
-            )
-        cols[name] = _np(t).astype(np.int64, copy=False)
-    keys = cols.pop(p.key)
-    keys, cols = _sorted_by_key(keys, cols)
-    rows = cols[p.rows]
-    used = keys != V.INT64_MAX
-    bad = keys[used & ((keys < ilo) | (keys >= ihi))]
-    if bad.size:
-        raise ValueRangeError(
-            f"value group {d.prefix!r}: tensor {p.key!r} on rank {rank} holds raw id {int(bad[0])} outside the "
-            f"rank's input range [{ilo}, {ihi}) (input_size {d.input_size}); declare the module's input_size "
-            "with xckpt.torch.ManagedCollision(..., input_size=...)"
-        )
-    badr = rows[(rows < off) | (rows >= hi)]
-    if badr.size:
-        raise ValueRangeError(
-            f"value group {d.prefix!r}: tensor {p.rows!r} on rank {rank} maps to row {int(badr[0])} outside "
-            f"the rank's rows [{off}, {hi})"
-        )
-    for what, arr, nm in (("raw id", keys[used], p.key), ("row", rows, p.rows)):
-        s = np.sort(arr)
-        dup = s[1:][s[1:] == s[:-1]]
-        if dup.size:
-            raise ValueRangeError(f"value group {d.prefix!r}: tensor {nm!r} on rank {rank} holds {what} {int(dup[0])} twice")
-    rank_by = list(d.rank_by) if d.rank_by is not None else [m for m in (f"{d.prefix}.{c}" if d.prefix else c for c in _RANK_BY) if m in p.metadata]
-    members: dict[str, Any] = {
-        "rows": p.rows, "metadata": p.metadata, "weight": p.weight, "row_aligned": p.row_aligned,
-        "segments": p.segments, "current_iter": p.current_iter,
-    }
-    attrs = {
-        "input_size": int(d.input_size), "input_bounds": list(lay.input_bounds), "row_bounds": list(rb),
-        "members": members, "rank_by": rank_by, "miss_row": "last", "version": 1,
-    }
-    kind = V.MC_KIND
-    ann_key = V.annotation(d.prefix, "key", kind, domain=(0, int(d.input_size)), attrs=attrs, empty_marker=V.INT64_MAX)
-    all_cols = {p.key: keys, **cols}
-    for s, e, vr in V.value_chunks(keys, ilo, ihi, d.chunk_rows):
-        for name, arr in all_cols.items():
-            ann = ann_key if name == p.key else V.annotation(d.prefix, "rows" if name == p.rows else "metadata", kind)
-            writer.write(name, arr[s:e], global_shape=(n,), offset=(off + s,), value_range=ann, chunk_value_range=vr)
-    for name in all_cols:
-        ann = ann_key if name == p.key else V.annotation(d.prefix, "rows" if name == p.rows else "metadata", kind)
-        writer.declare(name, np.int64, (n,), value_range=ann)
-    for role, name in [("weight", p.weight)] + [("row_aligned", r) for r in p.row_aligned]:
-        if name is None:
-            continue
-        t, toff, gn = _local(flat[name], name)
-        if t.shape[0] != hi - off or (toff is not None and t.shape[0] and toff != off) or (gn is not None and gn != n):
-            raise ValueRangeError(
-                f"value group {d.prefix!r}: {role} {name!r} holds {t.shape[0]} rows at {toff} on rank {rank}; "
-                f"the group's rows there are [{off}, {hi}) of {n}"
-            )
-        a = _np(t)
-        writer.write(
-            name, a, global_shape=(n, *a.shape[1:]), offset=(off,) + (0,) * (a.ndim - 1),
-            value_range=V.annotation(d.prefix, role, kind),
-        )
-    if p.current_iter is not None:
-        it = _np(_local(flat[p.current_iter], p.current_iter)[0]).reshape(-1)[:1].astype(np.int64)
-        writer.write(p.current_iter, it, global_shape=(world,), offset=(rank,), value_range=V.annotation(d.prefix, "current_iter", kind))
-    if p.segments is not None:
-        seg = _np(_local(flat[p.segments], p.segments)[0]).astype(np.int64)
-        ann = V.annotation(d.prefix, "segments", kind)
-        if rank == 0:
-            writer.write(p.segments, seg, value_range=ann)
-        else:
-            writer.declare(p.segments, np.int64, seg.shape, value_range=ann)
-
-
-def _domain(g: ValueGroup) -> tuple[int, int]:
-    return (0, int(g.domain)) if isinstance(g.domain, int) else (int(g.domain[0]), int(g.domain[1]))
-
-
-def _save_generic(writer: Any, flat: dict[str, Any], g: ValueGroup, rank: int, world: int) -> None:
-    lo, hi = _domain(g)
-    t, toff, gn = _local(flat[g.key], g.key)
-    nloc = int(t.shape[0])
-    off = toff if toff is not None else rank * nloc
-    n = gn if gn is not None else world * nloc
-    keys = _np(t)
-    if keys.ndim != 1 or keys.dtype.kind not in "iu":
-        raise ValueRangeError(f"value group {g.key!r}: the key must be a 1-D integer tensor, got {keys.dtype}{list(keys.shape)}")
-    cols = {}
-    for c in g.columns:
-        ct, coff, _ = _local(flat[c], c)
-        if ct.shape[0] != nloc or (coff is not None and nloc and coff != off):
-            raise ValueRangeError(f"value group {g.key!r}: column {c!r} is not row-aligned with the key on rank {rank}")
-        cols[c] = _np(ct)
-    keys_s = keys.astype(np.int64)
-    if g.empty_marker is not None:
-        keys_s = np.where(keys_s == g.empty_marker, V.INT64_MAX, keys_s)
-    order = np.argsort(keys_s, kind="stable")
-    keys = keys[order]
-    cols = {c: v[order] for c, v in cols.items()}
-    used = keys if g.empty_marker is None else keys[keys != g.empty_marker]
-    bad = used[(used < lo) | (used >= hi)]
-    if bad.size:
-        raise ValueRangeError(f"value group {g.key!r}: tensor {g.key!r} on rank {rank} holds key {int(bad[0])} outside the domain [{lo}, {hi})")
-    s = np.sort(used)
-    dup = s[1:][s[1:] == s[:-1]]
-    if dup.size:
-        raise ValueRangeError(f"value group {g.key!r}: tensor {g.key!r} on rank {rank} holds key {int(dup[0])} twice")
-    attrs = {"input_bounds": [lo, hi], "members": {"columns": list(g.columns)}, "rank_by": list(g.rank_by), "version": 1}
-    ann_key = V.annotation(g.key, "key", V.GENERIC_KIND, domain=(lo, hi), attrs=attrs, empty_marker=g.empty_marker)
-    ann_col = V.annotation(g.key, "columns", V.GENERIC_KIND)
-    all_cols = {g.key: keys, **cols}
-    for s0, e0, vr in V.generic_chunks(keys, g.chunk_rows, g.empty_marker):
-        for name, arr in all_cols.items():
-            writer.write(
-                name, arr[s0:e0], global_shape=(n, *arr.shape[1:]), offset=(off + s0,) + (0,) * (arr.ndim - 1),
-                value_range=ann_key if name == g.key else ann_col, chunk_value_range=vr,
-            )
-    for name, arr in all_cols.items():
-        writer.declare(name, arr.dtype, (n, *arr.shape[1:]), value_range=ann_key if name == g.key else ann_col)
+    return V.GroupAnnotation.managed_collision(
+        d.prefix, p.key, p.members(), input_size=int(d.input_size), row_bounds=rb, rank_by=p.rank_by()
+    )
 
 
 # -- load -----------------------------------------------------------------------
 
 
-def _row_bounds_load(flat: Mapping[str, Any], g: V.GroupInfo, rank: int, world: int) -> tuple[int, ...]:
+def _row_bounds_load(flat: Mapping[str, Any], g: V.GroupAnnotation, world: int) -> tuple[int, ...]:
     """The target's row split: ShardedTensor metadata, DTensor chunks, segments, else ceil split."""
     n = g.saved.row_bounds[-1] if g.saved is not None else 0
-    names = [x for x in [g.key, g.members.get("weight")] if x is not None and x in flat]
+    names = [x for x in [g.key, *g.members.of("weight")] if x in flat]
     for name in names:
         v = flat[name]
         if is_sharded_tensor(v):
@@ -448,9 +365,9 @@ def _row_bounds_load(flat: Mapping[str, Any], g: V.GroupInfo, rank: int, world: 
                     f"loading ranks, got {list(v.placements)} on a mesh of {v.device_mesh.size()}"
                 )
             return V.ceil_bounds(int(v.shape[0]), world)
-    seg_name = g.members.get("segments")
+    seg_name = g.members.segments
     if seg_name is not None and seg_name in flat:
-        seg = _np(_local(flat[seg_name], seg_name)[0]).astype(np.int64)
+        seg = to_numpy(local_tensor(flat[seg_name], seg_name)[0]).astype(np.int64)
         valid = tuple(int(x) for x in seg[seg >= 0])
         if len(valid) == world + 1 and valid[-1] == n:
             return valid
@@ -458,7 +375,7 @@ def _row_bounds_load(flat: Mapping[str, Any], g: V.GroupInfo, rank: int, world: 
 
 
 def _check_target(target: Any, arr: np.ndarray, name: str, where: str) -> torch.Tensor:
-    t, _, _ = _local(target, name)
+    t, _, _ = local_tensor(target, name)
     if tuple(t.shape) != tuple(arr.shape):
         raise ShapeMismatchError(
             f"checkpoint {where!r}, tensor {name!r}: this rank's part has shape {tuple(arr.shape)} at the new "
@@ -484,38 +401,44 @@ def _fill(target: Any, arr: np.ndarray, name: str, where: str) -> None:
 
 
 def load_value_groups(
-    ckpt: Any, flat: dict[str, Any], rank: int, world_size: int, process_group: Any, strict_capacity: bool
+    ckpt: Source, flat: dict[str, Any], rank: int, world_size: int, process_group: Any, strict_capacity: bool
 ) -> tuple[set[str], dict[str, int]]:
     """Fill the group tensors of ``flat`` in place; every rank calls it.
 
-    Nothing is filled unless every rank computed its part: the outcome is
-    exchanged first, so a bad checkpoint or (with ``strict_capacity``) an
-    overflow raises :class:`ValueRangeError` on every rank.
+    For each group whose key the caller asks for: the annotation is checked
+    once, the target's row split read off the torch targets, and the core
+    plans (:func:`xckpt.value_ranges.plan_rank_read`) and reads
+    (:func:`xckpt.value_load.load_rank`) this rank's arrays. Nothing is filled
+    unless every rank computed its part: the outcome is exchanged first
+    (:func:`xckpt.torch._dist.share_outcome`), so a bad checkpoint or (with
+    ``strict_capacity``) an overflow raises :class:`ValueRangeError` on every rank.
 
     Returns:
         (names handled, {group prefix: entries this rank evicted}).
     """
     where = str(ckpt.path)
     tensors = {n: ckpt.info(n) for n in ckpt.names()}
-    all_keys = V.groups_in(tensors)
+    all_keys = V.group_keys(tensors)
     if not all_keys:  # a pure function of the manifest: every rank returns here alike
         return set(), {}
     keys = [k for k in all_keys if k in flat]
     handled: set[str] = set()
-    results: list[tuple[V.GroupInfo, V.RankArrays]] = []
+    results: list[tuple[V.GroupAnnotation, RankArrays]] = []
     err: Exception | None = None
     try:
         for key in keys:
-            g = V.group_info(tensors, key, where)
+            g = V.GroupAnnotation.from_manifest(tensors, key, where)
             names = [n for n in g.names() if n in flat]
             handled |= set(names)
             if g.kind == V.MC_KIND:
-                rb = _row_bounds_load(flat, g, rank, world_size)
-                ra = V.read_group_rank(ckpt, key, rank, world_size, row_bounds=rb, names=names, strict_capacity=strict_capacity)
-                log.info("value group %r: rank %d of %d loaded by the %s path", g.group, rank, world_size, ra.path)
+                rb = _row_bounds_load(flat, g, world_size)
+                plan = V.plan_rank_read(g, tensors[key], rank, world_size, row_bounds=rb, names=names)
             else:
-                cap = int(_local(flat[key], key)[0].shape[0])
-                ra = V.read_group_rank(ckpt, key, rank, world_size, capacity=cap, names=names, strict_capacity=strict_capacity)
+                cap = int(local_tensor(flat[key], key)[0].shape[0])
+                plan = V.plan_rank_read(g, tensors[key], rank, world_size, capacity=cap, names=names)
+            ra = load_rank(ckpt, plan, strict_capacity=strict_capacity)
+            log.info("value group %r: rank %d of %d loaded by the %s path: %s", g.group, rank, world_size,
+                     plan.path, plan.reason)
             for n, a in ra.arrays.items():
                 _check_target(flat[n], a, n, where)
             results.append((g, ra))
@@ -604,121 +527,3 @@ def managed_collision_groups(
             )
         )
     return out
-
-
-# -- redistributing state already in memory ---------------------------------------
-
-
-def _a2a(send: torch.Tensor, counts: list[int], group: Any) -> tuple[torch.Tensor, list[int]]:
-    """all_to_all_single with the split sizes exchanged first."""
-    import torch.distributed as dist
-
-    sc = torch.tensor(counts, dtype=torch.int64, device=send.device)
-    rc = torch.empty_like(sc)
-    dist.all_to_all_single(rc, sc, group=group)
-    recv_counts = [int(x) for x in rc.tolist()]
-    out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=send.device)
-    dist.all_to_all_single(out, send.contiguous(), recv_counts, counts, group=group)
-    return out, recv_counts
-
-
-def redistribute_by_value(
-    state: Mapping[str, Any],
-    group: ManagedCollision,
-    *,
-    row_bounds: Sequence[int] | None = None,
-    held_row_bounds: Sequence[int] | None = None,
-    process_group: Any = None,
-    strict_capacity: bool = False,
-) -> tuple[dict[str, torch.Tensor], int]:
-    """Move a managed-collision group held in memory to a new layout, by value.
-
-    Every rank of ``process_group`` calls it with its current tensors. Entries
-    go to the input owner of their raw id and weight rows (and the declared
-    row-aligned tensors) follow, with ``all_to_all_single`` (split sizes
-    exchanged first); each rank then applies the same steps as the read path
-    (:func:`xckpt.value_ranges.assemble_rank`), so the result equals
-    ``xckpt.torch.load`` of a checkpoint of the same state.
-
-    Args:
-        state: this rank's tensors by name (names as in ``group``); the buffers
-            may hold any entries, the weight holds rows ``held_row_bounds[r:r+2]``.
-        group: the group declaration (prefix, weight, input size, row-aligned).
-        row_bounds: the new row split (default: torchrec's ceil split over the group).
-        held_row_bounds: which weight rows each rank holds now (default: the
-            state's ``_output_segments_tensor``).
-        process_group: gloo on CPU, NCCL on GPU (default: world).
-        strict_capacity: raise on every rank instead of evicting.
-
-    Returns:
-        (new tensors by name on this rank, entries this rank evicted).
-
-    Raises:
-        ValueRangeError: duplicates, or an overflow with ``strict_capacity``.
-    """
-    import torch.distributed as dist
-
-    p = _mc_plan(state, group)
-    world = dist.get_world_size(process_group)
-    rank = dist.get_rank(process_group)
-    key_t = _local(state[p.key], p.key)[0]
-    dev = key_t.device
-    held = tuple(held_row_bounds) if held_row_bounds is not None else _segments(state, p)
-    if held is None or len(held) != world + 1:
-        raise ValueRangeError(f"value group {group.prefix!r}: give held_row_bounds, one range per rank of {world}")
-    n = held[-1]
-    new = V.MCLayout(int(group.input_size), tuple(row_bounds) if row_bounds is not None else V.ceil_bounds(n, world))
-    if len(new.row_bounds) != world + 1 or new.row_bounds[-1] != n:
-        raise ShapeMismatchError(f"value group {group.prefix!r}: row_bounds {list(new.row_bounds)} do not split {n} rows over {world} ranks")
-    cols = [p.key, p.rows, *p.metadata]
-    mat = torch.stack([_local(state[c], c)[0].to(torch.int64).reshape(-1) for c in cols], dim=1)
-    mat = mat[mat[:, 0] != V.INT64_MAX]
-    owner = torch.from_numpy(new.owner(_np(mat[:, 0]).copy())).to(dev)
-    order = torch.argsort(owner, stable=True)
-    counts = torch.bincount(owner, minlength=world).tolist()
-    got, _ = _a2a(mat[order], counts, process_group)
-    g = _np(got)
-    err: Exception | None = None
-    asm: V.Assembled | None = None
-    try:
-        asm = V.assemble_rank(
-            g[:, 0], g[:, 1], {c: g[:, 2 + i] for i, c in enumerate(p.metadata)}, new, rank,
-            list(group.rank_by) if group.rank_by is not None else [c for c in p.metadata if c.rsplit(".", 1)[-1] in _RANK_BY],
-            name=p.key, strict_capacity=strict_capacity,
-        )
-    except Exception as e:  # any failure: shared with every rank, then raised on all
-        err = e
-    share_outcome(
-        err, group=process_group, world=world, error=ValueRangeError,
-        what=f"redistribute_by_value of {group.prefix!r}", fix="Nothing was moved",
-    )
-    if asm is None:  # share_outcome raised for any failure; this guards the type only
-        raise ValueRangeError(f"redistribute_by_value of {group.prefix!r}: no assignment was computed")
-    out: dict[str, torch.Tensor] = {
-        p.key: torch.from_numpy(asm.raw).to(dev),
-        p.rows: torch.from_numpy(asm.rows).to(dev),
-    }
-    out.update({c: torch.from_numpy(asm.meta[c]).to(dev) for c in p.metadata})
-    # Weight rows: ask each holder for the rows this rank's new rows come from.
-    src = asm.source_rows
-    holder = np.searchsorted(np.asarray(held[1:], np.int64), src, side="right")
-    r_order = np.argsort(holder, kind="stable")
-    r_counts = np.bincount(holder, minlength=world).tolist()
-    req, req_counts = _a2a(torch.from_numpy(src[r_order]).to(dev), r_counts, process_group)
-    hlo = held[rank]
-    for name in [x for x in [p.weight, *p.row_aligned] if x is not None]:
-        w = _local(state[name], name)[0]
-        reply, _ = _a2a(w[req - hlo], req_counts, process_group)
-        res = torch.empty_like(reply)
-        res[torch.from_numpy(r_order).to(dev)] = reply
-        out[name] = res
-    if p.current_iter is not None:
-        it = _local(state[p.current_iter], p.current_iter)[0].reshape(-1)[:1].to(torch.int64).clone()
-        dist.all_reduce(it, op=dist.ReduceOp.MAX, group=process_group)
-        out[p.current_iter] = it
-    if p.segments is not None:
-        seg_t = _local(state[p.segments], p.segments)[0]
-        seg = torch.full(tuple(seg_t.shape), -1, dtype=torch.int64, device=dev)
-        seg[: world + 1] = torch.tensor(new.row_bounds, dtype=torch.int64, device=dev)
-        out[p.segments] = seg
-    return out, asm.evicted
