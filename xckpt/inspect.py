@@ -228,7 +228,6 @@ def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) ->
     onto dims 0 and 1 (the title says so).
     """
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch, Rectangle
 
     t = ck.info(name)
@@ -242,8 +241,8 @@ def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) ->
         ax.add_patch(Rectangle((x, y), w, h, facecolor=colors[c.rank], edgecolor="black", alpha=0.75))
     handles = [Patch(facecolor=colors[r], edgecolor="black", label=f"writer {r}") for r in writers[:20]]
     if _draw_grids(ax, t.chunks):
-        handles.append(Line2D([], [], color="white", linestyle=":", linewidth=1.2,
-                              label="inner chunk (one read)"))
+        handles.append(Patch(facecolor="grey", edgecolor="white", linestyle=":", linewidth=1.2,
+                             label="inner chunk (one read)"))
     title = f"{name} {t.dtype}{list(t.shape)}: {len(t.chunks)} saved chunks"
     if target is not None:
         who, per_rank = _target_boxes(ck, name, target)
