@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.xckpt-installed
 
-.PHONY: venv demo test lint bench clean soak
+.PHONY: venv demo test lint bench clean soak notebooks
 
 venv: $(STAMP)
 
@@ -35,6 +35,10 @@ lint: venv
 
 test: venv lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Regenerate notebooks/*.ipynb from notebooks/build.py, executed, with their outputs.
+notebooks: venv
+	$(BIN)/python notebooks/build.py
 
 bench: venv
 	$(BIN)/python bench/io.py
