@@ -57,6 +57,7 @@ Decisions (where the design is silent):
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import math
 import os
@@ -75,9 +76,9 @@ __all__ = ["write", "choose_grid", "MAX_CHUNK_BYTES", "TXN_BYTES"]
 FORMAT = "orbax"
 
 #: Largest zarr chunk written; bigger ones are split along leading dimensions.
-MAX_CHUNK_BYTES = 256 << 20
+MAX_CHUNK_BYTES = 16 << 20
 #: Bytes of writes held in one tensorstore transaction before it is committed.
-TXN_BYTES = 64 << 20
+TXN_BYTES = 16 << 20
 #: OCDBT data file size (a writer-side knob; orbax uses 2 GiB on local disk).
 DATA_FILE_BYTES = 256 << 20
 
@@ -286,6 +287,28 @@ class _Txn:
         self.txn.commit_async().result()
         self.txn = self._ts.Transaction()
         self._pending = 0
+        _trim()
+
+
+def _trim() -> None:
+    """Return freed memory to the OS (glibc only).
+
+    tensorstore compresses on its worker threads, whose freed buffers stay in
+    per-thread malloc arenas: without this, resident memory grows by a few MiB
+    per commit (measured: 126 MiB after 16 commits of 16 MiB, 64 MiB with it).
+    """
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 def _array_spec(kv: dict[str, Any], param: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> dict[str, Any]:
@@ -443,6 +466,8 @@ def _write_tensor(job: Any, leaf: _Leaf, kv: dict[str, Any], ctx: Any, txn: _Txn
             arr[box].write(piece).result()
             job.bar.update(piece.nbytes)
             txn.add(piece.nbytes)
+            del piece
+        del data  # before the next chunk is read: one chunk in memory at a time
 
 
 def _slabs(offset: Sequence[int], data: np.ndarray, step0: int) -> Any:

@@ -122,12 +122,10 @@ def write(job: Any) -> None:
             t = job.info(name)
             chunks = []
             # A tensor with no stored chunk (empty) still gets one, as DCP writes empty shards.
-            if not t.chunks:
-                data = np.empty(t.shape, dtype=t.np_dtype)
-                pieces = iter([((0,) * len(t.shape), 0, data)])
-            else:
-                pieces = ((c.offset, c.rank, d) for c, d in job.chunks(name))
-            for i, (offset, rank, data) in enumerate(pieces):
+            pieces = job.chunks(name) if t.chunks else iter([(None, np.empty(t.shape, dtype=t.np_dtype))])
+            i = 0  # not enumerate(): its reused result tuple would keep the last chunk alive
+            for chunk, data in pieces:
+                offset, rank = (chunk.offset, chunk.rank) if chunk is not None else ((0,) * len(t.shape), 0)
                 rel, f = rank_file(rank)
                 start = f.tell()
                 torch.save(torch_tensor(data, t.dtype), f)
@@ -136,7 +134,8 @@ def write(job: Any) -> None:
                 storage[index] = _StorageInfo(rel, start, length)
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(data.shape)))
                 job.bar.update(data.nbytes)
-                del data
+                del data  # before the next chunk is read: one chunk in memory at a time
+                i += 1
             state[name] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=getattr(torch, t.dtype)),
                 size=torch.Size(t.shape),
