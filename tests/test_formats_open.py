@@ -64,3 +64,24 @@ def test_load_reads_any_format(ck):
     got = xckpt.load(ck)
     assert isinstance(xckpt.open(ck), Source) and got["step"] == 4
     assert np.array_equal(got["fc.weight"], np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_load_everything_skips_pickles_unless_allowed(tmp_path):
+    import jax
+    import torch.distributed.checkpoint as dcp
+
+    import xckpt.jax as xj
+
+    path = str(tmp_path / "dcp")
+    dcp.save({"w": torch.arange(4.0), "step": 9}, checkpoint_id=path, no_dist=True)
+    with pytest.warns(UserWarning, match=r"1 pickled objects not read \(\['step'\]\).*allow_pickle=True"):
+        got = xckpt.load(path)
+    assert list(got) == ["w"] and np.array_equal(got["w"], np.arange(4.0, dtype=np.float32))
+    assert xckpt.load(path, allow_pickle=True)["step"] == 9
+    with pytest.warns(UserWarning, match="pickled objects not read"):
+        assert set(xj.load(path)) == {"w"}
+    assert xj.load(path, allow_pickle=True)["step"] == 9
+    # Asked for by name, a pickled object is an error that names the flag.
+    with pytest.raises(XckptError, match="allow_pickle=True"):
+        xj.load(path, {"w": jax.sharding.SingleDeviceSharding(jax.devices()[0]), "step": 0})
+    assert xj.load(path, {"step": 0}, allow_pickle=True) == {"step": 9}

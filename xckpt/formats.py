@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from xckpt.errors import CheckpointNotFoundError, XckptError
-from xckpt.source import Source, local_path
+from xckpt.source import Source, local_path, readable_objects
 
 __all__ = ["FORMATS", "open", "load", "detect"]
 
@@ -155,8 +155,18 @@ def load(
     per_rank: str = "error",
     show_progress: bool | None = None,
 ) -> dict[str, Any]:
-    """Every tensor (numpy) and object of a checkpoint of any format, by name, in one process."""
+    """Every tensor (numpy) and object of a checkpoint of any format, by name, in one process.
+
+    Pickled objects (DCP's non-tensor values) are left out, with a warning naming them,
+    unless ``allow_pickle=True``.
+    """
     with open(path, format=format, allow_pickle=allow_pickle, rules=rules) as src:
         out: dict[str, Any] = dict(src.read_all(show_progress=show_progress))
-        out.update(src.objects(world_size=1 if per_rank == "error" else None, per_rank=per_rank))
+        out.update(
+            src.objects(
+                readable_objects(src, allow_pickle),
+                world_size=1 if per_rank == "error" else None,
+                per_rank=per_rank,
+            )
+        )
     return out

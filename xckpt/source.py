@@ -41,6 +41,7 @@ mappings; sources are context managers.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -51,7 +52,7 @@ from xckpt.errors import CorruptChunkError, DtypeMismatchError, MissingEntryErro
 from xckpt.layout import Box, ReadRequest, box_from_index, plan_reads
 from xckpt.manifest import Chunk, TensorEntry, paused_gc
 
-__all__ = ["Source", "ChunkRead", "whole_request", "local_path"]
+__all__ = ["Source", "ChunkRead", "whole_request", "local_path", "readable_objects"]
 
 
 class ChunkRead(NamedTuple):
@@ -299,6 +300,24 @@ class Source:
             f"<xckpt source {self.path!r} ({self.format}): {len(self.names())} tensors, "
             f"{len(self.object_names())} objects, world_size {self.world_size}>"
         )
+
+
+def readable_objects(src: Source, allow_pickle: bool) -> list[str]:
+    """``src``'s object names, less its pickled ones (with a warning naming them) unless
+    ``allow_pickle``: what a load of "everything" reads without running a pickle."""
+    names = src.object_names()
+    if allow_pickle:
+        return names
+    pickled = src.pickled_objects()
+    skipped = [n for n in names if n in pickled]
+    if skipped:
+        warnings.warn(
+            f"checkpoint {src.path!r}: {len(skipped)} pickled objects not read ({skipped[:5]}"
+            f"{' ...' if len(skipped) > 5 else ''}); pickles can run code: open with "
+            "allow_pickle=True to read them from a trusted checkpoint",
+            stacklevel=3,
+        )
+    return [n for n in names if n not in pickled]
 
 
 def local_path(path: Any) -> str | None:

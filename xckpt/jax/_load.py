@@ -26,7 +26,7 @@ from xckpt.errors import DtypeMismatchError, MissingEntryError, ShapeMismatchErr
 from xckpt.formats import open as open_source
 from xckpt.layout import Box, box_from_index
 from xckpt.manifest import TensorEntry
-from xckpt.source import Source
+from xckpt.source import Source, readable_objects
 
 from ._tree import device_boxes, flatten
 from ._value_groups import load_group_arrays, row_members
@@ -185,7 +185,12 @@ def load(
     if target is None:
         result: dict[str, Any] = dict(ck.read_all(show_progress=show_progress))
         result.update(
-            ck.objects(rank=jax.process_index(), world_size=jax.process_count(), per_rank=per_rank)
+            ck.objects(
+                readable_objects(ck, allow_pickle),
+                rank=jax.process_index(),
+                world_size=jax.process_count(),
+                per_rank=per_rank,
+            )
         )
         return result
     named, treedef = flatten(target)
@@ -193,7 +198,7 @@ def load(
     jobs: list[_ArrayJob] = []
     members = row_members(ck) if any(ck.info(n).value_range for n in ck.names()) else {}
     group_jobs: list[tuple[int, str, Sharding]] = []
-    objects: dict[str, Any] | None = None
+    object_names: set[str] | None = None
     for i, (name, leaf) in enumerate(named):
         if isinstance(leaf, (Sharding, jax.ShapeDtypeStruct, jax.Array)):
             entry = ck.info(name)
@@ -210,25 +215,25 @@ def load(
         elif isinstance(leaf, np.ndarray) or name in ck:
             out[i] = _host_read(ck, name, leaf)
         else:
-            if objects is None:
-                objects = ck.objects(per_rank="list")
-            if name not in objects:
+            if object_names is None:
+                object_names = set(ck.object_names())
+            if name not in object_names:
                 raise MissingEntryError(
                     f"checkpoint {ck.path!r} has no tensor or object {name!r}; it holds "
                     f"{len(ck.names())} tensors (e.g. {ck.names()[:5]}) and objects "
                     f"{ck.object_names()[:5]}. Check the target's key paths"
                 )
-            out[i] = _object_for(ck, name, objects[name])
+            out[i] = _object_for(ck, name)
     _read_jobs(ck, jobs, out, host_budget, show_progress)
     if group_jobs:
         load_group_arrays(ck, group_jobs, members, out, strict_capacity=strict_capacity)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _object_for(ck: Source, name: str, value: Any) -> Any:
+def _object_for(ck: Source, name: str) -> Any:
     if name not in ck.per_rank_objects():
-        return value
-    return ck.objects(rank=jax.process_index(), world_size=jax.process_count())[name]
+        return ck.objects([name])[name]
+    return ck.objects([name], rank=jax.process_index(), world_size=jax.process_count())[name]
 
 
 def _read_jobs(
