@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.xckpt-installed
 
-.PHONY: venv demo test lint bench clean soak notebooks
+.PHONY: venv demo test lint bench bench-formats clean soak notebooks
 
 venv: $(STAMP)
 
@@ -42,6 +42,9 @@ notebooks: venv
 
 bench: venv
 	$(BIN)/python bench/io.py
+
+bench-formats: venv
+	$(BIN)/python bench/formats.py
 
 # Not in CI: the reliability, fuzz and object-storage tests with many more trials
 # (killed saves, byte flips, races, hypothesis examples); prints the figures.
