@@ -365,3 +365,16 @@ def test_hostile_objects_and_annotations(tmp_path):
         _edit(root, lambda d, pl=pl: d["tensors"]["b"].update(placement=pl))
         with pytest.raises(ManifestError, match=msg):
             xckpt.open(root)
+
+
+def test_odd_rank_manifest_keys_are_ignored(real):
+    """Keys under ranks/ that are not ranks/<ASCII digits>.json are not rank manifests."""
+    import uuid
+
+    st_ = Storage(f"memory://fuzz-{uuid.uuid4().hex}/")
+    doc = {**json.loads(real), "world_size": 1, "storage": {"0": "ocdbt"}, "objects": []}
+    doc["tensors"] = {}
+    st_.write_key("ranks/0.json", manifest_bytes(doc))
+    for key in ("ranks/\u00b2.json", "ranks/0000000000001.json", "ranks/-1.json", "ranks/1.json.tmp"):
+        st_.write_key(key, b"{")
+    assert read_rank_manifests(st_).world_size == 1

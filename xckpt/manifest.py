@@ -768,7 +768,7 @@ class Manifest:
             raise ManifestError(f"{where}: metadata must be an object")
         storage = {}
         for r, s in storage_raw.items():
-            if not (r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in ("ocdbt", "plain"):
+            if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in ("ocdbt", "plain"):
                 raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}"[:300])
             storage[int(r)] = s
         for n in tensors_raw:

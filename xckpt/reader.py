@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import zlib
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
@@ -50,6 +51,8 @@ from xckpt.storage import Location, Storage, corrupt, packed_grid
 
 __all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 
+#: A rank manifest's key (rank numbers below 10^7; ASCII digits only).
+_RANK_KEY = re.compile(r"^ranks/[0-9]{1,7}\.json$")
 #: Packed byte ranges closer than this are fetched in one read.
 _COALESCE_GAP = 1 << 20
 #: verify(): bytes read per request, and bytes in flight at once.
@@ -75,7 +78,7 @@ def read_rank_manifests(
     """
     where = storage.path
     keys = [k for k in storage.list_prefix("ranks/") if k.endswith(".json")]
-    ranks = sorted(int(k[6:-5]) for k in keys if k[6:-5].isdigit() and len(k) < 20)
+    ranks = sorted(int(k[6:-5]) for k in keys if _RANK_KEY.match(k))
     if not ranks:
         raise CheckpointNotFoundError(
             f"no xckpt checkpoint at {where!r}: neither xckpt.json nor ranks/<rank>.json exists"
@@ -145,7 +148,7 @@ def validate(m: Manifest, where: str) -> None:
     """Check every tensor's chunks tile its shape exactly (LayoutError otherwise)."""
     for name, t in m.tensors.items():
         if len(t.chunks) == 1 and t.chunks[0].offset == (0,) * len(t.shape):
-            if t.chunks[0].shape == t.shape:
+            if t.chunks[0].shape == t.shape and 0 not in t.shape:
                 continue
         check_coverage(t.shape, [c.box for c in t.chunks], name=name, where=where)
 

@@ -575,7 +575,7 @@ def finalize(path: Location, world_size: int, save_id: str, context: Any = None)
     merged = read_rank_manifests(storage, expect_world_size=world_size, expect_save_id=save_id)
     for key in storage.list_prefix("ranks/"):
         stem = key[len("ranks/") : -len(".json")] if key.endswith(".json") else ""
-        if stem.isdigit() and int(stem) >= world_size:
+        if stem.isascii() and stem.isdigit() and len(stem) < 8 and int(stem) >= world_size:
             storage.delete_key(key)
             storage.delete_range(f"data/{stem}.", f"data/{stem}0")  # data/<r>/ and data/<r>.<token>/
     storage.write_key("xckpt.json", merged.dumps())
