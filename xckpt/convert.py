@@ -37,6 +37,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -420,6 +421,35 @@ def _writer(fmt: str) -> Callable[[WriteJob], None]:
     return getattr(module, fn)
 
 
+_ALLOCATOR_SET = False
+
+
+def _release_large_frees() -> None:
+    """On glibc, fix malloc's mmap threshold at 1 MiB (once per process).
+
+    glibc raises the threshold after each large free (up to 32 MiB), after which
+    the chunk buffers tensorstore's threads allocate and free come from per-thread
+    arenas that fragment and stay resident: reading a converted 1 GiB xckpt
+    checkpoint back box by box kept ~0.5x of it. With a fixed threshold every
+    buffer of 1 MiB or more is its own mapping, returned to the OS when freed
+    (measured: 176 -> 84 MiB peak, 133 -> 0 MiB retained). Process-wide, like
+    ``MALLOC_MMAP_THRESHOLD_=1048576``; a no-op elsewhere.
+    """
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+    _ALLOCATOR_SET = True
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
 def _verify(job: WriteJob, out_format: str) -> None:
     import xckpt
 
@@ -508,6 +538,7 @@ def convert(
         _check_from_format(src, from_format)
     replace = _check_dst(out, src, overwrite)
     writer = _writer(fmt)
+    _release_large_frees()
     source = _open(src, from_format, rules, include, exclude, allow_pickle)
     try:
         names = tuple(source.names())
