@@ -49,7 +49,7 @@ bench-formats: venv
 # Not in CI: the reliability, fuzz and object-storage tests with many more trials
 # (killed saves, byte flips, races, hypothesis examples); prints the figures.
 soak: venv
-	XCKPT_SOAK=1 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_reliability.py tests/test_manifest_fuzz.py tests/test_s3.py
+	XCKPT_SOAK=1 $(BIN)/python -m pytest -q -s -p no:cacheprovider --timeout=3600 tests/test_reliability.py tests/test_manifest_fuzz.py tests/test_s3.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

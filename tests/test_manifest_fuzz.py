@@ -378,3 +378,17 @@ def test_odd_rank_manifest_keys_are_ignored(real):
     for key in ("ranks/\u00b2.json", "ranks/0000000000001.json", "ranks/-1.json", "ranks/1.json.tmp"):
         st_.write_key(key, b"{")
     assert read_rank_manifests(st_).world_size == 1
+
+
+def test_saving_a_too_deep_or_self_referencing_object_is_an_object_error(tmp_path):
+    from xckpt.errors import ObjectError
+
+    deep: Any = 1
+    for _ in range(300):
+        deep = [deep]
+    loop: list = []
+    loop.append(loop)
+    for value in (deep, loop):
+        with pytest.raises(ObjectError, match=r"object 'o' is nested more than 200 levels deep \(or contains itself\)"):
+            xckpt.save({"o": value}, str(tmp_path / "c"))
+        assert not (tmp_path / "c" / "ranks" / "0.json").exists()

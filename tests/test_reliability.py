@@ -32,7 +32,7 @@ from xckpt.errors import (
     XckptError,
 )
 
-TRIALS = {"numpy": 40, "overwrite": 40, "rank_local": 30, "torch": 12} if SOAK else {
+TRIALS = {"numpy": 40, "overwrite": 40, "rank_local": 30, "torch": 8} if SOAK else {
     "numpy": 6, "overwrite": 5, "rank_local": 4, "torch": 1}
 
 

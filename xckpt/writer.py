@@ -628,17 +628,25 @@ def save(
         save_id = "s-" + secrets.token_hex(8)
     w = Writer(path, save_id=save_id, overwrite=overwrite, progress=show_progress, **writer_options)
     arrays: list[tuple[str, np.ndarray]] = []
-    for name, value in mapping.items():
-        if isinstance(value, np.ndarray):
-            # An async save copies: the caller may change its arrays once we return.
-            arrays.append((name, value.copy() if async_save else value))
-        else:
-            w.write_object(name, value)
+    try:
+        for name, value in mapping.items():
+            if isinstance(value, np.ndarray):
+                # An async save copies: the caller may change its arrays once we return.
+                arrays.append((name, value.copy() if async_save else value))
+            else:
+                w.write_object(name, value)
+    except BaseException as e:
+        w._failed(e)  # a value that cannot be stored: give the location back
+        raise
 
     def write() -> Manifest:
         with paused_gc():
-            for name, arr in arrays:
-                w.write(name, arr)
-            return w.commit()
+            try:
+                for name, arr in arrays:
+                    w.write(name, arr)
+                return w.commit()
+            except BaseException as e:
+                w._failed(e)  # (a no-op once committed)
+                raise
 
     return submit(write) if async_save else write()
