@@ -264,8 +264,8 @@ sorted(os.listdir("hf"))
 safetensors headers. The tables read the same for both. For the DCP, each writer is a rank;
 for the Hugging Face directory, each shard file counts as a writer.
 
-The DCP's `step` is an *object*, stored by DCP as a pickle. xckpt lists it but never
-unpickles unless asked (`allow_pickle=True`), as `torch.load(weights_only=True)` would refuse it.
+The DCP's `step` is an *object*, which DCP stores as a pickle. xckpt lists it but does not
+unpickle it unless asked (`allow_pickle=True`): unpickling can run code stored in the file.
 """),
     code("""
 import xckpt
@@ -333,9 +333,9 @@ print("exit status", xckpt_cli(["diff", "--values", "--allow-pickle", "dcp", "dc
 print("exit status", xckpt_cli(["diff", "--values", "hf", "hf.xckpt"]))
 """),
     md("""
-`verify()` reads every stored chunk and checks it: against its crc32 for xckpt, and that
-every byte range is present and decodes for the foreign formats. An empty list means no
-problem found.
+`verify()` reads every stored chunk and object. xckpt checks each against its crc32; the
+foreign formats store no checksums, so for them every byte range must be present and
+readable. An empty list means no problem found.
 """),
     code("""
 for name in ("dcp", "dcp.xckpt", "hf", "hf.xckpt"):
