@@ -82,3 +82,20 @@ def test_forced_format_that_does_not_fit_exits_2(tmp_path, arrays, capsys):
     assert "error:" in capsys.readouterr().err
     assert main(["ls", a]) == 0
     assert "xckpt checkpoint: 2 tensors" in capsys.readouterr().out
+
+
+def test_no_progress_flag_and_env(tmp_path, arrays, monkeypatch, capsys):
+    import os
+
+    from xckpt._progress import _NoBar, progress
+
+    a = _write(tmp_path / "a", arrays)
+    monkeypatch.setenv("XCKPT_PROGRESS", "1")
+    assert not isinstance(progress(10, "x"), _NoBar)  # forced on, even off a terminal
+    assert main(["--no-progress", "diff", "--values", a, a]) == 0
+    assert os.environ["XCKPT_PROGRESS"] == "1"  # restored after the command
+    monkeypatch.setenv("XCKPT_PROGRESS", "0")
+    assert isinstance(progress(1 << 40, "x"), _NoBar)
+    assert not isinstance(progress(1, "x", enabled=True), _NoBar)  # an explicit argument wins
+    monkeypatch.delenv("XCKPT_PROGRESS")
+    assert isinstance(progress(1 << 40, "x"), _NoBar)  # pytest's stderr is not a terminal

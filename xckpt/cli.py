@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -159,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (default: bars on a terminal for work of 64 MiB or more)",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     where = (
         "checkpoint: a directory, a file (.safetensors, torch.save), a kvstore URL, or a kvstore "
@@ -235,7 +241,7 @@ examples:
   xckpt convert /ckpt/dcp/step-1000 hf-model --to safetensors \\
       --exclude 'optim.*' --max-shard-size 5GB                    # model only, HF directory
   xckpt convert model.safetensors model.pt                        # one torch.save file
-  xckpt convert hf-model flax-ckpt --to orbax --rules torch_to_flax.json
+  xckpt convert hf-model scanned --to orbax --rules hf_llama_to_scanned  # layers stacked
   xckpt convert old.pt new.safetensors --overwrite --no-verify
 
 exit codes: 0 converted, 1 the written output does not read back as the source
@@ -257,7 +263,12 @@ def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument("dst", help="local output path (must not exist unless --overwrite)")
     s.add_argument("--from", dest="from_format", choices=list(FORMATS), help="read SRC as this format")
     s.add_argument("--to", dest="to_format", choices=list(WRITERS), help="output format (default: from DST)")
-    s.add_argument("--rules", metavar="FILE", help="rename/transpose/stack rules: a .json or .toml file")
+    s.add_argument(
+        "--rules",
+        metavar="FILE",
+        help="rename/transpose/stack rules: a .json or .toml file, or a shipped set "
+        "(torch_to_flax, flax_to_torch, hf_llama_to_scanned, scanned_to_hf_llama)",
+    )
     s.add_argument(
         "--include",
         action="append",
@@ -340,6 +351,20 @@ def _location(arg: str) -> object:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    saved = os.environ.get("XCKPT_PROGRESS")
+    if args.no_progress:
+        os.environ["XCKPT_PROGRESS"] = "0"
+    try:
+        return _run(args)
+    finally:
+        if args.no_progress:
+            if saved is None:
+                os.environ.pop("XCKPT_PROGRESS", None)
+            else:
+                os.environ["XCKPT_PROGRESS"] = saved
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         for attr in ("path", "a", "b"):
             if hasattr(args, attr):
