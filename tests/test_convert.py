@@ -275,12 +275,6 @@ OUTPUTS = {  # kind -> (dst name, convert kwargs)
 SOURCES = ["xckpt2", "dcp", "st", "hf", "pt", "orbax"]
 
 
-def _dcp_ready() -> bool:
-    from xckpt.converters import torch_dcp
-
-    return getattr(torch_dcp, "open", None) is not None and "placeholder" not in (torch_dcp.__doc__ or "").lower()
-
-
 @pytest.mark.parametrize("out_kind", list(OUTPUTS))
 @pytest.mark.parametrize("src_kind", SOURCES)
 def test_every_source_to_every_output(sources, tmp_path, src_kind, out_kind):
@@ -608,8 +602,6 @@ def test_torch_output_holds_every_dtype_and_loads_with_mmap(tmp_path):
 
 
 def test_pickled_dcp_objects_travel_only_with_allow_pickle(sources, tmp_path):
-    if not _dcp_ready():
-        pytest.skip("the DCP reader (converters/torch_dcp.py) is not in yet")
     path = sources["dcp"][0]
     with pytest.warns(UserWarning, match=r"skipping pickled objects \['cfg', 'step'\]"):
         xckpt.convert(path, str(tmp_path / "a.pt"))

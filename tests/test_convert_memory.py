@@ -1,7 +1,7 @@
 """Streaming conversion keeps memory bounded: peak RSS growth well under the checkpoint's size.
 
-A ~512 MiB checkpoint is saved by 2 gloo ranks (torch DCP and xckpt.torch.save, rows
-of 8 tensors sharded over the ranks) and converted in a fresh subprocess, which
+A ~512 MiB torch DCP checkpoint is saved by 2 gloo ranks (8 tensors, rows sharded
+over the ranks) and converted in a fresh subprocess, which
 reports its peak resident set (mapped file pages included) beyond what it held
 after importing and opening the source. ``dcp_to_torch_save``, which loads
 everything first, is measured beside it for comparison.
@@ -30,8 +30,6 @@ def _save_rank(rank: int, world: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    import xckpt.torch as xt
-
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(rank)
     sd = {
@@ -42,7 +40,6 @@ def _save_rank(rank: int, world: int, root: str) -> None:
     }
     sd["step"] = 5
     dcp.save(sd, checkpoint_id=os.path.join(root, "dcp"))
-    xt.save(sd, os.path.join(root, "xckpt"))
 
 
 _CHILD = r"""
@@ -97,18 +94,13 @@ def saved(tmp_path_factory) -> str:
 
 
 def test_convert_memory_stays_bounded(saved, tmp_path):
-    from xckpt.converters import torch_dcp
-
-    # The DCP checkpoint, read by xckpt's own DCP reader; the xckpt copy only while that reader is missing.
-    source = "dcp" if torch_dcp.detect(os.path.join(saved, "dcp")) else "xckpt"
-    src = os.path.join(saved, source)
+    src = os.path.join(saved, "dcp")
     rows = []
     for how, dst in (("safetensors", "out.safetensors"), ("xckpt", "out_xckpt")):
         m = _measure(src, str(tmp_path / dst), how)
         rows.append((how, m))
         assert m["growth"] < LIMIT * SIZE, (how, m)
-    if source == "dcp":
-        rows.append(("dcp_to_torch_save", _measure(src, str(tmp_path / "ref.pt"), "dcp_to_torch_save")))
-    print(f"\n{source} checkpoint of {SIZE / 2**20:.0f} MiB (2 ranks), peak RSS growth:")
+    rows.append(("dcp_to_torch_save", _measure(src, str(tmp_path / "ref.pt"), "dcp_to_torch_save")))
+    print(f"\nDCP checkpoint of {SIZE / 2**20:.0f} MiB (2 ranks), peak RSS growth:")
     for how, m in rows:
         print(f"  -> {how:18s} {m['growth'] / 2**20:7.0f} MiB ({m['growth'] / SIZE:.2f}x)  {m['seconds']:.1f} s")

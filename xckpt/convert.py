@@ -31,6 +31,7 @@ Decisions where the design is silent (also in the report):
 from __future__ import annotations
 
 import fnmatch
+import functools
 import importlib
 import json
 import os
@@ -41,8 +42,10 @@ import sys
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,6 +56,8 @@ from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import Source, local_path
 
 __all__ = ["convert", "WriteJob", "VerifyMismatchError", "WRITERS", "guess_format", "parse_size", "CONVERT_INFLIGHT_BYTES"]
+
+T = TypeVar("T")
 
 #: Output format -> "module:function" of its writer (imported when used).
 WRITERS: dict[str, str] = {
@@ -171,14 +176,17 @@ class WriteJob:
         return out
 
     def chunks(self, name: str, *, rank: int | None = None) -> Iterator[tuple[Chunk, np.ndarray]]:
-        """Each stored chunk of ``name`` (of writer ``rank``, or all), one at a time.
+        """Each stored chunk of ``name`` (of writer ``rank``, or all), in order.
 
         ``chunk.box`` is where it lies in the tensor, ``chunk.rank`` its source
         writer. Each buffer is fresh: a writer may keep it until it is written.
+        The next chunk is read in the background meanwhile (two in memory).
         """
-        for c in self.src.info(name).chunks:
-            if rank is None or c.rank == rank:
-                yield c, self.read_chunk(name, c)
+        chunks = [c for c in self.src.info(name).chunks if rank is None or c.rank == rank]
+        yield from _ahead([functools.partial(self._chunk_pair, name, c) for c in chunks])
+
+    def _chunk_pair(self, name: str, chunk: Chunk) -> tuple[Chunk, np.ndarray]:
+        return chunk, self.read_chunk(name, chunk)
 
     def tensor(self, name: str) -> np.ndarray:
         """The whole tensor (for outputs that cannot hold chunks); crc32 per source box."""
@@ -195,7 +203,8 @@ class WriteJob:
 
         Pieces are bands of whole rows (dimension 0) that no source chunk
         crosses: a row-sharded tensor streams one chunk at a time, a
-        column-sharded one comes as one piece. Records a crc32 per source box.
+        column-sharded one comes as one piece. Records a crc32 per source box;
+        the next piece is read in the background while the caller writes one.
         """
         t = self.src.info(name)
         chunks = [c for c in t.chunks if c.box.volume]
@@ -212,16 +221,49 @@ class WriteJob:
                 bands[-1][2].append(c)
             else:
                 bands.append([lo, hi, [c]])
+        reads: list[Callable[[], np.ndarray]] = []
         for lo, hi, members in bands:
             if len(members) == 1 and members[0].shape[1:] == t.shape[1:]:
-                yield self.read_chunk(name, members[0])
-                continue
-            box = Box((lo,) + (0,) * (len(t.shape) - 1), (hi - lo,) + tuple(t.shape[1:]))
-            buf = np.empty(box.shape, dtype=t.np_dtype)
-            self.src.read_into([(name, box, buf)], show_progress=False)
-            for c in members:
-                self._record(name, c.box, buf[c.box.slices(box)])
-            yield buf
+                reads.append(functools.partial(self.read_chunk, name, members[0]))
+            else:
+                box = Box((lo,) + (0,) * (len(t.shape) - 1), (hi - lo,) + tuple(t.shape[1:]))
+                reads.append(functools.partial(self._read_band, name, box, members))
+        yield from _ahead(reads)
+
+    def _read_band(self, name: str, box: Box, members: list[Chunk]) -> np.ndarray:
+        buf = np.empty(box.shape, dtype=self.src.info(name).np_dtype)
+        self.src.read_into([(name, box, buf)], show_progress=False)
+        for c in members:
+            self._record(name, c.box, buf[c.box.slices(box)])
+        return buf
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _ahead(reads: Sequence[Callable[[], T]]) -> Iterator[T]:
+    """The results of ``reads`` in order, the next one read in the background while the
+    caller writes the current one: reading and writing overlap, one piece ahead."""
+    global _POOL
+    if not reads:
+        return
+    if len(reads) == 1:
+        yield reads[0]()
+        return
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="xckpt-convert-read")
+    fut = _POOL.submit(reads[0])
+    try:
+        for nxt in reads[1:]:
+            res = fut.result()
+            fut = _POOL.submit(nxt)
+            yield res
+            del res
+        yield fut.result()
+    finally:
+        if not fut.done():
+            fut.cancel()
+            futures_wait([fut])  # never leave a read running on a source being closed
 
 
 # -- the source side ---------------------------------------------------------------
