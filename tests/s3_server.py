@@ -68,6 +68,8 @@ def serve() -> Iterator[S3]:
     import boto3
     from moto.server import ThreadedMotoServer
 
+    saved_env = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                                                "AWS_DEFAULT_REGION", "AWS_REGION")}
     os.environ.update(
         AWS_ACCESS_KEY_ID="testing",
         AWS_SECRET_ACCESS_KEY="testing",
@@ -85,3 +87,8 @@ def serve() -> Iterator[S3]:
         yield S3(endpoint=endpoint, bucket=bucket, server=server)
     finally:
         server.stop()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -24,7 +24,9 @@ took over meanwhile (it raises, and deletes its data). Only after its manifest
 is in place does an overwriting save delete the data of the saves it replaced.
 A save that fails with an error withdraws its claim (:meth:`Writer.abort`); one
 that is killed leaves it, and the location is refused until a save with
-``overwrite=True`` replaces it.
+``overwrite=True`` replaces it. Claims are per rank: when two multi-rank saves race and
+different saves win different ranks, neither completes (the location is refused,
+never a mix); the coordinated adapters report it on every rank.
 
 Storage failures (disk full, file too large, permission, network) raise
 :class:`~xckpt.errors.StorageError` naming the checkpoint and what was being
