@@ -186,36 +186,44 @@ def save(
     w = Writer(path, rank=me, world_size=world, save_id=sid, overwrite=overwrite, storage=storage,
                metadata=metadata, progress=show_progress)
     _barrier(f"xckpt-open-{w.save_id}")
-    plans: list[tuple[str, tuple[int, ...], list[tuple[Box, Any]]]] = []
-    host: list[tuple[str, np.ndarray, tuple[int, ...] | None, tuple[int, ...] | None]] = []
-    for name, leaf in named:  # declared in tree order, so the manifest lists names that way
-        if isinstance(leaf, jax.Array):
-            plans.append((name, tuple(leaf.shape), _plan_jax_array(w, name, leaf, me)))
-        elif isinstance(leaf, (np.ndarray, np.generic)):
-            arr = np.asarray(leaf)
-            _check_dtype(name, arr.dtype)
-            w.declare(name, arr.dtype, arr.shape)
-            if choose_writer(name, 0, range(world)) == me:
-                host.append((name, arr.copy() if async_save else arr, None, None))
-        else:
-            w.write_object(name, leaf)
-    # Start every device-to-host copy before the first one is waited for.
-    for _, _, parts in plans:
-        for _, shard in parts:
-            shard.data.copy_to_host_async()
-    for name, shape, parts in plans:
-        for box, shard in parts:
-            # An async save owns its copy: np.asarray may alias a CPU device buffer
-            # that a later donation reuses.
-            data = np.array(shard.data, copy=True) if async_save else np.asarray(shard.data)
-            host.append((name, data, shape, box.offset))
+    try:
+        plans: list[tuple[str, tuple[int, ...], list[tuple[Box, Any]]]] = []
+        host: list[tuple[str, np.ndarray, tuple[int, ...] | None, tuple[int, ...] | None]] = []
+        for name, leaf in named:  # declared in tree order, so the manifest lists names that way
+            if isinstance(leaf, jax.Array):
+                plans.append((name, tuple(leaf.shape), _plan_jax_array(w, name, leaf, me)))
+            elif isinstance(leaf, (np.ndarray, np.generic)):
+                arr = np.asarray(leaf)
+                _check_dtype(name, arr.dtype)
+                w.declare(name, arr.dtype, arr.shape)
+                if choose_writer(name, 0, range(world)) == me:
+                    host.append((name, arr.copy() if async_save else arr, None, None))
+            else:
+                w.write_object(name, leaf)
+        # Start every device-to-host copy before the first one is waited for.
+        for _, _, parts in plans:
+            for _, shard in parts:
+                shard.data.copy_to_host_async()
+        for name, shape, parts in plans:
+            for box, shard in parts:
+                # An async save owns its copy: np.asarray may alias a CPU device buffer
+                # that a later donation reuses.
+                data = np.array(shard.data, copy=True) if async_save else np.asarray(shard.data)
+                host.append((name, data, shape, box.offset))
+    except BaseException as e:
+        w._failed(e)  # give this process's claim of the location back
+        raise
     path_s = path if isinstance(path, dict) else os.fspath(path)  # a kvstore spec dict stays one
     n = next(_seq)
 
     def write() -> Manifest:
-        for name, arr, shape, offset in host:
-            w.write(name, arr, global_shape=shape, offset=offset)
-        manifest = w.commit()
+        try:
+            for name, arr, shape, offset in host:
+                w.write(name, arr, global_shape=shape, offset=offset)
+            manifest = w.commit()
+        except BaseException as e:
+            w._failed(e)  # give this process's claim of the location back
+            raise
         if world > 1:
             barrier = _thread_barrier if async_save else _barrier
             barrier(f"xckpt-commit-{w.save_id}-{n}")

@@ -244,6 +244,8 @@ def save(
         vg_writer = _CopyingWriter(writer) if async_save else writer
         save_value_groups(vg_writer, flat, plans, rank, world)  # type: ignore[arg-type]
     except BaseException as e:
+        if writer is not None:
+            writer._failed(e)  # give this rank's claim of the location back
         # Peers learn of it through the same exchange they make after writing.
         fail_all(e)
         raise
@@ -261,6 +263,7 @@ def save(
             manifest = writer.commit()
         except Exception as e:  # exchanged with the other ranks, then re-raised
             err = e
+            writer._failed(e)  # give this rank's claim of the location back
         fail_all(err)
         finish()
         if manifest is None:  # fail_all raised for any failure; this guards the type only
