@@ -196,7 +196,7 @@ def _item(info: Any, md_rank: int | None, fqn: str, where: str) -> _Item:
     if type(rel) is not str or type(off) is not int or type(length) is not int or off < 0 or length < 0:
         raise XckptError(f"{where}: storage entry of {fqn!r} is {info!r}")
     parts = rel.replace("\\", "/").split("/")
-    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+    if not rel or "\0" in rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise XckptError(
             f"{where}: storage entry of {fqn!r} names the file {rel!r}, which is not inside the "
             "checkpoint; refusing it"

@@ -544,3 +544,18 @@ def test_real_model_and_adam_state(tmp_path: Any) -> None:
     with xckpt.open(path) as src:
         assert src.object_names() == ["optim.param_groups"]
         assert src.info("optim.state.0.step").shape == ()
+
+
+@pytest.mark.parametrize("rel", ["../outside.distcp", "/etc/passwd", "__0_0.distcp\0.x", "a/./b.distcp"])
+def test_storage_paths_outside_the_checkpoint_are_refused(seed_ckpt: str, tmp_path: Any, rel: str) -> None:
+    ck = str(tmp_path / "ck")
+    shutil.copytree(seed_ckpt, ck)
+    with open(os.path.join(ck, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # a test edits a checkpoint it wrote itself
+    key = next(iter(md.storage_data))
+    info = md.storage_data[key]
+    md.storage_data[key] = type(info)(rel, info.offset, info.length)
+    with open(os.path.join(ck, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(XckptError, match="which is not inside the checkpoint; refusing it"):
+        xckpt.open(ck)
