@@ -74,6 +74,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     current_rss_mib,
+    dd_ceiling,
     drop_caches,
     emit,
     load_average,
@@ -579,7 +580,7 @@ def run_loads(args: argparse.Namespace, root: Path, cases: list[str], temps: lis
 
 
 def render(results: dict[str, Any], info: dict[str, Any], cases: list[str], temps: list[str]) -> tuple[str, list[str]]:
-    headers = ["case", "loader", "cache", "time s (median)", "vs baseline", "peak RSS growth MiB",
+    headers = ["case", "loader", "cache", "time s (median)", "GB/s", "vs baseline", "peak RSS growth MiB",
                "RSS / GiB loaded", "bytes read GiB", "disk reads GiB"]
     rows, verdicts = [], []
     for case in cases:
@@ -597,6 +598,7 @@ def render(results: dict[str, Any], info: dict[str, Any], cases: list[str], temp
                     LABELS[(case, s)] + ("" if counter is None else " (counter)"),
                     temp,
                     med[s],
+                    loaded / med[s] / 1e9,
                     f"{med[base] / med[s]:.2f}x" if s == xs else "1x",
                     peak,
                     peak * (1 << 20) / loaded,
@@ -672,6 +674,9 @@ def main() -> None:
             print(res["report"])
             return
         info = setup(root, args.size, cases, reuse=args.reuse and bool(args.dir))
+        dd = dd_ceiling(root, max(64, int(min(args.size, 1.0) * 1024)))
+        print(f"dd ceiling of this disk (16 MiB blocks, direct I/O): read {dd['read_gbps']:.2f} GB/s, "
+              f"write {dd['write_gbps']:.2f} GB/s", flush=True)
         results = run_loads(args, root, cases, temps)
     finally:
         if not args.dir:
@@ -679,7 +684,8 @@ def main() -> None:
     table, verdicts = render(results, info, cases, temps)
     how = ", ".join(results["_cold_how"]) or "-"
     print(f"\n{args.size:g} GiB of W1 tensors (float32 + bfloat16); medians of {args.repeats} runs, each a fresh "
-          f"process; cold = page cache dropped ({how}); peak RSS growth = largest of the runs; "
+          f"process; cold = page cache dropped ({how}); peak RSS growth = largest of the runs; GB/s = tensor "
+          f"bytes / median time (disk's direct-I/O read ceiling {dd['read_gbps']:.2f} GB/s); "
           f"load avg at the end {load_average()} on {os.cpu_count()} cpus\n")
     print(table + "\n")
     for v in verdicts:
@@ -691,6 +697,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "args": {k: v for k, v in vars(args).items() if v is not None and k not in ("child",)},
         "checkpoints": info,
+        "dd": dd,
         "results": results,
         "table": table,
         "verdicts": verdicts,
