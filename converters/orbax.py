@@ -274,7 +274,7 @@ class OrbaxCheckpoint(Source):
     def __init__(self, path: str) -> None:
         self.path = path
         self._root = os.path.abspath(path)
-        self._tensors: dict[str, TensorEntry] = {}
+        self._entries: dict[str, TensorEntry] = {}
         self._arrays: dict[str, _Array] = {}
         self._objects: dict[str, tuple[str, Any]] = {}  # name -> ("value", v) | ("scalar", _Array)
         self._stores: dict[str, Any] = {}
@@ -561,7 +561,7 @@ class OrbaxCheckpoint(Source):
             self._meta.setdefault("shardings", {})[name] = other
         entry = TensorEntry(name=name, dtype=dtype, shape=shape, chunks=tuple(chunks), placement=placement)
         check_coverage(shape, entry.boxes, name, self.path)
-        self._tensors[name] = entry
+        self._entries[name] = entry
         self._arrays[name] = arr
 
     # -- the read protocol ------------------------------------------------------
@@ -573,18 +573,6 @@ class OrbaxCheckpoint(Source):
     @property
     def metadata(self) -> Mapping[str, Any]:
         return self._meta
-
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tensors
-
-    def info(self, name: str) -> TensorEntry:
-        t = self._tensors.get(name)
-        if t is None:
-            raise self._missing(name)
-        return t
 
     def _store(self, name: str, arr: _Array) -> Any:
         fut = self._stores.get(name)

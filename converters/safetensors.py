@@ -290,18 +290,6 @@ class SafetensorsSource(Source):
     def metadata(self) -> Mapping[str, str]:
         return self._meta
 
-    def names(self) -> list[str]:
-        return list(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def info(self, name: str) -> TensorEntry:
-        t = self._entries.get(name)
-        if t is None:
-            raise self._missing(name)
-        return t
-
     # -- reads ----------------------------------------------------------------
 
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:

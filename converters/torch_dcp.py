@@ -334,18 +334,6 @@ class DcpSource(Source):
         """Bytes read from ``.distcp`` files so far."""
         return sum(f.bytes_read for f in list(self._files.values()))
 
-    def names(self) -> list[str]:
-        return list(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def info(self, name: str) -> TensorEntry:
-        e = self._entries.get(name)
-        if e is None:
-            raise self._missing(name)
-        return e
-
     # -- reading ----------------------------------------------------------------
 
     def file(self, rel: str) -> FileBytes:

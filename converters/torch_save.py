@@ -199,18 +199,6 @@ class TorchSaveSource(Source):
         """Bytes read from the file so far (headers and ``data.pkl`` included)."""
         return self._file.bytes_read
 
-    def names(self) -> list[str]:
-        return list(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def info(self, name: str) -> TensorEntry:
-        e = self._entries.get(name)
-        if e is None:
-            raise self._missing(name)
-        return e
-
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
         groups: dict[str, list[ChunkRead]] = {}
         for job in jobs:

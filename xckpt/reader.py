@@ -41,7 +41,6 @@ from xckpt.manifest import (
     Claim,
     Manifest,
     ObjectEntry,
-    TensorEntry,
     decode_value,
     merge_manifests,
     parse_claim,
@@ -173,6 +172,7 @@ class Checkpoint(Source):
         else:
             m = read_rank_manifests(self.storage)
         self.manifest = m
+        self._entries = m.tensors  # names, info and `in` read it (Source)
         self._arrays: dict[str, Any] = {}
         self._packed_stores: dict[str, Any] = {}
         self._verified_arrays: dict[str, Any] = {}
@@ -192,20 +192,6 @@ class Checkpoint(Source):
     @property
     def metadata(self) -> Mapping[str, Any]:
         return self.manifest.metadata
-
-    def names(self) -> list[str]:
-        """Tensor names in save order."""
-        return list(self.manifest.tensors)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.manifest.tensors
-
-    def info(self, name: str) -> TensorEntry:
-        """dtype, shape, chunks, placement and value_range of a tensor."""
-        t = self.manifest.tensors.get(name)
-        if t is None:
-            raise self._missing(name)
-        return t
 
     # -- tensors ------------------------------------------------------------
 

@@ -76,9 +76,9 @@ def whole_request(chunk: Chunk) -> ReadRequest:
 class Source:
     """One opened checkpoint of any format; see the module docstring for the contract.
 
-    Subclasses set :attr:`format`, :attr:`path` and implement :meth:`names`,
-    :meth:`info` and :meth:`_read_chunks`; objects, metadata and ``verify``
-    have defaults that fit formats without objects.
+    Subclasses set :attr:`format`, :attr:`path` and ``_entries`` (or override
+    :meth:`names`, :meth:`info` and ``in``) and implement :meth:`_read_chunks`;
+    objects, metadata and ``verify`` have defaults that fit formats without objects.
     """
 
     #: The format's name: ``xckpt``, ``torch-dcp``, ``orbax``, ``safetensors``, ``torch``.
@@ -103,16 +103,24 @@ class Source:
         """Free-form metadata the format records (safetensors' ``__metadata__``, ...)."""
         return {}
 
+    #: Every tensor's entry by name, for formats that build them all at open (most
+    #: do); the default :meth:`names`, :meth:`info` and ``in`` read it. A source
+    #: that computes entries otherwise overrides those three instead.
+    _entries: Mapping[str, TensorEntry] = {}
+
     def names(self) -> list[str]:
         """Tensor names, in the format's order."""
-        raise NotImplementedError
+        return list(self._entries)
 
     def info(self, name: str) -> TensorEntry:
         """dtype, global shape and chunk boxes of tensor ``name`` (MissingEntryError if absent)."""
-        raise NotImplementedError
+        e = self._entries.get(name)
+        if e is None:
+            raise self._missing(name)
+        return e
 
     def __contains__(self, name: object) -> bool:
-        return name in set(self.names())
+        return name in self._entries
 
     def _missing(self, name: str) -> MissingEntryError:
         names = self.names()
