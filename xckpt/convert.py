@@ -492,22 +492,44 @@ def _release_large_frees() -> None:
     mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
 
 
+#: Bytes of boxes verify reads back in one ``read_into`` (the reader runs them concurrently).
+_VERIFY_BATCH = 64 << 20
+
+
 def _verify(job: WriteJob, out_format: str) -> None:
+    """Re-read every recorded box from the output and compare crc32s, in batches of about
+    ``_VERIFY_BATCH`` bytes: each batch is one concurrent read, its crc32s computed on two
+    threads (zlib releases the GIL), so memory stays near one batch or the largest box."""
     import xckpt
 
-    with xckpt.open(job.dst, format=out_format) as out:
-        for (name, offset, shape), crc in job._crcs.items():
-            t = out.info(name)
-            buf = np.empty(shape, dtype=t.np_dtype)
-            if buf.size:
-                out.read_into([(name, Box(offset, shape), buf)], show_progress=False)
-            got = _crc(buf)
-            if got != crc:
+    def check(items: list[tuple[tuple[str, tuple[int, ...], tuple[int, ...]], np.ndarray]]) -> None:
+        reads = [(key[0], Box(key[1], key[2]), buf) for key, buf in items if buf.size]
+        if reads:
+            out.read_into(reads, show_progress=False)
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(_crc, [buf for _, buf in items]))
+        for (key, _), crc in zip(items, got):
+            name, offset, shape = key
+            if crc != job._crcs[key]:
                 raise VerifyMismatchError(
                     f"conversion of {job.src.path!r} to {out_format}: tensor {name!r}, box "
-                    f"{Box(offset, shape)} reads back with crc32 {got:08x}, the source's is {crc:08x}; "
-                    "nothing was written to the destination. Check the disk and convert again"
+                    f"{Box(offset, shape)} reads back with crc32 {crc:08x}, the source's is "
+                    f"{job._crcs[key]:08x}; nothing was written to the destination. Check the disk "
+                    "and convert again"
                 )
+
+    with xckpt.open(job.dst, format=out_format) as out:
+        batch: list[tuple[tuple[str, tuple[int, ...], tuple[int, ...]], np.ndarray]] = []
+        size = 0
+        for key in job._crcs:
+            buf = np.empty(key[2], dtype=out.info(key[0]).np_dtype)
+            if batch and size + buf.nbytes > _VERIFY_BATCH:
+                check(batch)
+                batch, size = [], 0
+            batch.append((key, buf))
+            size += buf.nbytes
+        if batch:
+            check(batch)
 
 
 def convert(
