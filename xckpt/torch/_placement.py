@@ -15,6 +15,7 @@ Nothing here talks to other ranks.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,15 +46,15 @@ __all__ = [
 
 
 def is_dtensor(v: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(v, DTensor)
+    # No DTensor can exist before its module is imported; importing it here (sympy and
+    # all) cost about 7 s on the first load of plain tensors (bench/formats.py profile).
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(v, mod.DTensor)
 
 
 def is_sharded_tensor(v: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(v, ShardedTensor)
+    mod = sys.modules.get("torch.distributed._shard.sharded_tensor")
+    return mod is not None and isinstance(v, mod.ShardedTensor)
 
 
 def torch_to_layout(placements: Sequence[Any], name: str) -> list[L.Placement]:
