@@ -1,7 +1,7 @@
 """torch.save output of ``xckpt.convert``: the zip layout written directly, no torch needed.
 
-The file is what ``torch.save(flat_dict, f)`` writes and
-``torch.load(f, weights_only=True)`` reads (and ``mmap=True``): a stored (not
+The file is what ``torch.save(flat_dict, f)`` writes and torch's
+``weights_only=True`` loader reads (``mmap=True`` too): a stored (not
 compressed) zip whose records live under ``archive/``: ``data.pkl`` (pickle
 protocol 2), ``.format_version``, ``.storage_alignment``, ``byteorder``, one
 ``data/<k>`` record per tensor, each 64-byte aligned as torch aligns them, and
@@ -114,7 +114,7 @@ def _value(v: Any, name: str) -> bytes:
         return b"}" + (b"(" + body + b"u" if v else b"")
     raise ObjectError(
         f"object {name!r} of type {type(v).__name__} cannot go into a torch.save file that "
-        "torch.load(weights_only=True) reads (None, bool, int, float, str, bytes, list, tuple, dict "
+        "torch's weights_only loader reads (None, bool, int, float, str, bytes, list, tuple, dict "
         "can); exclude it, or convert to xckpt"
     )
 
