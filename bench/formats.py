@@ -116,24 +116,7 @@ def workload(bio: Any, size: float) -> list[tuple[str, tuple[int, ...], str]]:
     512 (vocab 8000), so ``--quick`` stays small. Dim 0 of every tensor splits 16 ways."""
     if size >= 0.5:
         return bio.workload_spec("W1", size)
-    h, ffn, vocab = 512, 1408, 8000
-    layer = [
-        ("self_attn.q_proj.weight", (h, h), "bfloat16"),
-        ("self_attn.k_proj.weight", (h, h), "bfloat16"),
-        ("self_attn.v_proj.weight", (h, h), "bfloat16"),
-        ("self_attn.o_proj.weight", (h, h), "bfloat16"),
-        ("mlp.gate_proj.weight", (ffn, h), "float32"),
-        ("mlp.up_proj.weight", (ffn, h), "float32"),
-        ("mlp.down_proj.weight", (h, ffn), "float32"),
-        ("input_layernorm.weight", (h,), "float32"),
-        ("post_attention_layernorm.weight", (h,), "float32"),
-    ]
-    layer_bytes = 4 * h * h * 2 + 3 * ffn * h * 4 + 2 * h * 4
-    layers = max(1, round((size * GIB - vocab * h * 6 - h * 4) / layer_bytes))
-    spec = [("model.embed_tokens.weight", (vocab, h), "float32")]
-    for i in range(layers):
-        spec += [(f"model.layers.{i}.{n}", s, d) for n, s, d in layer]
-    return spec + [("model.norm.weight", (h,), "float32"), ("lm_head.weight", (vocab, h), "bfloat16")]
+    return bio.workload_spec("W1", size, dims=(512, 1408, 8000))
 
 
 def crc(a: np.ndarray) -> int:

@@ -82,13 +82,19 @@ SWEEP_INNER = ("4M", "16M", "64M")
 # Workloads
 
 
-def workload_spec(name: str, size_gib: float) -> list[tuple[str, tuple[int, ...], str]]:
-    """``(name, shape, dtype)`` of every tensor of a workload, in save order."""
+def workload_spec(
+    name: str, size_gib: float, dims: tuple[int, int, int] = (1024, 2816, 32000)
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, dtype)`` of every tensor of a workload, in save order.
+
+    W1's layers have hidden size, MLP width and vocabulary ``dims``; as many layers
+    as make ``size_gib``.
+    """
     if name == "W2":
         return [(f"blocks.{i // 10}.p{i % 10}", (256,), "float32") for i in range(20_000)]
     if name != "W1":
         raise SystemExit(f"unknown workload {name!r}; use W1 or W2")
-    h, ffn, vocab = 1024, 2816, 32000
+    h, ffn, vocab = dims
     layer = [
         ("self_attn.q_proj.weight", (h, h), "bfloat16"),
         ("self_attn.k_proj.weight", (h, h), "bfloat16"),
