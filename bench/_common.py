@@ -9,7 +9,13 @@ root as ``python bench/<name>.py``, which puts ``bench/`` on ``sys.path``):
 - :func:`run_child` -- run ``python script args...`` in a fresh process, return the
   JSON object it printed last on stdout (a child prints one with :func:`emit`).
 - :func:`peak_rss_mib` / :func:`current_rss_mib` -- this process's peak and current RSS;
+  :func:`reset_peak_rss` -- restart the peak at the current RSS (Linux ``clear_refs``), so
+  one long-lived process can measure the peak of each step;
   :func:`cpu_seconds` -- its user + system CPU time (steadier than wall time on a busy machine).
+- The workloads every benchmark shares: :func:`workload_spec` (W1: an LLM's matrices,
+  mixed float32 / bfloat16; W2: 20,000 small tensors), :func:`make_array` (seeded data),
+  :func:`spec_bytes`, :func:`np_dtype`, :func:`bits` (bit-exact comparison),
+  :func:`to_torch` / :func:`from_torch` (zero-copy, bfloat16 included).
 - :func:`fsync_tree` -- fsync every file and directory under a path.
 - :func:`median`, :func:`markdown_table`, :func:`load_average`, :func:`remove`.
 """
@@ -17,6 +23,7 @@ root as ``python bench/<name>.py``, which puts ``bench/`` on ``sys.path``):
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -28,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "BENCH_DIR",
     "out_dir",
@@ -36,6 +45,7 @@ __all__ = [
     "run_child",
     "emit",
     "peak_rss_mib",
+    "reset_peak_rss",
     "cpu_seconds",
     "current_rss_mib",
     "fsync_tree",
@@ -43,6 +53,15 @@ __all__ = [
     "markdown_table",
     "load_average",
     "remove",
+    "SEED",
+    "Spec",
+    "workload_spec",
+    "np_dtype",
+    "make_array",
+    "spec_bytes",
+    "bits",
+    "to_torch",
+    "from_torch",
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -140,6 +159,20 @@ def peak_rss_mib() -> float:
     return kib / 1024 if sys.platform != "darwin" else kib / (1 << 20)
 
 
+def reset_peak_rss() -> bool:
+    """Make the peak RSS (``VmHWM``, ``ru_maxrss``) restart from the current RSS.
+
+    Writes 5 to ``/proc/self/clear_refs`` (Linux 4.0+). Returns False where that is
+    not possible; the peak then stays the process's lifetime peak.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+    except OSError:
+        return False
+    return True
+
+
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process so far, all threads."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -215,3 +248,88 @@ def remove(path: str | os.PathLike[str]) -> None:
         shutil.rmtree(p)
     elif p.exists():
         p.unlink()
+
+
+# ---------------------------------------------------------------------------
+# Workloads (data seeded, identical for every system and every benchmark)
+
+SEED = 20261123
+Spec = list[tuple[str, tuple[int, ...], str]]
+
+
+def workload_spec(name: str, size_gib: float, dims: tuple[int, int, int] = (1024, 2816, 32000)) -> Spec:
+    """``(name, shape, dtype)`` of every tensor of a workload, in save order.
+
+    W1: a small LLM's matrices (embedding and MLP float32; attention and lm_head
+    bfloat16; norms small float32 vectors), hidden size, MLP width and vocabulary
+    ``dims``, as many layers as make ``size_gib``. W2: 20,000 tensors of 256 float32.
+    """
+    if name == "W2":
+        return [(f"blocks.{i // 10}.p{i % 10}", (256,), "float32") for i in range(20_000)]
+    if name != "W1":
+        raise SystemExit(f"unknown workload {name!r}; use W1 or W2")
+    h, ffn, vocab = dims
+    layer = [
+        ("self_attn.q_proj.weight", (h, h), "bfloat16"),
+        ("self_attn.k_proj.weight", (h, h), "bfloat16"),
+        ("self_attn.v_proj.weight", (h, h), "bfloat16"),
+        ("self_attn.o_proj.weight", (h, h), "bfloat16"),
+        ("mlp.gate_proj.weight", (ffn, h), "float32"),
+        ("mlp.up_proj.weight", (ffn, h), "float32"),
+        ("mlp.down_proj.weight", (h, ffn), "float32"),
+        ("input_layernorm.weight", (h,), "float32"),
+        ("post_attention_layernorm.weight", (h,), "float32"),
+    ]
+    fixed_bytes = vocab * h * 4 + h * 4 + vocab * h * 2
+    layer_bytes = sum(math.prod(s) * (2 if d == "bfloat16" else 4) for _, s, d in layer)
+    layers = max(1, round((size_gib * (1 << 30) - fixed_bytes) / layer_bytes))
+    spec = [("model.embed_tokens.weight", (vocab, h), "float32")]
+    for i in range(layers):
+        spec += [(f"model.layers.{i}.{n}", s, d) for n, s, d in layer]
+    spec += [("model.norm.weight", (h,), "float32"), ("lm_head.weight", (vocab, h), "bfloat16")]
+    return spec
+
+
+def np_dtype(name: str) -> Any:
+    """numpy dtype of a dtype name (``bfloat16`` from ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def make_array(index: int, shape: tuple[int, ...], dtype: str) -> Any:
+    """Tensor ``index`` of a workload: seeded normals, cast to ``dtype``."""
+    rng = np.random.default_rng((SEED, index))
+    x = rng.standard_normal(math.prod(shape), dtype=np.float32)
+    if dtype != "float32":
+        x = x.astype(np_dtype(dtype))
+    return x.reshape(shape)
+
+
+def spec_bytes(spec: Spec) -> int:
+    return sum(math.prod(s) * np_dtype(d).itemsize for _, s, d in spec)
+
+
+def bits(a: Any) -> Any:
+    """``a`` viewed as unsigned integers of its item size (bit-exact comparison)."""
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def to_torch(a: Any) -> Any:
+    """A numpy array as a torch tensor sharing its memory (bfloat16 included)."""
+    import torch
+
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def from_torch(t: Any) -> Any:
+    """A CPU torch tensor as a numpy array sharing its memory (bfloat16 via ml_dtypes)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np_dtype("bfloat16"))
+    return t.numpy()

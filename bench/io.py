@@ -1,27 +1,58 @@
-"""Save/load benchmark: xckpt against torch DCP, orbax, safetensors and torch.save.
+"""Save/load benchmark: xckpt against torch DCP, orbax, safetensors, torch.save and ``dd``.
 
-Workloads (data seeded, identical for every system):
+Workloads (data seeded, identical for every system; built in ``bench/_common.py``):
 
 - **W1**: about ``--size-gib`` GiB of a small LLM's matrices, mixed float32 and
   bfloat16 (embedding and MLP in float32; attention and lm_head in bfloat16;
   norms are small float32 vectors).
 - **W2**: 20,000 tensors of 256 float32 each.
 
-Every save and every load runs in a fresh subprocess (``--child``), so peak RSS
-(``ru_maxrss`` of that child) and the page cache are per system. Before each
-load the page cache is dropped when this process may (root): loads are cold.
+Systems: ``xckpt`` (``xckpt.save`` / ``xckpt.load``, numpy), ``xckpt-torch``
+(``xckpt.torch.save`` / ``xckpt.torch.load`` into preallocated torch tensors),
+``dcp`` (``sync_files=True``; loads into preallocated tensors), ``orbax``
+(StandardCheckpointer), ``safetensors`` and ``torch.save`` (each also ``+fsync``:
+every file and directory fsync'd after the save, inside the timed region).
+
+One run measures, for every system and every repeat, in this order:
+
+1. **save** in a fresh process (``--child save``);
+2. **warm load** in a fresh process right after the save (page cache kept: the
+   checkpoint's pages are resident, as for an evaluation job reading what training
+   just wrote, or a checkpoint on tmpfs);
+3. **cold load** in a fresh process after ``sync`` and dropping the page cache
+   (``/proc/sys/vm/drop_caches``; needs root, otherwise the table says the cold
+   column is not cold).
+
 Each load is checked element by element (bit-exact) against regenerated source
-data, outside the timed region. Loads that only map the file (safetensors,
+data, outside the timed region. Every system's modules are imported before its
+timed region (``import torch.distributed.checkpoint`` alone takes about a
+second). Loads that only map the file (safetensors,
 ``torch.load(mmap=True)``) have every page touched inside the timed region, so
-all systems are timed to "data resident in memory".
+all systems are timed to "data resident in memory". The peak-RSS mark is reset
+just before each timed region (``/proc/self/clear_refs``), so **peak RSS
+growth** = peak during the step minus the RSS at its start, shown as a multiple
+of the bytes loaded; **resident after** is the RSS left after the load (the
+returned data included) as the same multiple.
+
+Besides, the xckpt baseline's save process loads the checkpoint once more right
+after saving (``--same-process``, on by default): the "load in the process that
+just saved" line beside the fresh-process warm load.
+
+Tables: medians of ``--repeats`` runs; ratios are system time / xckpt time (above
+1: xckpt is faster). Verdict lines check issue 16's targets (W1 warm load within
+1.1x of safetensors, cold at least as fast; W1 durable save >= 0.8x the ``dd``
+write ceiling, >= safetensors+fsync and >= 2x DCP; W2 save + load within 1.5x of
+safetensors+fsync; peak load RSS growth <= 1.15x the bytes loaded for numpy and
+torch targets).
 
 Usage, from the repository root::
 
     .venv/bin/python bench/io.py                          # W1 + W2, all systems, 3 repeats
-    .venv/bin/python bench/io.py --workload W2 --only xckpt,dcp --repeats 1
+    .venv/bin/python bench/io.py --size-gib 0.1 --repeats 1          # a quick check
+    .venv/bin/python bench/io.py --workload W2 --only xckpt,dcp --temps warm
     .venv/bin/python bench/io.py --only 'xckpt,xckpt[storage=plain,pack=1M]'
     .venv/bin/python bench/io.py --sweep                  # xckpt storage / packing / inner chunks
-    .venv/bin/python bench/io.py --profile [--strace]     # where xckpt's time goes
+    .venv/bin/python bench/io.py --profile [--strace]     # where xckpt's time goes (save, warm, cold)
 
 An xckpt variant is written ``xckpt[storage=ocdbt|plain,pack=BYTES,inner=BYTES]``
 (sizes accept K/M suffixes); ``inner`` overrides ``xckpt.storage.INNER_CHUNK_BYTES``.
@@ -33,9 +64,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import gc
 import io
 import json
-import math
 import os
 import pstats
 import re
@@ -48,26 +79,37 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
+from _common import (  # noqa: E402,F401  (workload helpers re-exported: formats.py and jax_load.py use them)
+    SEED,
+    Spec,
+    bits,
     cpu_seconds,
     current_rss_mib,
     dd_ceiling,
     drop_caches,
     emit,
+    from_torch,
     fsync_tree,
     load_average,
+    make_array,
     markdown_table,
     median,
+    np_dtype,
     out_dir,
     peak_rss_mib,
     remove,
+    reset_peak_rss,
     run_child,
+    spec_bytes,
+    to_torch,
+    workload_spec,
 )
 
-SEED = 20261123
-SYSTEMS = ("xckpt", "dcp", "orbax", "safetensors", "safetensors+fsync", "torch.save", "torch.save+fsync")
+SYSTEMS = ("xckpt", "xckpt-torch", "dcp", "orbax", "safetensors", "safetensors+fsync", "torch.save",
+           "torch.save+fsync")
 DURABLE = {
     "xckpt": "yes (tensorstore file_io_sync)",
+    "xckpt-torch": "yes (tensorstore file_io_sync)",
     "dcp": "yes (sync_files=True)",
     "orbax": "yes (tensorstore)",
     "safetensors": "no",
@@ -75,72 +117,9 @@ DURABLE = {
     "torch.save": "no",
     "torch.save+fsync": "yes (fsync after save)",
 }
+TEMPS = ("cold", "warm")
 SWEEP_PACKS = ("64K", "256K", "1M", "4M")
 SWEEP_INNER = ("4M", "16M", "64M")
-
-# ---------------------------------------------------------------------------
-# Workloads
-
-
-def workload_spec(
-    name: str, size_gib: float, dims: tuple[int, int, int] = (1024, 2816, 32000)
-) -> list[tuple[str, tuple[int, ...], str]]:
-    """``(name, shape, dtype)`` of every tensor of a workload, in save order.
-
-    W1's layers have hidden size, MLP width and vocabulary ``dims``; as many layers
-    as make ``size_gib``.
-    """
-    if name == "W2":
-        return [(f"blocks.{i // 10}.p{i % 10}", (256,), "float32") for i in range(20_000)]
-    if name != "W1":
-        raise SystemExit(f"unknown workload {name!r}; use W1 or W2")
-    h, ffn, vocab = dims
-    layer = [
-        ("self_attn.q_proj.weight", (h, h), "bfloat16"),
-        ("self_attn.k_proj.weight", (h, h), "bfloat16"),
-        ("self_attn.v_proj.weight", (h, h), "bfloat16"),
-        ("self_attn.o_proj.weight", (h, h), "bfloat16"),
-        ("mlp.gate_proj.weight", (ffn, h), "float32"),
-        ("mlp.up_proj.weight", (ffn, h), "float32"),
-        ("mlp.down_proj.weight", (h, ffn), "float32"),
-        ("input_layernorm.weight", (h,), "float32"),
-        ("post_attention_layernorm.weight", (h,), "float32"),
-    ]
-    fixed_bytes = vocab * h * 4 + h * 4 + vocab * h * 2
-    layer_bytes = sum(math.prod(s) * (2 if d == "bfloat16" else 4) for _, s, d in layer)
-    layers = max(1, round((size_gib * (1 << 30) - fixed_bytes) / layer_bytes))
-    spec = [("model.embed_tokens.weight", (vocab, h), "float32")]
-    for i in range(layers):
-        spec += [(f"model.layers.{i}.{n}", s, d) for n, s, d in layer]
-    spec += [("model.norm.weight", (h,), "float32"), ("lm_head.weight", (vocab, h), "bfloat16")]
-    return spec
-
-
-def np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def make_array(index: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """Tensor ``index`` of a workload: seeded normals, cast to ``dtype``."""
-    rng = np.random.default_rng((SEED, index))
-    x = rng.standard_normal(math.prod(shape), dtype=np.float32)
-    if dtype != "float32":
-        x = x.astype(np_dtype(dtype))
-    return x.reshape(shape)
-
-
-def spec_bytes(spec: list[tuple[str, tuple[int, ...], str]]) -> int:
-    return sum(math.prod(s) * np_dtype(d).itemsize for _, s, d in spec)
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """``a`` viewed as unsigned integers of its item size (bit-exact comparison)."""
-    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
-
 
 # ---------------------------------------------------------------------------
 # Systems (used in the child processes; each imports its framework lazily)
@@ -157,7 +136,7 @@ def parse_size(s: str | int) -> int:
 
 def parse_system(label: str) -> tuple[str, dict[str, str]]:
     """``"xckpt[storage=plain,pack=1M]"`` -> ``("xckpt", {"storage": "plain", "pack": "1M"})``."""
-    m = re.fullmatch(r"([\w.+]+)(?:\[(.*)\])?", label.strip())
+    m = re.fullmatch(r"([\w.+-]+)(?:\[(.*)\])?", label.strip())
     if not m or m.group(1) not in SYSTEMS:
         raise SystemExit(f"unknown system {label!r}; known: {', '.join(SYSTEMS)}")
     opts = {}
@@ -174,22 +153,6 @@ def split_systems(s: str) -> list[str]:
     return [x for x in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", s) if x.strip()]
 
 
-def to_torch(a: np.ndarray) -> Any:
-    import torch
-
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
-def from_torch(t: Any) -> np.ndarray:
-    import torch
-
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np_dtype("bfloat16"))
-    return t.numpy()
-
-
 class System:
     """One system's save and load; ``prepare``/``target``/``to_numpy`` are untimed."""
 
@@ -201,7 +164,7 @@ class System:
     def save(self, path: Path, tree: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def target(self, spec: list[tuple[str, tuple[int, ...], str]]) -> Any:
+    def target(self, spec: Spec) -> Any:
         return None
 
     def load(self, path: Path, target: Any) -> dict[str, Any]:
@@ -243,19 +206,47 @@ class Xckpt(System):
         return xckpt.load(path)
 
 
-class Dcp(System):
+class TorchTarget(System):
+    """Torch tensors: saved from, and loaded into preallocated ``torch.empty`` tensors."""
+
     def prepare(self, a: np.ndarray) -> Any:
         return to_torch(a)
+
+    def target(self, spec: Spec) -> Any:
+        import torch
+
+        return {n: torch.empty(s, dtype=getattr(torch, d)) for n, s, d in spec}
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return from_torch(x)
+
+
+class XckptTorch(TorchTarget):
+    def __init__(self) -> None:
+        import tensorstore  # noqa: F401
+
+        import xckpt.torch  # noqa: F401
+
+    def save(self, path: Path, tree: dict[str, Any]) -> None:
+        import xckpt.torch
+
+        xckpt.torch.save(tree, path)
+
+    def load(self, path: Path, target: Any) -> dict[str, Any]:
+        import xckpt.torch
+
+        xckpt.torch.load(path, target)
+        return target
+
+
+class Dcp(TorchTarget):
+    def __init__(self) -> None:
+        import torch.distributed.checkpoint  # noqa: F401  (about 1 s: imported untimed, as for every system)
 
     def save(self, path: Path, tree: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(tree, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
-
-    def target(self, spec: list[tuple[str, tuple[int, ...], str]]) -> Any:
-        import torch
-
-        return {n: torch.empty(s, dtype=getattr(torch, d)) for n, s, d in spec}
 
     def load(self, path: Path, target: Any) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
@@ -263,13 +254,11 @@ class Dcp(System):
         dcp.load(target, storage_reader=dcp.FileSystemReader(path))
         return target
 
-    def to_numpy(self, x: Any) -> np.ndarray:
-        return from_torch(x)
-
 
 class Orbax(System):
     def __init__(self) -> None:
         import jax
+        import orbax.checkpoint  # noqa: F401
 
         self.jax = jax
         self.device = jax.devices("cpu")[0]
@@ -285,7 +274,7 @@ class Orbax(System):
         ck.wait_until_finished()
         ck.close()
 
-    def target(self, spec: list[tuple[str, tuple[int, ...], str]]) -> Any:
+    def target(self, spec: Spec) -> Any:
         sharding = self.jax.sharding.SingleDeviceSharding(self.device)
         return {n: self.jax.ShapeDtypeStruct(s, np_dtype(d), sharding=sharding) for n, s, d in spec}
 
@@ -307,6 +296,7 @@ class Safetensors(System):
 
     def __init__(self, fsync: bool) -> None:
         import ml_dtypes  # noqa: F401  (registers bfloat16 for safetensors.numpy)
+        import safetensors.numpy  # noqa: F401
 
         self.fsync = fsync
 
@@ -324,13 +314,15 @@ class Safetensors(System):
         return safetensors.numpy.load_file(path / "model.safetensors")
 
 
-class TorchSave(System):
+class TorchSave(TorchTarget):
     def __init__(self, fsync: bool, mmap: bool) -> None:
+        import torch  # noqa: F401
+
         self.fsync = fsync
         self.mmap = self.lazy = mmap
 
-    def prepare(self, a: np.ndarray) -> Any:
-        return to_torch(a)
+    def target(self, spec: Spec) -> Any:
+        return None
 
     def save(self, path: Path, tree: dict[str, Any]) -> None:
         import torch
@@ -345,14 +337,13 @@ class TorchSave(System):
 
         return torch.load(path / "model.pt", mmap=self.mmap, weights_only=True)
 
-    def to_numpy(self, x: Any) -> np.ndarray:
-        return from_torch(x)
-
 
 def make_system(label: str, torch_mmap: bool) -> System:
     name, opts = parse_system(label)
     if name == "xckpt":
         return Xckpt(opts)
+    if name == "xckpt-torch":
+        return XckptTorch()
     if name == "dcp":
         return Dcp()
     if name == "orbax":
@@ -371,7 +362,7 @@ def touch(system: System, out: dict[str, Any]) -> None:
             int(a.reshape(-1).view(np.uint8)[::page].sum())
 
 
-def verify(system: System, spec: list[tuple[str, tuple[int, ...], str]], out: dict[str, Any]) -> None:
+def verify(system: System, spec: Spec, out: dict[str, Any]) -> None:
     """Every tensor, bit-exact against the regenerated source (raises on a mismatch)."""
     if len(out) != len(spec):
         raise SystemExit(f"loaded {len(out)} tensors, saved {len(spec)}")
@@ -382,38 +373,56 @@ def verify(system: System, spec: list[tuple[str, tuple[int, ...], str]], out: di
             raise SystemExit(f"tensor {n!r} differs from the source ({got.dtype}{got.shape})")
 
 
-def child_main(args: argparse.Namespace) -> None:
-    """One save or one load of one system, in this fresh process; emits the result."""
-    spec = workload_spec(args.workload, args.size_gib)
-    system = make_system(args.system, args.torch_mmap)
-    path = Path(args.path)
-    if args.child == "save":
-        tree = {n: system.prepare(make_array(i, s, d)) for i, (n, s, d) in enumerate(spec)}
-        before = current_rss_mib()
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        system.save(path, tree)
-        seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    else:
-        target = system.target(spec)
-        before = current_rss_mib()
-        c0, t0 = cpu_seconds(), time.perf_counter()
+def timed(fn: Any) -> tuple[Any, dict[str, float]]:
+    """Run ``fn()``: its value, and wall s, CPU s, RSS before / peak during / after (MiB)."""
+    gc.collect()
+    reset_peak_rss()
+    before = current_rss_mib()
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    value = fn()
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    return value, {"seconds": seconds, "cpu_s": cpu, "rss_before_mib": before, "peak_rss_mib": peak_rss_mib(),
+                   "rss_after_mib": current_rss_mib()}
+
+
+def timed_load(system: System, spec: Spec, path: Path) -> dict[str, float]:
+    """One load (pages touched for lazy loaders), measured, then verified untimed."""
+    target = system.target(spec)
+
+    def load() -> dict[str, Any]:
         out = system.load(path, target)
         if system.lazy:
             touch(system, out)
-        seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    result = {"seconds": seconds, "cpu_s": cpu, "rss_before_mib": before, "peak_rss_mib": peak_rss_mib()}
+        return out
+
+    out, result = timed(load)
+    verify(system, spec, out)
+    return result
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """One save (and, with --then-load, a load in the same process) or one load; emits the result."""
+    spec = workload_spec(args.workload, args.size_gib)
+    system = make_system(args.system, args.torch_mmap)
+    path = Path(args.path)
     if args.child == "load":
-        verify(system, spec, out)
-        result["verified"] = True
+        emit(timed_load(system, spec, path))
+        return
+    tree = {n: system.prepare(make_array(i, s, d)) for i, (n, s, d) in enumerate(spec)}
+    _, result = timed(lambda: system.save(path, tree))
+    if args.then_load:
+        del tree
+        result["same_process_load"] = timed_load(system, spec, path)
     emit(result)
 
 
 # ---------------------------------------------------------------------------
-# Profiling xckpt (child side)
+# Profiling (child side): cProfile of one save or one load
 
 _PHASES = {
     "save": [
         ("xckpt.save (total)", "xckpt.writer.save"),
+        ("xckpt.torch.save (total)", "xckpt.torch._save.save"),
         ("Writer.__init__ (claim the location)", "xckpt.writer.Writer.__init__"),
         ("Writer.write (per tensor: checks, crc32, pack)", "xckpt.writer.Writer.write"),
         ("Writer._flush (open + write + commit arrays)", "xckpt.writer.Writer._flush"),
@@ -424,13 +433,17 @@ _PHASES = {
         ("Storage.write_key (manifest files)", "xckpt.storage.Storage.write_key"),
     ],
     "load": [
-        ("xckpt.load (total)", "xckpt.reader.load"),
+        ("xckpt.load (total)", "xckpt.formats.load"),
+        ("xckpt.torch.load (total)", "xckpt.torch._load.load"),
+        ("xckpt.open (detect + open)", "xckpt.formats.open"),
         ("Checkpoint.__init__ (read + validate manifest)", "xckpt.reader.Checkpoint.__init__"),
         ("Manifest.loads (parse + validate)", "xckpt.manifest.Manifest.loads"),
         ("reader.validate (coverage)", "xckpt.reader.validate"),
-        ("Checkpoint.read_all (allocate + read)", "xckpt.reader.Checkpoint.read_all"),
-        ("Checkpoint.read_into (plan + read)", "xckpt.reader.Checkpoint.read_into"),
+        ("Source.read_all (allocate + read)", "xckpt.source.Source.read_all"),
+        ("Checkpoint.read_all", "xckpt.reader.Checkpoint.read_all"),
+        ("Source.read_into (plan + read)", "xckpt.source.Source.read_into"),
         ("layout.plan_reads", "xckpt.layout.plan_reads"),
+        ("Checkpoint._read_chunks", "xckpt.reader.Checkpoint._read_chunks"),
         ("Checkpoint._read_arrays", "xckpt.reader.Checkpoint._read_arrays"),
         ("Checkpoint._read_packed", "xckpt.reader.Checkpoint._read_packed"),
         ("Checkpoint.objects", "xckpt.reader.Checkpoint.objects"),
@@ -451,54 +464,106 @@ def _code_key(dotted: str) -> tuple[str, int, str] | None:
             continue
         for attr in parts[i:]:
             obj = getattr(obj, attr, None)
-        if obj is None:
-            return None
-        code = inspect.unwrap(obj).__code__
-        return code.co_filename, code.co_firstlineno, code.co_name
+        code = getattr(inspect.unwrap(obj), "__code__", None) if obj is not None else None
+        return (code.co_filename, code.co_firstlineno, code.co_name) if code else None
     return None
 
 
 def phase_table(stats: pstats.Stats, op: str) -> str:
-    """Cumulative seconds and call counts of xckpt's main functions."""
+    """Cumulative seconds and call counts of xckpt's main functions (those that ran)."""
     rows = []
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
     for label, dotted in _PHASES[op]:
         hit = raw.get(_code_key(dotted))
-        rows.append((label, hit[1] if hit else 0, hit[3] if hit else 0.0))
+        if hit:
+            rows.append((label, hit[1], hit[3]))
     return markdown_table(["phase", "calls", "cumulative s"], rows)
 
 
 def profile_child(args: argparse.Namespace) -> None:
-    """cProfile one xckpt save and one load (cold when allowed) of a workload."""
-    import xckpt
-
+    """cProfile one save (``--profile-child save``) or one load, in this fresh process."""
     spec = workload_spec(args.workload, args.size_gib)
-    system = make_system(args.system, False)
-    tree = {n: make_array(i, s, d) for i, (n, s, d) in enumerate(spec)}
+    system = make_system(args.system, args.torch_mmap)
     path = Path(args.path)
-    report = io.StringIO()
-    result: dict[str, Any] = {}
-    for op in ("save", "load"):
-        if op == "load":
-            del tree
-            result["cold"] = drop_caches()
-        prof = cProfile.Profile()
-        t0 = time.perf_counter()
+    op = args.profile_child
+    if op == "save":
+        tree = {n: system.prepare(make_array(i, s, d)) for i, (n, s, d) in enumerate(spec)}
+        fn: Any = lambda: system.save(path, tree)  # noqa: E731
+    else:
+        target = system.target(spec)
+
+        def fn() -> Any:
+            out = system.load(path, target)
+            if system.lazy:
+                touch(system, out)
+            return out
+    prof = cProfile.Profile()
+
+    def profiled() -> Any:
         prof.enable()
-        if op == "save":
-            system.save(path, tree)
-        else:
-            out = xckpt.load(path)
-        prof.disable()
-        result[f"{op}_s"] = time.perf_counter() - t0
-        stats = pstats.Stats(prof, stream=report)
-        report.write(f"\n#### {args.workload} {op}: {result[op + '_s']:.3f} s wall (under cProfile)\n\n")
-        report.write(phase_table(stats, op) + "\n\n```\n")
-        stats.sort_stats("tottime").print_stats(12)
-        report.write("```\n")
-    verify(system, spec, out)
-    result["report"] = report.getvalue()
-    emit(result)
+        try:
+            return fn()
+        finally:
+            prof.disable()
+
+    out, m = timed(profiled)
+    if op != "save":
+        verify(system, spec, out)
+    report = io.StringIO()
+    stats = pstats.Stats(prof, stream=report)
+    report.write(f"\n#### {args.workload} {args.system} {args.temp or op}: {m['seconds']:.3f} s wall, "
+                 f"{m['cpu_s']:.3f} s CPU (all threads), peak RSS growth {m['peak_rss_mib'] - m['rss_before_mib']:.0f}"
+                 f" MiB (under cProfile; main thread only below)\n\n")
+    report.write(phase_table(stats, "save" if op == "save" else "load") + "\n\n```\n")
+    stats.sort_stats("tottime").print_stats(15)
+    report.write("```\n")
+    emit({"report": report.getvalue()})
+
+
+def profile_main(args: argparse.Namespace, root: Path) -> None:
+    """Profile the first system's save, warm load and cold load, each in a fresh process."""
+    script = Path(__file__).resolve()
+    label = system_labels(args, "W1")[0]
+    for wl in args.workload.split(","):
+        path = root / f"profile-{wl}"
+        remove(path)
+        print(f"\n### profile of {label}, {wl}")
+        for op, temp in (("save", None), ("load", "warm"), ("load", "cold")):
+            if temp == "cold" and not drop_caches():
+                temp = "cold requested, page cache NOT dropped (not root)"
+            argv = [*child_args(args, "save", wl, label, path)[2:], "--profile-child", op,
+                    *(["--temp", temp] if temp else [])]
+            print(run_child(script, argv)["report"], flush=True)
+        if args.strace:
+            print(syscall_counts(args, wl, label, root))
+        remove(path)
+
+
+def syscall_counts(args: argparse.Namespace, wl: str, label: str, root: Path) -> str:
+    """Count file syscalls on the checkpoint during one save and one load (strace -f -y)."""
+    script = Path(__file__).resolve()
+    path = root / f"strace-{wl}"
+    remove(path)
+    rows = []
+    for op in ("save", "load"):
+        log = root / f"strace-{wl}-{op}.log"
+        prefix = ["strace", "-f", "-y", "-o", str(log), "-e",
+                  "trace=openat,fsync,fdatasync,rename,renameat,renameat2,pwrite64,pwritev,pwritev2,write,writev,"
+                  "pread64,preadv,preadv2,read,readv,mmap"]
+        run_child(script, child_args(args, op, wl, label, path), prefix=prefix)
+        counts: dict[str, int] = {}
+        for line in log.read_text().splitlines():
+            if str(path) not in line:
+                continue
+            m = re.match(r"\d+\s+(\w+)\(", line)
+            if m:
+                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+        log.unlink()
+        rows.append((op, ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))))
+    remove(path)
+    return f"\nsyscalls on {wl} checkpoint files (strace -f -y):\n\n" + markdown_table(
+        ["op", "calls naming the checkpoint"], rows
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -508,7 +573,7 @@ def profile_child(args: argparse.Namespace) -> None:
 def child_args(args: argparse.Namespace, op: str, workload: str, system: str, path: Path) -> list[str]:
     return [
         "--child", op, "--workload", workload, "--system", system, "--path", str(path),
-        "--size-gib", str(args.size_gib), *(["--torch-mmap"] if args.torch_mmap else []),
+        "--size-gib", str(args.size_gib), *(["--torch-mmap"] if args.torch_mmap else ["--no-torch-mmap"]),
     ]
 
 
@@ -545,79 +610,101 @@ def system_labels(args: argparse.Namespace, workload: str) -> list[str]:
     return [base, *SYSTEMS[1:]]
 
 
-def run_workload(args: argparse.Namespace, workload: str, root: Path, cold: list[bool]) -> dict[str, Any]:
+def _growth(r: dict[str, list[float]], temp: str, nbytes: int, key: str = "peak_rss_mib") -> float:
+    """Median over runs of (``key`` - RSS before) in units of the bytes loaded."""
+    xs = [(a - b) * (1 << 20) / nbytes for a, b in zip(r.get(f"{temp}_{key}", []), r.get(f"{temp}_rss_before_mib", []))]
+    return median(xs)
+
+
+def run_workload(args: argparse.Namespace, workload: str, root: Path, dropped: list[bool]) -> dict[str, Any]:
     spec = workload_spec(workload, args.size_gib)
     nbytes = spec_bytes(spec)
     labels = system_labels(args, workload)
+    temps = [t for t in ("warm", "cold") if t in args.temps]  # warm right after the save, then cold
     runs: dict[str, dict[str, list[float]]] = {lb: {} for lb in labels}
     disk: dict[str, tuple[int, int]] = {}
     print(f"\n{workload}: {len(spec)} tensors, {nbytes / 1e9:.3f} GB; systems: {', '.join(labels)}",
           flush=True)
     script = Path(__file__).resolve()
+    keys = ("seconds", "cpu_s", "rss_before_mib", "peak_rss_mib", "rss_after_mib")
     for rep in range(args.repeats):
         for label in labels:
             path = root / f"{workload}-{re.sub(r'[^A-Za-z0-9.=+-]', '_', label)}-{rep}"
             remove(path)
-            s = run_child(script, child_args(args, "save", workload, label, path))
+            same = args.same_process and label == labels[0]
+            s = run_child(script, child_args(args, "save", workload, label, path) + (["--then-load"] if same else []))
             disk[label] = disk_usage(path)
-            if not args.warm:
-                cold.append(drop_caches())
-            ld = run_child(script, child_args(args, "load", workload, label, path))
-            remove(path)
             r = runs[label]
-            for k, v in (("save_s", s["seconds"]), ("load_s", ld["seconds"]),
-                         ("save_cpu", s["cpu_s"]), ("load_cpu", ld["cpu_s"]),
-                         ("save_rss", s["peak_rss_mib"]), ("load_rss", ld["peak_rss_mib"]),
-                         ("save_rss_before", s["rss_before_mib"]), ("load_rss_before", ld["rss_before_mib"])):
-                r.setdefault(k, []).append(v)
-            print(f"  [{rep + 1}/{args.repeats}] {label:34s} save {s['seconds']:8.3f} s  "
-                  f"load {ld['seconds']:8.3f} s  (load avg {load_average()})", flush=True)
-    base = labels[0]
-    bs, bl = median(runs[base]["save_s"]), median(runs[base]["load_s"])
+            for k in keys:
+                r.setdefault(f"save_{k}", []).append(s[k])
+            if same:
+                r.setdefault("same_process_seconds", []).append(s["same_process_load"]["seconds"])
+            line = f"  [{rep + 1}/{args.repeats}] {label:28s} save {s['seconds']:7.3f} s"
+            for temp in temps:
+                if temp == "cold":
+                    dropped.append(drop_caches())
+                ld = run_child(script, child_args(args, "load", workload, label, path))
+                for k in keys:
+                    r.setdefault(f"{temp}_{k}", []).append(ld[k])
+                line += f"  {temp} load {ld['seconds']:7.3f} s"
+            if same:
+                line += f"  same-process load {s['same_process_load']['seconds']:7.3f} s"
+            remove(path)
+            print(line + f"  (load avg {load_average()})", flush=True)
+    base = runs[labels[0]]
     rows = []
     for label in labels:
         r = runs[label]
-        save_s, load_s = median(r["save_s"]), median(r["load_s"])
-        rows.append({
-            "system": label,
-            "durable": DURABLE[parse_system(label)[0]],
-            "save_s": save_s,
-            "load_s": load_s,
-            "save_gbps": nbytes / save_s / 1e9,
-            "load_gbps": nbytes / load_s / 1e9,
-            "save_cpu_s": median(r["save_cpu"]),
-            "load_cpu_s": median(r["load_cpu"]),
-            "save_rss_mib": median(r["save_rss"]),
-            "load_rss_mib": median(r["load_rss"]),
-            "save_rss_before_mib": median(r["save_rss_before"]),
-            "load_rss_before_mib": median(r["load_rss_before"]),
-            "files": disk[label][0],
-            "disk_bytes": disk[label][1],
-            "save_ratio": save_s / bs,
-            "load_ratio": load_s / bl,
-            "save_runs": r["save_s"],
-            "load_runs": r["load_s"],
-        })
-    return {"tensors": len(spec), "bytes": nbytes, "baseline": base, "rows": rows}
+        row: dict[str, Any] = {"system": label, "durable": DURABLE[parse_system(label)[0]],
+                               "files": disk[label][0], "disk_bytes": disk[label][1]}
+        for op in ("save", *temps):
+            t = median(r[f"{op}_seconds"])
+            row[f"{op}_s"] = t
+            row[f"{op}_gbps"] = nbytes / t / 1e9
+            row[f"{op}_ratio"] = t / median(base[f"{op}_seconds"])
+            row[f"{op}_cpu_s"] = median(r[f"{op}_cpu_s"])
+            row[f"{op}_peak_rss_mib"] = median(r[f"{op}_peak_rss_mib"])
+            row[f"{op}_rss_growth_x"] = _growth(r, op, nbytes)
+            row[f"{op}_resident_after_x"] = _growth(r, op, nbytes, "rss_after_mib")
+            row[f"{op}_runs"] = r[f"{op}_seconds"]
+        if "same_process_seconds" in r:
+            row["same_process_load_s"] = median(r["same_process_seconds"])
+            row["same_process_runs"] = r["same_process_seconds"]
+        rows.append(row)
+    return {"tensors": len(spec), "bytes": nbytes, "baseline": labels[0], "temps": temps, "rows": rows}
 
 
-def render(workload: str, res: dict[str, Any]) -> str:
-    headers = ["system", "fsync", "save s", "load s", "save GB/s", "load GB/s", "save CPU s",
-               "load CPU s", "peak RSS save MiB", "peak RSS load MiB", "files", "save ratio",
-               "load ratio"]
-    rows = [
-        [r["system"], r["durable"], r["save_s"], r["load_s"], r["save_gbps"], r["load_gbps"],
-         r["save_cpu_s"], r["load_cpu_s"], r["save_rss_mib"], r["load_rss_mib"], r["files"],
-         r["save_ratio"], r["load_ratio"]]
-        for r in res["rows"]
-    ]
-    title = (f"### {workload}: {res['tensors']} tensors, {res['bytes'] / 1e9:.3f} GB "
-             f"(ratio = system time / {res['baseline']} time; > 1 means xckpt is faster)")
-    return title + "\n\n" + markdown_table(headers, rows)
+def render(workload: str, res: dict[str, Any], cold_note: str) -> str:
+    temps = res["temps"]
+    nan = float("nan")
+    head = ["system", "fsync", "save s", *(f"{t} load s" for t in temps), "save GB/s",
+            *(f"{t} GB/s" for t in temps), "save ratio", *(f"{t} ratio" for t in temps)]
+    rows = [[r["system"], r["durable"], r["save_s"], *(r[f"{t}_s"] for t in temps), r["save_gbps"],
+             *(r[f"{t}_gbps"] for t in temps), r["save_ratio"], *(r[f"{t}_ratio"] for t in temps)]
+            for r in res["rows"]]
+    title = (f"### {workload}: {res['tensors']} tensors, {res['bytes'] / 1e9:.3f} GB; time "
+             f"(ratio = system time / {res['baseline']} time; above 1: xckpt is faster){cold_note}")
+    out = title + "\n\n" + markdown_table(head, rows)
+    head = ["system", "save CPU s", *(f"{t} CPU s" for t in temps), "peak RSS save MiB",
+            *(f"peak RSS {t} MiB" for t in temps), *(f"{t} peak growth x" for t in temps),
+            *(f"{t} resident after x" for t in temps), "files", "MB on disk"]
+    rows = [[r["system"], r["save_cpu_s"], *(r[f"{t}_cpu_s"] for t in temps), r["save_peak_rss_mib"],
+             *(r[f"{t}_peak_rss_mib"] for t in temps), *(r[f"{t}_rss_growth_x"] for t in temps),
+             *(r[f"{t}_resident_after_x"] for t in temps), r["files"], r["disk_bytes"] / 1e6]
+            for r in res["rows"]]
+    out += (f"\n\n### {workload}: CPU and memory (peak growth = peak RSS during the step minus RSS at its "
+            "start, resident after = RSS after the load minus RSS at its start, both in units of the "
+            "bytes loaded)\n\n" + markdown_table(head, rows))
+    same = res["rows"][0].get("same_process_load_s", nan)
+    if same == same:
+        warm = res["rows"][0].get("warm_s", nan)
+        vs = f"against {warm:.3f} s warm in a fresh process ({same / warm:.2f}x)" if warm == warm else ""
+        out += f"\n\n{res['baseline']} load in the process that just saved it: {same:.3f} s (median) {vs}"
+    return out
 
 
-def verdicts(results: dict[str, Any]) -> list[str]:
-    """One line per target of the issue (needs xckpt, dcp and orbax in the run)."""
+def verdicts(results: dict[str, Any], dd: dict[str, float]) -> list[str]:
+    """One line per issue 16 target; ``n/a`` where the run lacks a system or a load temperature."""
     out = []
 
     def row(wl: str, name: str) -> dict[str, Any] | None:
@@ -626,98 +713,89 @@ def verdicts(results: dict[str, Any]) -> list[str]:
                 return r
         return None
 
-    for wl in ("W1", "W2"):
-        if wl not in results:
-            continue
-        base = results[wl]["rows"][0]
-        dcp, orbax = row(wl, "dcp"), row(wl, "orbax")
-        if wl == "W1" and dcp:
-            s, ld = dcp["save_ratio"], dcp["load_ratio"]
-            out.append(f"W1 save >= 1.5x faster than DCP: {'PASS' if s >= 1.5 else 'FAIL'} ({s:.2f}x)")
-            out.append(f"W1 load >= 2x faster than DCP: {'PASS' if ld >= 2 else 'FAIL'} ({ld:.2f}x)")
-        if wl == "W1" and orbax:
-            s, ld = orbax["save_ratio"], orbax["load_ratio"]
-            ok = s > 1 and ld > 1
-            out.append(f"W1 faster than orbax on save and load: {'PASS' if ok else 'FAIL'} "
-                       f"(save {s:.2f}x, load {ld:.2f}x)")
-        if wl == "W2" and dcp:
-            ratio = (dcp["save_s"] + dcp["load_s"]) / (base["save_s"] + base["load_s"])
-            out.append(f"W2 save+load >= 10x faster than DCP: {'PASS' if ratio >= 10 else 'FAIL'} "
-                       f"({ratio:.1f}x)")
+    def line(text: str, ok: bool | None, detail: str) -> None:
+        out.append(f"{text}: {'n/a' if ok is None else 'PASS' if ok else 'FAIL'} ({detail})")
+
+    x1 = results["W1"]["rows"][0] if "W1" in results else None
+    st, stf, dcp = row("W1", "safetensors"), row("W1", "safetensors+fsync"), row("W1", "dcp")
+    for temp, want, cmp in (("warm", 1.1, "within 1.1x of"), ("cold", 1.0, "at least as fast as")):
+        text = f"W1 {temp} load {cmp} safetensors"
+        if x1 and st and f"{temp}_s" in x1:
+            q = x1[f"{temp}_s"] / st[f"{temp}_s"]
+            line(text, q <= want, f"xckpt {x1[f'{temp}_s']:.3f} s / safetensors {st[f'{temp}_s']:.3f} s = {q:.2f}x")
+        else:
+            line(text, None, f"needs xckpt and safetensors with {temp} loads in the run")
+    if x1:
+        q = x1["save_gbps"] / dd["write_gbps"]
+        line("W1 durable save >= 0.8x the dd write ceiling", q >= 0.8,
+             f"{x1['save_gbps']:.2f} GB/s = {q:.2f}x of {dd['write_gbps']:.2f} GB/s")
+    else:
+        line("W1 durable save >= 0.8x the dd write ceiling", None, "needs xckpt on W1 in the run")
+    for other, name, want in ((stf, "safetensors+fsync", 1.0), (dcp, "DCP", 2.0)):
+        text = f"W1 durable save >= {f'{want:g}x ' if want != 1 else ''}{name}"
+        if x1 and other:
+            q = other["save_s"] / x1["save_s"]
+            line(text, q >= want, f"{name} {other['save_s']:.3f} s / xckpt {x1['save_s']:.3f} s = {q:.2f}x")
+        else:
+            line(text, None, f"needs xckpt and {name} on W1 in the run")
+    x2, stf2 = (results["W2"]["rows"][0] if "W2" in results else None), row("W2", "safetensors+fsync")
+    if x2 and stf2:
+        qs = {t: (x2["save_s"] + x2[f"{t}_s"]) / (stf2["save_s"] + stf2[f"{t}_s"]) for t in results["W2"]["temps"]}
+        line("W2 save + load within 1.5x of safetensors+fsync", all(q <= 1.5 for q in qs.values()),
+             ", ".join(f"{t}: {q:.2f}x" for t, q in qs.items()))
+    else:
+        line("W2 save + load within 1.5x of safetensors+fsync", None, "needs xckpt and safetensors+fsync on W2")
+    for name, kind in ((x1["system"] if x1 else "xckpt", "numpy"), ("xckpt-torch", "torch")):
+        r = row("W1", name)
+        text = f"W1 peak load RSS growth <= 1.15x bytes loaded, {kind} target ({name})"
+        temps = results["W1"]["temps"] if r else []
+        if r and temps:
+            gs = {t: r[f"{t}_rss_growth_x"] for t in temps}
+            line(text, all(g <= 1.15 for g in gs.values()), ", ".join(f"{t}: {g:.2f}x" for t, g in gs.items()))
+        else:
+            line(text, None, f"needs {name} on W1 in the run")
     return out
-
-
-def profile_main(args: argparse.Namespace, root: Path) -> None:
-    script = Path(__file__).resolve()
-    label = system_labels(args, "W1")[0]
-    for wl in args.workload.split(","):
-        path = root / f"profile-{wl}"
-        remove(path)
-        argv = ["--profile-child", "--workload", wl, "--system", label, "--path", str(path),
-                "--size-gib", str(args.size_gib)]
-        res = run_child(script, argv)
-        remove(path)
-        print(f"\n### xckpt profile, {wl} ({label}; load {'cold' if res['cold'] else 'warm'})")
-        print(res["report"])
-        if args.strace:
-            print(syscall_counts(args, wl, label, root))
-
-
-def syscall_counts(args: argparse.Namespace, wl: str, label: str, root: Path) -> str:
-    """Count file syscalls on the checkpoint during one save and one load (strace -f -y)."""
-    script = Path(__file__).resolve()
-    path = root / f"strace-{wl}"
-    remove(path)
-    rows = []
-    for op in ("save", "load"):
-        log = root / f"strace-{wl}-{op}.log"
-        prefix = ["strace", "-f", "-y", "-o", str(log), "-e",
-                  "trace=openat,fsync,fdatasync,rename,renameat,renameat2,pwrite64,pwritev,pwritev2,write,writev,"
-                  "pread64,preadv,preadv2,read,readv,mmap"]
-        run_child(script, child_args(args, op, wl, label, path), prefix=prefix)
-        counts: dict[str, int] = {}
-        for line in log.read_text().splitlines():
-            if str(path) not in line:
-                continue
-            m = re.match(r"\d+\s+(\w+)\(", line)
-            if m:
-                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-        log.unlink()
-        rows.append((op, ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))))
-    remove(path)
-    return f"\nsyscalls on {wl} checkpoint files (strace -f -y):\n\n" + markdown_table(
-        ["op", "calls naming the checkpoint"], rows
-    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="W1,W2", help="W1, W2 or W1,W2 (default)")
     p.add_argument("--size-gib", type=float, default=1.0, help="size of W1 in GiB (default 1.0)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per system; medians are reported")
+    p.add_argument("--repeats", type=int, default=3, help="runs per system (default 3); medians are reported")
+    p.add_argument("--temps", default="cold,warm",
+                   help="loads to measure after each save: cold, warm or cold,warm (default)")
+    p.add_argument("--warm", action="store_true", help="same as --temps warm")
     p.add_argument("--dir", help="working directory (default: a fresh one under bench/out/)")
-    p.add_argument("--only", help="comma list of systems: " + ", ".join(SYSTEMS) + ", xckpt[...]")
+    p.add_argument("--only", help="comma list of systems: " + ", ".join(SYSTEMS) + ", xckpt[...] "
+                   "(default: all; the first is the baseline of the ratios)")
     p.add_argument("--xckpt-storage", choices=("ocdbt", "plain"), help="storage of the xckpt baseline")
     p.add_argument("--pack-threshold", help="pack threshold of the xckpt baseline (bytes, K/M)")
     p.add_argument("--torch-mmap", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.load(mmap=True) (default) or a full read")
-    p.add_argument("--warm", action="store_true", help="do not drop the page cache before loads")
+    p.add_argument("--same-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time a load in the baseline's save process, right after the save (default on)")
     p.add_argument("--sweep", action="store_true", help="compare xckpt storage/pack/inner-chunk options")
-    p.add_argument("--profile", action="store_true", help="cProfile xckpt save and load")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the first system's save, warm load and cold load (fresh processes)")
     p.add_argument("--strace", action="store_true", help="with --profile: count syscalls")
     p.add_argument("--json", help="where to write the results (default bench/out/io.json)")
     p.add_argument("--child", choices=("save", "load"), help=argparse.SUPPRESS)
-    p.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--then-load", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-child", choices=("save", "load"), help=argparse.SUPPRESS)
+    p.add_argument("--temp", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.child:
-        child_main(args)
-        return
     if args.profile_child:
         profile_child(args)
         return
+    if args.child:
+        child_main(args)
+        return
+    args.temps = ["warm"] if args.warm else [t.strip() for t in args.temps.split(",") if t.strip()]
+    if not args.temps or any(t not in TEMPS for t in args.temps):
+        raise SystemExit(f"--temps takes cold, warm or cold,warm, not {','.join(args.temps)!r}")
     if args.pack_threshold:
         parse_size(args.pack_threshold)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="io-", dir=out_dir()))
@@ -730,24 +808,26 @@ def main() -> None:
     started = datetime.datetime.now(datetime.timezone.utc)
     print(f"# bench/io.py  {started:%Y-%m-%d %H:%M} UTC  cpus {os.cpu_count()}  "
           f"load avg {load_average()}  dir {root}")
-    dd = dd_ceiling(root, int(min(args.size_gib, 1.0) * 1024))
+    dd = dd_ceiling(root, max(16, int(min(args.size_gib, 1.0) * 1024)))
     print(f"dd ceiling (16 MiB blocks, direct I/O, {dd['bytes'] / 1e9:.2f} GB): write "
           f"{dd['write_gbps']:.2f} GB/s, read {dd['read_gbps']:.2f} GB/s", flush=True)
-    cold: list[bool] = []
-    results = {wl: run_workload(args, wl, root, cold) for wl in args.workload.split(",")}
-    temp = "warm (page cache kept)" if args.warm or not all(cold) else "cold (page cache dropped)"
-    print(f"\nloads: {temp}; torch.load mmap={args.torch_mmap}; load avg now {load_average()}\n")
+    dropped: list[bool] = []
+    results = {wl: run_workload(args, wl, root, dropped) for wl in args.workload.split(",")}
+    cold_note = "" if all(dropped) else "; COLD LOADS ARE NOT COLD (page cache could not be dropped: not root)"
+    print(f"\nloads: {' and '.join(args.temps)}, each in a fresh process, medians of {args.repeats}; "
+          f"torch.load mmap={args.torch_mmap}; load avg now {load_average()}{cold_note}\n")
     for wl, res in results.items():
-        print(render(wl, res) + "\n")
-    lines = verdicts(results)
+        print(render(wl, res, cold_note if "cold" in args.temps else "") + "\n")
+    lines = verdicts(results, dd)
     for line in lines:
         print(line)
     doc = {
         "started": started.isoformat(),
         "load_avg_end": load_average(),
         "cpus": os.cpu_count(),
-        "args": {k: v for k, v in vars(args).items() if k not in ("child", "profile_child", "system", "path")},
-        "loads": temp,
+        "args": {k: v for k, v in vars(args).items()
+                 if k not in ("child", "profile_child", "system", "path", "then_load", "temp")},
+        "cold_loads_cold": all(dropped),
         "dd": dd,
         "workloads": results,
         "verdicts": lines,
