@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -372,22 +373,23 @@ def test_many_small_tensors_are_packed_into_few_files(tmp_path):
     assert all(same_bits(got[k], v) for k, v in data.items())
 
 
-def test_chunks_readable_with_plain_tensorstore(tmp_path):
-    """The README recipe: follow the manifest, open the chunk's zarr v3 array."""
+@pytest.mark.parametrize("storage", [None, "ocdbt"])
+def test_chunks_readable_with_plain_tensorstore(tmp_path, storage):
+    """The README recipe: follow the manifest, open the chunk's zarr v3 array
+    (a local directory defaults to "plain": the array's own directory)."""
     import tensorstore as ts
 
     a = random_array("float32", (300, 300))
-    xckpt.save({"w": a}, tmp_path / "c")
+    xckpt.save({"w": a}, tmp_path / "c", **({"storage": storage} if storage else {}))
     m = json.loads((tmp_path / "c" / "xckpt.json").read_text())
     chunk = m["tensors"]["w"]["chunks"][0]
     rank_dir, rest = chunk["key"].split("/", 2)[1], chunk["key"].split("/", 2)[2]
-    assert m["storage"][rank_dir] == "ocdbt"
-    arr = ts.open(
-        {
-            "driver": "zarr3",
-            "kvstore": {"driver": "ocdbt", "base": f"file://{tmp_path}/c/data/{rank_dir}/", "path": rest + "/"},
-        }
-    ).result()
+    assert m["storage"][rank_dir] == (storage or "plain")
+    if storage == "ocdbt":
+        kvstore: Any = {"driver": "ocdbt", "base": f"file://{tmp_path}/c/data/{rank_dir}/", "path": rest + "/"}
+    else:
+        kvstore = f"file://{tmp_path}/c/{chunk['key']}/"
+    arr = ts.open({"driver": "zarr3", "kvstore": kvstore}).result()
     assert same_bits(arr[10:20, 5:9].read().result(), a[10:20, 5:9])
 
 

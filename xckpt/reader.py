@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from xckpt import _fileio
 from xckpt._progress import progress
 from xckpt.errors import (
     CheckpointNotFoundError,
@@ -46,7 +47,7 @@ from xckpt.manifest import (
     parse_claim,
 )
 from xckpt.source import ChunkRead, Source, whole_request
-from xckpt.storage import Location, Storage, corrupt, packed_grid
+from xckpt.storage import Location, Storage, corrupt, packed_grid, storage_error
 
 __all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 
@@ -178,6 +179,9 @@ class Checkpoint(Source):
         self._verified_arrays: dict[str, Any] = {}
         self._checked: set[str] = set()
         self._packed_size_cache: dict[str, int] | None = None
+        #: A local directory: "plain" ranks are read with direct file I/O (xckpt._fileio).
+        self._root = _fileio.local_root(self.storage.url)
+        self._packed_stored: dict[str, tuple[int, int] | None] = {}
 
     # -- metadata -----------------------------------------------------------
 
@@ -246,7 +250,30 @@ class Checkpoint(Source):
             self._arrays[c.key] = fut
         return fut
 
+    def _direct(self, rank: int) -> bool:
+        """Whether rank ``rank``'s chunks are files this process reads itself."""
+        return self._root is not None and self.manifest.storage.get(rank, "ocdbt") == "plain"
+
+    def _read_files(self, jobs: list[ChunkRead], bar: Any) -> None:
+        """Array chunks of "plain" ranks on a local disk: preadv into ``out``, crc32c checked."""
+        reads = [
+            _fileio.ChunkRead(c.key, c.shape, c.grid or c.shape, req.chunk_slices, out[req.target_slices])
+            for _name, c, req, out in jobs
+        ]
+        try:
+            _fileio.read_chunks(self._root, reads, lambda _i, n: bar.update(n))  # type: ignore[arg-type]
+        except _fileio.ChunkFileError as e:
+            name, c = jobs[e.job_index][:2]  # type: ignore[attr-defined]
+            raise corrupt(self._where(name, c), e) from None
+        except OSError as e:
+            name, c = jobs[e.job_index][:2]  # type: ignore[attr-defined]
+            raise storage_error(self.path, f"reading tensor {name!r}, chunk {c.box} ({c.key})", e) from e
+
     def _read_arrays(self, jobs: list[ChunkRead], bar: Any) -> None:
+        direct = [j for j in jobs if self._direct(j[1].rank)]
+        if direct:
+            self._read_files(direct, bar)
+            jobs = [j for j in jobs if not self._direct(j[1].rank)]
         opened = [(job, self._open(job[0], job[1])) for job in jobs]
         writes = []
         for (name, c, req, out), fut in opened:
@@ -263,6 +290,31 @@ class Checkpoint(Source):
                 raise corrupt(self._where(name, c), e) from None
             bar.update(req.box.volume * itemsize)
 
+    def _packed_meta(self, key: str, rank: int) -> tuple[int, int] | None:
+        """(bytes, zarr chunk length) of a "plain" rank's packed array from its zarr.json, read
+        directly; None when its codecs are not the ones read directly (tensorstore reads it)."""
+        if key not in self._packed_stored:
+            try:
+                meta = _fileio.stored_meta(self._root, key)  # type: ignore[arg-type]
+            except _fileio.ChunkFileError as e:
+                raise corrupt(f"checkpoint {self.path!r}, packed chunks of rank {rank} ({key})", e) from None
+            except OSError as e:
+                raise storage_error(self.path, f"reading packed chunks of rank {rank} ({key})", e) from e
+            shape = meta.get("shape")
+            grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape") if isinstance(
+                meta.get("chunk_grid"), dict) else None
+            if not (
+                isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0
+                and isinstance(grid, list) and len(grid) == 1 and type(grid[0]) is int and grid[0] > 0
+            ):
+                raise corrupt(
+                    f"checkpoint {self.path!r}, packed chunks of rank {rank} ({key})",
+                    ValueError(f"zarr.json shape {shape!r} / chunk shape {grid!r} is not one length each"),
+                )
+            same = _fileio.codecs_ok(meta.get("codecs"))
+            self._packed_stored[key] = (shape[0], grid[0]) if same and meta.get("data_type") == "uint8" else None
+        return self._packed_stored[key]
+
     def _packed_store(self, key: str, rank: int) -> Any:
         """Rank ``rank``'s packed byte array (opened once; its size from its zarr.json)."""
         store = self._packed_stores.get(key)
@@ -276,7 +328,9 @@ class Checkpoint(Source):
 
     def _read_packed(self, key: str, jobs: list[ChunkRead], bar: Any) -> None:
         rank = jobs[0][1].rank
-        store = self._packed_store(key, rank)
+        meta = self._packed_meta(key, rank) if self._direct(rank) else None
+        direct = meta is not None
+        store = None if direct else self._packed_store(key, rank)
         jobs.sort(key=lambda j: j[1].byte_offset)  # type: ignore[arg-type, return-value]
         spans: list[list[Any]] = []  # [start, end, [jobs]]
         for job in jobs:
@@ -287,7 +341,7 @@ class Checkpoint(Source):
                 spans[-1][2].append(job)
             else:
                 spans.append([start, end, [job]])
-        size = store.shape[0]
+        size = meta[0] if meta is not None else store.shape[0]  # type: ignore[union-attr]
         futs = []
         for start, end, span_jobs in spans:
             if end > size:
@@ -296,10 +350,26 @@ class Checkpoint(Source):
                     f"{self._where(span_jobs[-1][0], c)}: bytes [{c.byte_offset}, "
                     f"{c.byte_offset + c.nbytes}) lie past the end of the packed array ({size} bytes)"
                 )
-            futs.append(store[start:end].read())
+            if not direct:
+                futs.append(store[start:end].read())  # type: ignore[index]
+        if direct:
+            bufs = [np.empty(end - start, np.uint8) for start, end, _ in spans]
+            reads = [
+                _fileio.ChunkRead(key, (size,), (meta[1],), (slice(start, end),), buf)  # type: ignore[index]
+                for (start, end, _), buf in zip(spans, bufs)
+            ]
+            try:
+                _fileio.read_chunks(self._root, reads)  # type: ignore[arg-type]
+            except (_fileio.ChunkFileError, OSError) as e:
+                span_jobs = spans[e.job_index][2]  # type: ignore[attr-defined]
+                where = f"{self._where(span_jobs[0][0], span_jobs[0][1])} (packed)"
+                if isinstance(e, _fileio.ChunkFileError):
+                    raise corrupt(where, e) from None
+                raise storage_error(self.path, f"reading {where}", e) from e
+            futs = bufs
         for (start, _end, span_jobs), fut in zip(spans, futs):
             try:
-                buf = fut.result()
+                buf = fut if direct else fut.result()
             except ValueError as e:
                 raise corrupt(f"{self._where(span_jobs[0][0], span_jobs[0][1])} (packed)", e) from None
             for name, c, req, out in span_jobs:
@@ -339,13 +409,16 @@ class Checkpoint(Source):
         for name in todo:
             for c in self.info(name).chunks:
                 if c.form == "packed":
-                    size = self._packed_store(c.key, c.rank).shape[0]
+                    meta = self._packed_meta(c.key, c.rank) if self._direct(c.rank) else None
+                    size = meta[0] if meta is not None else self._packed_store(c.key, c.rank).shape[0]
                     if c.byte_offset + c.nbytes > size:  # type: ignore[operator]
                         raise CorruptChunkError(
                             f"{self._where(name, c)}: the manifest claims bytes [{c.byte_offset}, "
                             f"{c.byte_offset + c.nbytes}) of the packed array, which holds {size} bytes; "  # type: ignore[operator]
                             "the manifest does not belong to this data (restore the checkpoint from a copy)"
                         )
+                elif self._direct(c.rank):
+                    self._check_file_meta(name, c)
                 else:
                     arrays.append((name, c, self._open_checked(name, c)))
         for name, c, fut in arrays:
@@ -354,6 +427,14 @@ class Checkpoint(Source):
             except ValueError as e:
                 raise corrupt(f"{self._where(name, c)}: the stored array does not match the manifest", e) from None
         self._checked.update(todo)
+
+    def _check_file_meta(self, name: str, c: Chunk) -> None:
+        try:
+            _fileio.check_meta(self._root, c.key, self.info(name).dtype, c.shape, c.grid or c.shape)  # type: ignore[arg-type]
+        except _fileio.ChunkFileError as e:
+            raise corrupt(f"{self._where(name, c)}: the stored array does not match the manifest", e) from None
+        except OSError as e:
+            raise storage_error(self.path, f"reading the metadata of {self._where(name, c)}", e) from e
 
     def _too_big(self, names: Sequence[str], err: MemoryError) -> XckptError:
         nbytes = sum(self.info(n).nbytes for n in names)

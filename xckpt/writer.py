@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from xckpt import _fileio
 from xckpt._async import submit, wait_pending
 from xckpt._progress import progress
 from xckpt.errors import (
@@ -113,7 +114,9 @@ class Writer:
         save_id: shared by all ranks of one save; default derived from the location.
         overwrite: replace an existing save at ``path`` (needs an explicit ``save_id``
             when ``world_size > 1``, so a reader never mixes two saves).
-        storage: ``"ocdbt"`` (default) or ``"plain"`` layout of ``data/<rank>/``.
+        storage: ``"plain"`` (one zarr array per chunk, files written directly: the default
+            for a local directory) or ``"ocdbt"`` (one OCDBT database per rank: the default
+            elsewhere, fewer objects) layout of ``data/<rank>/``.
         pack_threshold: chunks of at most this many bytes are packed together.
         progress: show a progress bar (default: when stderr is a TTY).
         metadata: JSON-able user metadata stored in the manifest.
@@ -133,7 +136,7 @@ class Writer:
         save_id: str | int | None = None,
         *,
         overwrite: bool = False,
-        storage: str = "ocdbt",
+        storage: str | None = None,
         pack_threshold: int = PACK_THRESHOLD,
         progress: bool | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -142,9 +145,13 @@ class Writer:
     ) -> None:
         if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
             raise XckptError(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
-        if storage not in ("ocdbt", "plain"):
+        if storage not in (None, "ocdbt", "plain"):
             raise XckptError(f"storage must be 'ocdbt' or 'plain', got {storage!r}")
         self.storage = Storage(path, context)
+        #: A local directory: "plain" chunks are written with direct file I/O (xckpt._fileio).
+        self._root = _fileio.local_root(self.storage.url)
+        if storage is None:
+            storage = "plain" if self._root is not None else "ocdbt"
         self.rank, self.world_size = rank, world_size
         self.kind = storage
         self.pack_threshold = pack_threshold
@@ -415,7 +422,7 @@ class Writer:
             return
         try:
             self._flush_pending()
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             names = sorted({self._key_names.get(p.key, "packed small tensors") for p in pend})
             err = storage_error(
                 self.storage.path,
@@ -429,6 +436,12 @@ class Writer:
 
     def _flush_pending(self) -> None:
         pend, self._pending, self._pending_bytes = self._pending, [], 0
+        if self.kind == "plain" and self._root is not None:
+            # Local files: written straight from the caller's arrays and fsynced (bench/io.py).
+            _fileio.write_arrays(
+                self._root, [_fileio.ArrayWrite(p.key, p.dtype, p.array, p.grid) for p in pend], self._bar_update
+            )
+            return
         # One transaction per flush: every array commits together, so OCDBT writes
         # one new manifest instead of one per array (measured: about 5x faster
         # saves on OCDBT, 2x on plain keys).

@@ -131,7 +131,7 @@ def save(
     *,
     save_id: str | int | None = None,
     overwrite: bool = False,
-    storage: str = "ocdbt",
+    storage: str | None = None,
     metadata: dict[str, Any] | None = None,
     show_progress: bool | None = None,
     async_save: bool = False,
@@ -151,7 +151,8 @@ def save(
         save_id: shared id of this save; default: process 0's random id,
             broadcast (one process: derived from the location).
         overwrite: replace an existing checkpoint at ``path``.
-        storage: ``"ocdbt"`` (default) or ``"plain"``.
+        storage: ``"plain"`` or ``"ocdbt"``; default plain for a local directory, else ocdbt
+            (see :class:`xckpt.Writer`).
         metadata: JSON-able user metadata stored in the manifest.
         show_progress: progress bar (default: when stderr is a TTY).
         async_save: return a future once every shard this process writes is
