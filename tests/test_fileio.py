@@ -158,3 +158,17 @@ def test_percent_in_path_goes_through_tensorstore(tmp_path):
     assert _fileio.local_root("file:///a/b%20c/") is None
     assert _fileio.local_root("file:///a/b/") == "/a/b/"
     assert _fileio.local_root("memory://x/") is None
+
+
+def test_verify_reads_files_directly_and_names_the_damage(tmp_path):
+    path, _a, key = _saved(tmp_path)
+    with xckpt.open(path) as ck:
+        assert ck.verify() == []
+    f = path / key / "c" / "2" / "0"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1  # the stored crc32c itself
+    f.write_bytes(bytes(data))
+    with xckpt.open(path) as ck:
+        problems = ck.verify()
+    assert len(problems) == 1 and "tensor 'w'" in problems[0] and "c/2/0 fails its crc32c check" in problems[0]
+

@@ -69,6 +69,15 @@ def local_root(url: Any) -> str | None:
     return path
 
 
+def _forget_pool() -> None:
+    """In a forked child the parent's I/O threads do not exist: start a new pool there."""
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool() -> cf.ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
@@ -292,9 +301,9 @@ def _write_chunk(path: str, arr: np.ndarray, grid: Sequence[int], idx: tuple[int
     _write_file(path, _chunk_parts(arr, grid, idx))
 
 
-def _all(futs: list[cf.Future[None]]) -> cf.Future[None]:
-    """A future done when all of ``futs`` are, failing with the first error."""
-    out: cf.Future[None] = cf.Future()
+def _all(futs: list[cf.Future[None]], result: Any = None) -> cf.Future[Any]:
+    """A future done when all of ``futs`` are (its result ``result``), failing with the first error."""
+    out: cf.Future[Any] = cf.Future()
     left = [len(futs)]
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -310,10 +319,10 @@ def _all(futs: list[cf.Future[None]]) -> cf.Future[None]:
             if errors:
                 out.set_exception(errors[0])
             else:
-                out.set_result(None)
+                out.set_result(result)
 
     if not futs:
-        out.set_result(None)
+        out.set_result(result)
     for f in futs:
         f.add_done_callback(one)
     return out
@@ -396,24 +405,25 @@ def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: 
         os.close(fd)
 
 
+def submit_read(root: str, job: ChunkRead) -> cf.Future[np.ndarray]:
+    """Start reading ``job`` on the I/O threads; the future's result is ``job.out``."""
+    pool = _pool()
+    futs = [] if job.out.size == 0 else [
+        pool.submit(_read_file, path, job.grid, inner, job.out[dest] if dest else job.out)
+        for path, _idx, inner, dest in _inner_tasks(root, job)
+    ]
+    return _all(futs, job.out)
+
+
 def read_chunks(root: str, jobs: Sequence[ChunkRead], done: Callable[[int, int], None] | None = None) -> None:
     """Fill every ``job.out`` from its chunk files under ``root``, checking crc32c.
 
     Inner chunks are read concurrently by the I/O threads; ``done(job_index, nbytes)``
     is called in this thread as each job completes. Raises :class:`ChunkFileError`
-    (damaged data, naming the file) or OSError (storage) after all reads stopped.
+    (damaged data, naming the file) or OSError (storage) after all reads stopped,
+    with ``job_index`` set on it.
     """
-    pool = _pool()
-    per_job = []
-    for job in jobs:
-        if job.out.size == 0:
-            per_job.append(_all([]))
-            continue
-        futs = [
-            pool.submit(_read_file, path, job.grid, inner, job.out[dest] if dest else job.out)
-            for path, _idx, inner, dest in _inner_tasks(root, job)
-        ]
-        per_job.append(_all(futs))
+    per_job = [submit_read(root, job) for job in jobs]
     first_err: BaseException | None = None
     for i, (job, fut) in enumerate(zip(jobs, per_job)):
         try:

@@ -638,6 +638,16 @@ class _Slab:
     def start(self, ck: Checkpoint) -> Any:
         if self.span is not None:
             return self.store[self.lo : self.hi].read()
+        c = self.chunk
+        if ck._direct(c.rank):
+            grid = c.grid or c.shape
+            try:
+                _fileio.check_meta(ck._root, c.key, ck.info(self.name).dtype, c.shape, grid)  # type: ignore[arg-type]
+            except (_fileio.ChunkFileError, OSError) as e:
+                return ValueError(str(e))
+            region = (slice(self.lo, self.hi), *(slice(0, s) for s in c.shape[1:])) if c.shape else ()
+            out = np.empty(tuple(r.stop - r.start for r in region), ck.info(self.name).np_dtype)
+            return _fileio.submit_read(ck._root, _fileio.ChunkRead(c.key, c.shape, grid, region, out))  # type: ignore[arg-type]
         try:
             arr = ck._open_checked(self.name, self.chunk).result()
         except ValueError as e:
@@ -650,7 +660,7 @@ class _Slab:
             if isinstance(fut, ValueError):
                 raise fut
             buf = fut.result()
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             if self.span is None:
                 problems.setdefault((name, c.offset), str(corrupt(ck._where(name, c), e)))
                 return
