@@ -205,6 +205,111 @@ def _shape(v: Any, what: str, where: str) -> tuple[int, ...]:
     return shp
 
 
+# ---------------------------------------------------------------------------
+# Fast paths for manifests of many small tensors.
+#
+# A frozen dataclass's generated ``__init__`` sets each field through
+# ``object.__setattr__``: 3 us for a Chunk, a third of a 20,000-tensor load.
+# Values that are already validated (the fast parser below, the writer) build
+# instances by installing a complete field dict instead (about 1 us).
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def unchecked(cls: Any, fields: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass ``cls`` from a dict naming every field, in
+    field order (no checks, no copy: ``fields`` becomes the instance's ``__dict__``)."""
+    obj = _new(cls)
+    _set(obj, "__dict__", fields)
+    return obj
+
+
+_build = unchecked
+
+
+def _dims(v: Any) -> tuple[int, ...] | None:
+    """``v`` as a shape when it plainly is one (what :func:`_shape` accepts from JSON), else None."""
+    if type(v) is not list or len(v) > MAX_NDIM:
+        return None
+    for x in v:
+        if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+            return None
+    return tuple(v)
+
+
+_ITEMSIZES: dict[str, int] = {}
+
+
+def _chunks_fast(raw: list[Any], ndim: int, itemsize: int, world_size: int) -> tuple[Chunk, ...] | None:
+    """The chunks of a tensor entry when every one passes every check of
+    :meth:`Chunk.from_json` and :meth:`TensorEntry.from_json`; None when any might
+    not (the checked path then raises the precise error)."""
+    out = []
+    for d in raw:
+        if type(d) is not dict:
+            return None
+        get = d.get
+        off = _dims(get("offset"))
+        shp = _dims(get("shape"))
+        key = get("key")
+        rank = get("rank")
+        nbytes = get("nbytes")
+        if (
+            off is None
+            or shp is None
+            or len(off) != ndim
+            or len(shp) != ndim
+            or type(key) is not str
+            or len(key) > MAX_KEY_LEN
+            or type(rank) is not int
+            or not 0 <= rank < world_size
+            or type(nbytes) is not int
+            or nbytes >= MAX_TENSOR_BYTES
+            or nbytes != math.prod(shp) * itemsize
+            or not _key_ok(key)
+        ):
+            return None
+        form = get("form", "array")
+        if form == "packed":
+            bo, crc = get("byte_offset"), get("crc32")
+            if type(bo) is not int or not 0 <= bo < MAX_TENSOR_BYTES or type(crc) is not int or not 0 <= crc < 1 << 32:
+                return None
+            grid = None
+        elif form == "array":
+            bo = crc = None
+            grid = get("grid")
+            if grid is not None:
+                grid = _dims(grid)
+                if grid is None or len(grid) != ndim or (grid and min(grid) < 1):
+                    return None
+        else:
+            return None
+        vr = get("value_range")
+        if vr is not None:
+            if type(vr) is not list or len(vr) != 2 or type(vr[0]) is not int or type(vr[1]) is not int:
+                return None
+            vr = tuple(vr)
+        out.append(
+            _build(
+                Chunk,
+                {
+                    "offset": off,
+                    "shape": shp,
+                    "key": key,
+                    "rank": rank,
+                    "nbytes": nbytes,
+                    "form": form,
+                    "byte_offset": bo,
+                    "crc32": crc,
+                    "grid": grid,
+                    "value_range": vr,
+                },
+            )
+        )
+    return tuple(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Chunk:
     """One stored box of a tensor and where its bytes live."""
@@ -448,6 +553,15 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, name: str, d: Any, where: str, world_size: int) -> TensorEntry:
+        """Validate tensor ``name``'s entry (ManifestError naming it and the field otherwise)."""
+        if type(d) is dict:
+            e = cls._from_json_fast(name, d, where, world_size)
+            if e is not None:
+                return e
+        return cls._from_json_checked(name, d, where, world_size)
+
+    @classmethod
+    def _from_json_checked(cls, name: str, d: Any, where: str, world_size: int) -> TensorEntry:
         w = f"{where}, tensor {name!r}"
         if not isinstance(d, dict):
             raise ManifestError(f"{w}: entry must be an object")
@@ -490,6 +604,38 @@ class TensorEntry:
             chunks=chunks,
             placement=None if pl is None else PlacementInfo.from_json(pl, w),
             value_range=None if vr is None else ValueRange.from_json(vr, w),
+        )
+
+    @classmethod
+    def _from_json_fast(cls, name: str, d: dict[str, Any], where: str, world_size: int) -> TensorEntry | None:
+        """:meth:`from_json` for an entry that passes every check at once (plain type and
+        range tests, no error text built); None when any check might fail, and the
+        checked path then raises its precise error. 20,000 entries: 0.08 s instead of 0.4."""
+        dtype = d.get("dtype")
+        shape = _dims(d.get("shape"))
+        raw = d.get("chunks")
+        if type(dtype) is not str or shape is None or type(raw) is not list or len(raw) > MAX_CHUNKS:
+            return None
+        itemsize = _ITEMSIZES.get(dtype)
+        if itemsize is None:
+            if dtype not in DTYPES:
+                return None
+            itemsize = _ITEMSIZES[dtype] = numpy_dtype(dtype).itemsize
+        elements = math.prod(shape)
+        if elements > MAX_ELEMENTS or elements * itemsize > MAX_TENSOR_BYTES:
+            return None
+        chunks = _chunks_fast(raw, len(shape), itemsize, world_size)
+        if chunks is None:
+            return None
+        pl = d.get("placement")
+        vr = d.get("value_range")
+        if pl is not None or vr is not None:
+            w = f"{where}, tensor {name!r}"
+            pl = None if pl is None else PlacementInfo.from_json(pl, w)
+            vr = None if vr is None else ValueRange.from_json(vr, w)
+        return _build(  # type: ignore[no-any-return]
+            cls,
+            {"name": name, "dtype": dtype, "shape": shape, "chunks": chunks, "placement": pl, "value_range": vr},
         )
 
 

@@ -160,26 +160,34 @@ class Source:
         jobs: list[ChunkRead] = []
         total = 0
         for name, box, out in items:
-            t = self.info(name)
-            if out.dtype != t.np_dtype:
-                raise DtypeMismatchError(
-                    f"checkpoint {self.path!r}, tensor {name!r}: saved as {t.dtype}, target is "
-                    f"{out.dtype}; load into a {t.dtype} tensor and cast after loading"
-                )
-            whole = box.shape == t.shape
-            if out.shape != box.shape or not (whole or t.box.contains(box)):
-                raise ShapeMismatchError(
-                    f"checkpoint {self.path!r}, tensor {name!r}: target box {box} (out shape "
-                    f"{tuple(out.shape)}) does not fit the saved shape {t.shape}"
-                )
-            if whole and len(t.chunks) == 1 and out.flags.c_contiguous:
-                # A whole tensor stored as one chunk (the many-small-tensors case): no planning.
-                jobs.append(ChunkRead(name, t.chunks[0], None, out))
-                total += t.chunks[0].nbytes
-                continue
-            for req in plan_reads(t.boxes, box):
-                jobs.append(ChunkRead(name, t.chunks[req.chunk], req, out))
-                total += req.box.volume * out.itemsize
+            total += self._plan(name, self.info(name), box, out, jobs)
+        self._run(jobs, total, show_progress)
+
+    def _plan(self, name: str, t: TensorEntry, box: Box, out: np.ndarray, jobs: list[ChunkRead]) -> int:
+        """Check ``out`` against tensor ``t`` and append the reads of ``box`` to ``jobs``;
+        the bytes they fill."""
+        if out.dtype != t.np_dtype:
+            raise DtypeMismatchError(
+                f"checkpoint {self.path!r}, tensor {name!r}: saved as {t.dtype}, target is "
+                f"{out.dtype}; load into a {t.dtype} tensor and cast after loading"
+            )
+        whole = box.shape == t.shape
+        if out.shape != box.shape or not (whole or t.box.contains(box)):
+            raise ShapeMismatchError(
+                f"checkpoint {self.path!r}, tensor {name!r}: target box {box} (out shape "
+                f"{tuple(out.shape)}) does not fit the saved shape {t.shape}"
+            )
+        if whole and len(t.chunks) == 1 and out.flags.c_contiguous:
+            # A whole tensor stored as one chunk (the many-small-tensors case): no planning.
+            jobs.append(ChunkRead(name, t.chunks[0], None, out))
+            return t.chunks[0].nbytes
+        total = 0
+        for req in plan_reads(t.boxes, box):
+            jobs.append(ChunkRead(name, t.chunks[req.chunk], req, out))
+            total += req.box.volume * out.itemsize
+        return total
+
+    def _run(self, jobs: Sequence[ChunkRead], total: int, show_progress: bool | None) -> None:
         with progress(total, f"{self.format or 'xckpt'} load", show_progress) as bar:
             self._read_chunks(jobs, bar)
 
@@ -202,13 +210,22 @@ class Source:
     ) -> dict[str, np.ndarray]:
         """Whole tensors by name, read concurrently."""
         names = self.names() if names is None else list(names)
-        outs = {}
-        items = []
+        outs: dict[str, np.ndarray] = {}
+        jobs: list[ChunkRead] = []
+        total = 0
+        info, empty = self.info, np.empty
         for n in names:
-            t = self.info(n)
-            outs[n] = np.empty(t.shape, dtype=t.np_dtype)
-            items.append((n, t.box, outs[n]))
-        self.read_into(items, show_progress=show_progress)
+            t = info(n)
+            out = outs[n] = empty(t.shape, dtype=t.np_dtype)
+            chunks = t.chunks
+            if len(chunks) == 1 and chunks[0].shape == t.shape:
+                # A whole tensor stored as one chunk into a fresh array (the many-small-tensors
+                # case): no box, no checks of ``out``, no planning.
+                jobs.append(ChunkRead(n, chunks[0], None, out))
+                total += chunks[0].nbytes
+            else:
+                total += self._plan(n, t, t.box, out, jobs)
+        self._run(jobs, total, show_progress)
         return outs
 
     # -- objects --------------------------------------------------------------
