@@ -22,10 +22,13 @@ from xckpt.layout import Replicate, Shard
 
 
 def file_bytes_read() -> int:
+    """Chunk-file bytes read: by tensorstore (OCDBT, metadata) and directly (plain files)."""
+    from xckpt import _fileio
+
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
         if m["name"] == "/tensorstore/kvstore/file/bytes_read":
-            return int(m["values"][0]["value"])
-    return 0
+            return int(m["values"][0]["value"]) + _fileio.bytes_read()
+    return _fileio.bytes_read()
 
 
 @pytest.fixture

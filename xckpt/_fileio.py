@@ -55,6 +55,21 @@ _EXTEND = google_crc32c.extend
 _UNSAFE = set("%?#\\")
 
 
+_COUNT_LOCK = threading.Lock()
+_BYTES_READ = [0]
+
+
+def bytes_read() -> int:
+    """Bytes this process has read from chunk files directly (tests and benchmarks count
+    I/O with it, as with tensorstore's ``/tensorstore/kvstore/file/bytes_read`` metric)."""
+    return _BYTES_READ[0]
+
+
+def _count(n: int) -> None:
+    with _COUNT_LOCK:
+        _BYTES_READ[0] += n
+
+
 class ChunkFileError(ValueError):
     """A chunk file is missing, has the wrong size or fails its crc32c (the data is damaged)."""
 
@@ -382,6 +397,7 @@ def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: 
             rest = full - head.size
             tail = _scratch(rest + 4)
             n = os.preadv(fd, [head, tail], 0)
+            _count(n)
             if n != full + 4:
                 raise ChunkFileError(f"chunk file {path}: read {n} of {full + 4} bytes")
             crc = _CRC(head)
@@ -391,6 +407,7 @@ def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: 
         else:
             buf = _scratch(full + 4)
             n = os.preadv(fd, [buf], 0)
+            _count(n)
             if n != full + 4:
                 raise ChunkFileError(f"chunk file {path}: read {n} of {full + 4} bytes")
             crc = _CRC(buf[:full])
