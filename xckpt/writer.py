@@ -71,6 +71,7 @@ from xckpt.manifest import (
     manifest_bytes,
     parse_claim,
     paused_gc,
+    unchecked,
 )
 from xckpt.storage import Location, Storage, inner_chunk_shape, packed_grid, storage_error
 
@@ -321,23 +322,35 @@ class Writer:
         the tensor (an empty shard stores nothing).
         """
         arr = array if type(array) is np.ndarray else np.asarray(array)
+        shape = arr.shape
+        tensors = self._tensors
+        declared = False
         if global_shape is None and offset is None:
-            gshape, off = arr.shape, (0,) * arr.ndim  # the whole tensor
+            gshape, off = shape, (0,) * len(shape)  # the whole tensor
+            if name not in tensors and name not in self._objects and placement is None and value_range is None:
+                # A whole tensor's first (usually only) write, the many-small-tensors case:
+                # declare() inline, without its checks of an earlier declaration.
+                tensors[name] = {"dtype": dtype_name(arr.dtype), "shape": shape, "placement": None,
+                                 "value_range": None}
+                self._chunks[name] = []
+                declared = True
         elif global_shape is None or offset is None:
             raise LayoutError(f"tensor {name!r}: give both global_shape and offset, or neither")
         else:
             gshape = tuple(int(s) for s in global_shape)
             off = tuple(int(o) for o in offset)
-            box = Box(off, arr.shape)
+            box = Box(off, shape)
             if len(gshape) != arr.ndim or not Box.full(gshape).contains(box):
                 raise LayoutError(
-                    f"tensor {name!r}: box {box} of shape {arr.shape} does not fit in the global "
+                    f"tensor {name!r}: box {box} of shape {shape} does not fit in the global "
                     f"shape {gshape}"
                 )
-        if name not in self._tensors or placement is not None or value_range is not None:
+        if declared:
+            pass
+        elif name not in tensors or placement is not None or value_range is not None:
             self.declare(name, arr.dtype, gshape, placement=placement, value_range=value_range)
         else:
-            t = self._tensors[name]
+            t = tensors[name]
             if t["shape"] != gshape or t["dtype"] != dtype_name(arr.dtype):
                 self.declare(name, arr.dtype, gshape)  # raises the mismatch
         if arr.size == 0:
@@ -351,19 +364,24 @@ class Writer:
             arr = arr.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
         nbytes = arr.nbytes
         if nbytes <= self.pack_threshold:
-            raw = arr.reshape(-1).view(np.uint8)
-            chunk = Chunk(
-                offset=off,
-                shape=arr.shape,
-                key=self._packed_key,
-                rank=self.rank,
-                nbytes=nbytes,
-                form="packed",
-                byte_offset=self._packed_size,
-                crc32=zlib.crc32(raw),
-                value_range=chunk_value_range,
+            # A C-contiguous array is its bytes (buffer protocol): crc32 and _seal_packed's
+            # join read it without a uint8 view (2 us a tensor).
+            chunk = unchecked(
+                Chunk,
+                {
+                    "offset": off,
+                    "shape": shape,
+                    "key": self._packed_key,
+                    "rank": self.rank,
+                    "nbytes": nbytes,
+                    "form": "packed",
+                    "byte_offset": self._packed_size,
+                    "crc32": zlib.crc32(arr),
+                    "grid": None,
+                    "value_range": chunk_value_range,
+                },
             )
-            self._packed.append(raw)
+            self._packed.append(arr)
             self._packed_size += nbytes
             if self._pending_bytes + self._packed_size >= self.inflight_bytes:
                 self._seal_packed()
@@ -372,10 +390,10 @@ class Writer:
             key = f"{self._dir}/t/{self._n}"
             self._key_names[key] = name
             self._n += 1
-            grid = inner_chunk_shape(arr.shape, arr.itemsize)
+            grid = inner_chunk_shape(shape, arr.itemsize)
             chunk = Chunk(
                 offset=off,
-                shape=arr.shape,
+                shape=shape,
                 key=key,
                 rank=self.rank,
                 nbytes=nbytes,
@@ -386,7 +404,7 @@ class Writer:
                 # Write what is held first: in flight stays within the budget or one chunk.
                 self._seal_packed()
                 self._flush()
-            self._pending.append(_Pending(key, self._tensors[name]["dtype"], arr, grid))
+            self._pending.append(_Pending(key, tensors[name]["dtype"], arr, grid))
             self._pending_bytes += nbytes
             if self._pending_bytes >= self.inflight_bytes:
                 self._flush()  # a chunk as large as the budget is written at once, not held
@@ -404,8 +422,10 @@ class Writer:
         another (``data/<rank>/p/<n>``), so packed bytes count against the in-flight budget."""
         if not self._packed:
             return
-        # The small chunks, one byte array, committed with the large ones pending.
-        packed = np.concatenate(self._packed) if len(self._packed) > 1 else self._packed[0]
+        # The small chunks (C-contiguous arrays), one byte array, committed with the large
+        # ones pending. bytearray.join reads each through the buffer protocol: half the
+        # time of uint8 views and np.concatenate.
+        packed = np.frombuffer(bytearray().join(self._packed), np.uint8)
         self._pending.append(_Pending(self._packed_key, "uint8", packed, [packed_grid(packed.size)]))
         self._pending_bytes += packed.nbytes
         self._packed, self._packed_size = [], 0
@@ -556,14 +576,19 @@ class Writer:
         self.storage.delete_range(own[:-1] + "0", hi)
 
     def manifest(self) -> Manifest:
-        tensors = {
-            name: TensorEntry(
-                name=name,
-                dtype=t["dtype"],
-                shape=t["shape"],
-                chunks=tuple(self._chunks[name]),
-                placement=t["placement"],
-                value_range=t["value_range"],
+        """This rank's manifest of what was written so far."""
+        chunks = self._chunks
+        tensors = {  # declare() checked every field: built without the dataclass __init__ (3x faster)
+            name: unchecked(
+                TensorEntry,
+                {
+                    "name": name,
+                    "dtype": t["dtype"],
+                    "shape": t["shape"],
+                    "chunks": tuple(chunks[name]),
+                    "placement": t["placement"],
+                    "value_range": t["value_range"],
+                },
             )
             for name, t in self._tensors.items()
         }
