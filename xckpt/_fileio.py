@@ -308,8 +308,9 @@ def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], 
             done(nbytes)
     if first_err is not None:
         raise first_err
-    for d in sorted(made, key=len, reverse=True):
-        _fsync_dir(d)
+    # Concurrently: a journaling file system commits concurrent fsyncs together.
+    for f in [pool.submit(_fsync_dir, d) for d in made]:
+        f.result()
 
 
 def _write_chunk(path: str, arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> None:
