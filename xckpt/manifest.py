@@ -250,14 +250,10 @@ def _chunks_fast(raw: list[Any], ndim: int, itemsize: int, world_size: int) -> t
         if type(d) is not dict:
             return None
         get = d.get
-        off = _dims(get("offset"))
-        shp = _dims(get("shape"))
-        key = get("key")
-        rank = get("rank")
-        nbytes = get("nbytes")
+        off, shp, key, rank, nbytes = get("offset"), get("shape"), get("key"), get("rank"), get("nbytes")
         if (
-            off is None
-            or shp is None
+            type(off) is not list
+            or type(shp) is not list
             or len(off) != ndim
             or len(shp) != ndim
             or type(key) is not str
@@ -266,9 +262,16 @@ def _chunks_fast(raw: list[Any], ndim: int, itemsize: int, world_size: int) -> t
             or not 0 <= rank < world_size
             or type(nbytes) is not int
             or nbytes >= MAX_TENSOR_BYTES
-            or nbytes != math.prod(shp) * itemsize
-            or not _key_ok(key)
         ):
+            return None
+        for x in off:
+            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+                return None
+        for x in shp:
+            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+                return None
+        shp = tuple(shp)
+        if nbytes != math.prod(shp) * itemsize or not _key_ok(key):
             return None
         form = get("form", "array")
         if form == "packed":
@@ -290,23 +293,24 @@ def _chunks_fast(raw: list[Any], ndim: int, itemsize: int, world_size: int) -> t
             if type(vr) is not list or len(vr) != 2 or type(vr[0]) is not int or type(vr[1]) is not int:
                 return None
             vr = tuple(vr)
-        out.append(
-            _build(
-                Chunk,
-                {
-                    "offset": off,
-                    "shape": shp,
-                    "key": key,
-                    "rank": rank,
-                    "nbytes": nbytes,
-                    "form": form,
-                    "byte_offset": bo,
-                    "crc32": crc,
-                    "grid": grid,
-                    "value_range": vr,
-                },
-            )
+        c = _new(Chunk)
+        _set(
+            c,
+            "__dict__",
+            {
+                "offset": tuple(off),
+                "shape": shp,
+                "key": key,
+                "rank": rank,
+                "nbytes": nbytes,
+                "form": form,
+                "byte_offset": bo,
+                "crc32": crc,
+                "grid": grid,
+                "value_range": vr,
+            },
         )
+        out.append(c)
     return tuple(out)
 
 

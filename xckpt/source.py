@@ -213,16 +213,26 @@ class Source:
         outs: dict[str, np.ndarray] = {}
         jobs: list[ChunkRead] = []
         total = 0
-        info, empty = self.info, np.empty
+        # Per tensor, the many-small-tensors case costs about 2 us: entries looked up
+        # directly (unless a subclass has its own info()), dtypes resolved once, jobs
+        # built as plain tuples.
+        get = self._entries.get if type(self).info is Source.info else None
+        empty, new, dtypes = np.empty, tuple.__new__, {}
         for n in names:
-            t = info(n)
-            out = outs[n] = empty(t.shape, dtype=t.np_dtype)
+            t = get(n) if get is not None else self.info(n)
+            if t is None:
+                raise self._missing(n)
+            dt = dtypes.get(t.dtype)
+            if dt is None:
+                dt = dtypes[t.dtype] = t.np_dtype
+            out = outs[n] = empty(t.shape, dt)
             chunks = t.chunks
             if len(chunks) == 1 and chunks[0].shape == t.shape:
-                # A whole tensor stored as one chunk into a fresh array (the many-small-tensors
-                # case): no box, no checks of ``out``, no planning.
-                jobs.append(ChunkRead(n, chunks[0], None, out))
-                total += chunks[0].nbytes
+                # A whole tensor stored as one chunk into a fresh array: no box, no checks
+                # of ``out``, no planning.
+                c = chunks[0]
+                jobs.append(new(ChunkRead, (n, c, None, out)))
+                total += c.nbytes
             else:
                 total += self._plan(n, t, t.box, out, jobs)
         self._run(jobs, total, show_progress)
