@@ -239,12 +239,18 @@ def _dims(v: Any) -> tuple[int, ...] | None:
 
 
 _ITEMSIZES: dict[str, int] = {}
+#: The all-zero offset of each rank: most chunks start at the origin and share it.
+ZEROS = tuple((0,) * n for n in range(MAX_NDIM + 1))
+#: Tensor shapes seen (bounded): the 20,000 tensors of a model share a few dozen shapes.
+_SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
-def _chunks_fast(raw: list[Any], ndim: int, itemsize: int, world_size: int) -> tuple[Chunk, ...] | None:
+def _chunks_fast(raw: list[Any], shape: tuple[int, ...], itemsize: int, world_size: int) -> tuple[Chunk, ...] | None:
     """The chunks of a tensor entry when every one passes every check of
     :meth:`Chunk.from_json` and :meth:`TensorEntry.from_json`; None when any might
     not (the checked path then raises the precise error)."""
+    ndim = len(shape)
+    zeros = ZEROS[ndim]
     out = []
     for d in raw:
         if type(d) is not dict:
@@ -273,6 +279,13 @@ def _chunks_fast(raw: list[Any], ndim: int, itemsize: int, world_size: int) -> t
         shp = tuple(shp)
         if nbytes != math.prod(shp) * itemsize or not _key_ok(key):
             return None
+        off = tuple(off)
+        # Shared tuples (a whole-tensor chunk's shape is the tensor's): fewer objects to
+        # allocate, and fewer for the garbage collector to walk once the manifest is built.
+        if off == zeros:
+            off = zeros
+        if shp == shape:
+            shp = shape
         form = get("form", "array")
         if form == "packed":
             bo, crc = get("byte_offset"), get("crc32")
@@ -298,7 +311,7 @@ def _chunks_fast(raw: list[Any], ndim: int, itemsize: int, world_size: int) -> t
             c,
             "__dict__",
             {
-                "offset": tuple(off),
+                "offset": off,
                 "shape": shp,
                 "key": key,
                 "rank": rank,
@@ -620,6 +633,9 @@ class TensorEntry:
         raw = d.get("chunks")
         if type(dtype) is not str or shape is None or type(raw) is not list or len(raw) > MAX_CHUNKS:
             return None
+        if len(_SHAPES) > 4096:
+            _SHAPES.clear()
+        shape = _SHAPES.setdefault(shape, shape)
         itemsize = _ITEMSIZES.get(dtype)
         if itemsize is None:
             if dtype not in DTYPES:
@@ -628,7 +644,7 @@ class TensorEntry:
         elements = math.prod(shape)
         if elements > MAX_ELEMENTS or elements * itemsize > MAX_TENSOR_BYTES:
             return None
-        chunks = _chunks_fast(raw, len(shape), itemsize, world_size)
+        chunks = _chunks_fast(raw, shape, itemsize, world_size)
         if chunks is None:
             return None
         pl = d.get("placement")
@@ -747,8 +763,9 @@ def _checksum_state(data: bytes) -> bool | None:
     m = _CHECKSUM_TAIL.search(data, max(0, len(data) - 200))
     if m is None:
         return None
-    body = data[: m.start()] + b"}"
-    return hashlib.sha256(body).hexdigest().encode() == m.group(1)
+    h = hashlib.sha256(memoryview(data)[: m.start()])  # (no copy of a manifest of megabytes)
+    h.update(b"}")
+    return h.hexdigest().encode() == m.group(1)
 
 
 #: How a rank's claim of a location begins (see :class:`Claim`).
