@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import emit, load_average, markdown_table, out_dir, remove, run_child  # noqa: E402
+from _common import cpu_seconds, emit, load_average, markdown_table, median, out_dir, remove, run_child  # noqa: E402
 
 HIDDEN, FFN, VOCAB = 1024, 4096, 32768
 NV = ("xckpt.convert, verify=False", "-nv")
@@ -165,6 +165,7 @@ def child(mode: str, src: str, dst: str) -> None:
         pass
     verify = not mode.endswith(NV[1])
     mode = mode.removesuffix(NV[1])
+    cpu = cpu_seconds()
     t = time.perf_counter()
     if mode == "convert-hf":
         xckpt.convert(src, dst, to_format="safetensors", verify=verify)
@@ -190,7 +191,7 @@ def child(mode: str, src: str, dst: str) -> None:
     else:
         raise SystemExit(f"unknown mode {mode}")
     seconds = time.perf_counter() - t
-    emit({"seconds": seconds, "growth": _rss("VmHWM:") - base, "np": np.__version__})
+    emit({"seconds": seconds, "cpu": cpu_seconds() - cpu, "growth": _rss("VmHWM:") - base, "np": np.__version__})
 
 
 def _np(t: Any) -> Any:
@@ -230,6 +231,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--only", default=",".join(ROUTES), help=f"routes, comma-separated: {', '.join(ROUTES)}")
+    ap.add_argument("--systems", default="", help="only the systems whose child mode contains one of these "
+                    "comma-separated words (e.g. convert, full, -nv)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per system; the table shows the median")
+    ap.add_argument("--reuse", action="store_true", help="keep the DCP and HF sources of a previous run of this size")
     ap.add_argument("--no-check", action="store_true", help="skip comparing outputs with the source")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -237,11 +242,15 @@ def main() -> None:
         child(*args.child)
         return
     work = out_dir() / "convert"
-    remove(work)
-    work.mkdir(parents=True)
     layers = _layers_for(args.size_gib)
     dcp_dir = str(work / "dcp")
-    make_dcp(dcp_dir, layers)
+    stamp_file = work / "layers"
+    reuse = args.reuse and stamp_file.exists() and stamp_file.read_text() == str(layers)
+    if not reuse:
+        remove(work)
+        work.mkdir(parents=True)
+        make_dcp(dcp_dir, layers)
+        stamp_file.write_text(str(layers))
     size = sum(os.path.getsize(os.path.join(dcp_dir, f)) for f in os.listdir(dcp_dir))
     print(f"DCP checkpoint: {size / 2**30:.2f} GiB, {len(layer_shapes(layers))} tensors, 2 ranks; load {load_average()}")
     hf_dir = str(work / "hf")
@@ -251,10 +260,11 @@ def main() -> None:
         if not have_orbax:
             print("hf-orbax: skipped (no orbax writer, xckpt/converters/orbax_write.py)")
             routes.remove("hf-orbax")
-        else:
+        elif not os.path.isdir(hf_dir):
             import xckpt
 
             xckpt.convert(dcp_dir, hf_dir, to_format="safetensors", max_shard_size="2GB", show_progress=False)
+    words = [w for w in args.systems.split(",") if w]
     rows, results = [], []
     for route in routes:
         source, target, systems = ROUTES[route]
@@ -263,30 +273,42 @@ def main() -> None:
             os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir)
         )
         for system, mode in systems:
+            if words and not any(w in mode for w in words):
+                continue
             dst = str(work / f"out-{mode}" / "ckpt") if target != "torch.save file" else str(work / f"{mode}.pt")
-            if target in ("torch.save file",):
-                remove(dst)
-            else:
-                remove(os.path.dirname(dst))
-                os.makedirs(os.path.dirname(dst))
-            r = run_child(__file__, ["--child", mode, src, dst], timeout=1800)
-            if not args.no_check:
-                check(src, dst, target)
-            r.update(route=route, system=system, source_bytes=src_size)
+            runs = []
+            for i in range(args.repeat):
+                if target in ("torch.save file",):
+                    remove(dst)
+                else:
+                    remove(os.path.dirname(dst))
+                    os.makedirs(os.path.dirname(dst))
+                r = run_child(__file__, ["--child", mode, src, dst], timeout=1800)
+                if not args.no_check and i == 0:
+                    check(src, dst, target)
+                runs.append(r)
+                print(f"  {route:10s} {system:40s} {r['seconds']:6.2f} s  {r['cpu']:6.2f} s CPU  "
+                      f"{r['growth'] / 2**20:7.0f} MiB", flush=True)
+                remove(os.path.dirname(dst) if target != "torch.save file" else dst)
+            r = dict(runs[0])
+            for k in ("seconds", "cpu", "growth"):
+                r[k] = median([x[k] for x in runs])
+            r.update(route=route, system=system, source_bytes=src_size, runs=runs)
             results.append(r)
             rows.append(
                 (
                     f"{source} -> {target}",
                     system,
                     r["seconds"],
+                    r["cpu"],
                     r["growth"] / 2**20,
                     r["growth"] / src_size,
                 )
             )
-            print(f"  {route:10s} {system:40s} {r['seconds']:6.1f} s  {r['growth'] / 2**20:7.0f} MiB", flush=True)
-            remove(os.path.dirname(dst) if target != "torch.save file" else dst)
     print()
-    print(markdown_table(["conversion", "system", "time (s)", "peak RSS growth (MiB)", "growth / checkpoint"], rows))
+    print(markdown_table(
+        ["conversion", "system", "time (s)", "CPU (s)", "peak RSS growth (MiB)", "growth / checkpoint"], rows
+    ))
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     (out_dir() / "convert.json").write_text(
         json.dumps({"when": stamp, "size_bytes": size, "load": load_average(), "results": results}, indent=1)

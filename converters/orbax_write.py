@@ -468,7 +468,7 @@ def _write_tensor(job: Any, leaf: _Leaf, kv: dict[str, Any], ctx: Any, txn: _Txn
         # zarr stores nothing for an empty array; orbax restores it from .zarray alone.
         return
     bound = txn.txn
-    for chunk, data in job.chunks(leaf.tensor):
+    for chunk, data in job.chunks(leaf.tensor, reuse=True):  # written (copied into the transaction) before the next
         if data.size == 0:
             continue
         for offset, piece in _slabs(chunk.offset, data, leaf.grid[0] if leaf.grid else 1):

@@ -122,7 +122,7 @@ def write(job: Any) -> None:
             t = job.info(name)
             chunks = []
             # A tensor with no stored chunk (empty) still gets one, as DCP writes empty shards.
-            pieces = job.chunks(name) if t.chunks else iter([(None, np.empty(t.shape, dtype=t.np_dtype))])
+            pieces = job.chunks(name, reuse=True) if t.chunks else iter([(None, np.empty(t.shape, dtype=t.np_dtype))])
             i = 0  # not enumerate(): its reused result tuple would keep the last chunk alive
             for chunk, data in pieces:
                 offset, rank = (chunk.offset, chunk.rank) if chunk is not None else ((0,) * len(t.shape), 0)
