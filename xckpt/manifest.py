@@ -245,6 +245,14 @@ ZEROS = tuple((0,) * n for n in range(MAX_NDIM + 1))
 _SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
+def shared_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` (a tuple of ints), or an equal tuple seen before: the tensors of one shape
+    share one tuple (less to allocate, less for the garbage collector to walk)."""
+    if len(_SHAPES) > 4096:
+        _SHAPES.clear()
+    return _SHAPES.setdefault(shape, shape)
+
+
 def _chunks_fast(raw: list[Any], shape: tuple[int, ...], itemsize: int, world_size: int) -> tuple[Chunk, ...] | None:
     """The chunks of a tensor entry when every one passes every check of
     :meth:`Chunk.from_json` and :meth:`TensorEntry.from_json`; None when any might
@@ -633,9 +641,7 @@ class TensorEntry:
         raw = d.get("chunks")
         if type(dtype) is not str or shape is None or type(raw) is not list or len(raw) > MAX_CHUNKS:
             return None
-        if len(_SHAPES) > 4096:
-            _SHAPES.clear()
-        shape = _SHAPES.setdefault(shape, shape)
+        shape = shared_shape(shape)
         itemsize = _ITEMSIZES.get(dtype)
         if itemsize is None:
             if dtype not in DTYPES:

@@ -58,6 +58,7 @@ from xckpt.errors import (
 )
 from xckpt.layout import Box
 from xckpt.manifest import (
+    ZEROS,
     Chunk,
     Claim,
     Manifest,
@@ -71,6 +72,7 @@ from xckpt.manifest import (
     manifest_bytes,
     parse_claim,
     paused_gc,
+    shared_shape,
     unchecked,
 )
 from xckpt.storage import Location, Storage, inner_chunk_shape, packed_grid, storage_error
@@ -322,11 +324,11 @@ class Writer:
         the tensor (an empty shard stores nothing).
         """
         arr = array if type(array) is np.ndarray else np.asarray(array)
-        shape = arr.shape
+        shape = shared_shape(arr.shape)
         tensors = self._tensors
         declared = False
         if global_shape is None and offset is None:
-            gshape, off = shape, (0,) * len(shape)  # the whole tensor
+            gshape, off = shape, ZEROS[len(shape)] if len(shape) < len(ZEROS) else (0,) * len(shape)  # whole tensor
             if name not in tensors and name not in self._objects and placement is None and value_range is None:
                 # A whole tensor's first (usually only) write, the many-small-tensors case:
                 # declare() inline, without its checks of an earlier declaration.
