@@ -17,7 +17,8 @@ root as ``python bench/<name>.py``, which puts ``bench/`` on ``sys.path``):
   :func:`spec_bytes`, :func:`np_dtype`, :func:`bits` (bit-exact comparison),
   :func:`to_torch` / :func:`from_torch` (zero-copy, bfloat16 included).
 - :func:`fsync_tree` -- fsync every file and directory under a path.
-- :func:`median`, :func:`markdown_table`, :func:`load_average`, :func:`remove`.
+- :func:`median`, :func:`markdown_table`, :func:`load_average`, :func:`remove`,
+  :func:`parse_size` (``256K``, ``4M``), :func:`disk_usage` (files and bytes under a path).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -53,6 +55,8 @@ __all__ = [
     "markdown_table",
     "load_average",
     "remove",
+    "parse_size",
+    "disk_usage",
     "SEED",
     "Spec",
     "workload_spec",
@@ -212,6 +216,26 @@ def fsync_tree(path: str | os.PathLike[str]) -> int:
         sync(p, os.O_RDONLY)
     sync(p.parent, os.O_RDONLY | os.O_DIRECTORY)
     return n
+
+
+def parse_size(s: str | int) -> int:
+    """Bytes of ``"262144"``, ``"256K"``, ``"4M"``, ``"1GiB"``."""
+    if isinstance(s, int):
+        return s
+    m = re.fullmatch(r"(\d+)([KMG]?)(i?B)?", s.strip(), re.IGNORECASE)
+    if not m:
+        raise SystemExit(f"cannot read size {s!r} (e.g. 262144, 256K, 4M)")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def disk_usage(path: Path) -> tuple[int, int]:
+    """(files, bytes) under ``path``."""
+    files = nbytes = 0
+    for root, _dirs, names in os.walk(path):
+        for n in names:
+            files += 1
+            nbytes += os.path.getsize(os.path.join(root, n))
+    return files, nbytes
 
 
 def median(xs: Sequence[float]) -> float:

@@ -62,13 +62,10 @@ Results: markdown tables on stdout and ``bench/out/io.json``.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import datetime
 import gc
-import io
 import json
 import os
-import pstats
 import re
 import sys
 import tempfile
@@ -86,6 +83,7 @@ from _common import (  # noqa: E402,F401  (workload helpers re-exported: formats
     cpu_seconds,
     current_rss_mib,
     dd_ceiling,
+    disk_usage,
     drop_caches,
     emit,
     from_torch,
@@ -96,6 +94,7 @@ from _common import (  # noqa: E402,F401  (workload helpers re-exported: formats
     median,
     np_dtype,
     out_dir,
+    parse_size,
     peak_rss_mib,
     remove,
     reset_peak_rss,
@@ -104,6 +103,7 @@ from _common import (  # noqa: E402,F401  (workload helpers re-exported: formats
     to_torch,
     workload_spec,
 )
+from _profile import profiled, strace_counts, strace_prefix  # noqa: E402
 
 SYSTEMS = ("xckpt", "xckpt-torch", "dcp", "orbax", "safetensors", "safetensors+fsync", "torch.save",
            "torch.save+fsync")
@@ -123,15 +123,6 @@ SWEEP_INNER = ("4M", "16M", "64M")
 
 # ---------------------------------------------------------------------------
 # Systems (used in the child processes; each imports its framework lazily)
-
-
-def parse_size(s: str | int) -> int:
-    if isinstance(s, int):
-        return s
-    m = re.fullmatch(r"(\d+)([KMG]?)(i?B)?", s.strip(), re.IGNORECASE)
-    if not m:
-        raise SystemExit(f"cannot read size {s!r} (e.g. 262144, 256K, 4M)")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
 
 
 def parse_system(label: str) -> tuple[str, dict[str, str]]:
@@ -417,68 +408,7 @@ def child_main(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Profiling (child side): cProfile of one save or one load
-
-_PHASES = {
-    "save": [
-        ("xckpt.save (total)", "xckpt.writer.save"),
-        ("xckpt.torch.save (total)", "xckpt.torch._save.save"),
-        ("Writer.__init__ (claim the location)", "xckpt.writer.Writer.__init__"),
-        ("Writer.write (per tensor: checks, crc32, pack)", "xckpt.writer.Writer.write"),
-        ("Writer._flush (open + write + commit arrays)", "xckpt.writer.Writer._flush"),
-        ("Writer.commit (packed array, manifests)", "xckpt.writer.Writer.commit"),
-        ("Writer.manifest (build dataclasses)", "xckpt.writer.Writer.manifest"),
-        ("Manifest.to_json", "xckpt.manifest.Manifest.to_json"),
-        ("Storage.create_array (spec + open)", "xckpt.storage.Storage.create_array"),
-        ("Storage.write_key (manifest files)", "xckpt.storage.Storage.write_key"),
-    ],
-    "load": [
-        ("xckpt.load (total)", "xckpt.formats.load"),
-        ("xckpt.torch.load (total)", "xckpt.torch._load.load"),
-        ("xckpt.open (detect + open)", "xckpt.formats.open"),
-        ("Checkpoint.__init__ (read + validate manifest)", "xckpt.reader.Checkpoint.__init__"),
-        ("Manifest.loads (parse + validate)", "xckpt.manifest.Manifest.loads"),
-        ("reader.validate (coverage)", "xckpt.reader.validate"),
-        ("Source.read_all (allocate + read)", "xckpt.source.Source.read_all"),
-        ("Checkpoint.read_all", "xckpt.reader.Checkpoint.read_all"),
-        ("Source.read_into (plan + read)", "xckpt.source.Source.read_into"),
-        ("layout.plan_reads", "xckpt.layout.plan_reads"),
-        ("Checkpoint._read_chunks", "xckpt.reader.Checkpoint._read_chunks"),
-        ("Checkpoint._read_arrays", "xckpt.reader.Checkpoint._read_arrays"),
-        ("Checkpoint._read_packed", "xckpt.reader.Checkpoint._read_packed"),
-        ("Checkpoint.objects", "xckpt.reader.Checkpoint.objects"),
-    ],
-}
-
-
-def _code_key(dotted: str) -> tuple[str, int, str] | None:
-    """cProfile's key (file, first line, name) of a function given by dotted path."""
-    import importlib
-    import inspect
-
-    parts = dotted.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr, None)
-        code = getattr(inspect.unwrap(obj), "__code__", None) if obj is not None else None
-        return (code.co_filename, code.co_firstlineno, code.co_name) if code else None
-    return None
-
-
-def phase_table(stats: pstats.Stats, op: str) -> str:
-    """Cumulative seconds and call counts of xckpt's main functions (those that ran)."""
-    rows = []
-    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    for label, dotted in _PHASES[op]:
-        hit = raw.get(_code_key(dotted))
-        if hit:
-            rows.append((label, hit[1], hit[3]))
-    return markdown_table(["phase", "calls", "cumulative s"], rows)
-
+# Profiling (child side): cProfile of one save or one load (helpers in bench/_profile.py)
 
 def profile_child(args: argparse.Namespace) -> None:
     """cProfile one save (``--profile-child save``) or one load, in this fresh process."""
@@ -497,27 +427,14 @@ def profile_child(args: argparse.Namespace) -> None:
             if system.lazy:
                 touch(system, out)
             return out
-    prof = cProfile.Profile()
 
-    def profiled() -> Any:
-        prof.enable()
-        try:
-            return fn()
-        finally:
-            prof.disable()
-
-    out, m = timed(profiled)
+    out, m, stats_text = profiled(fn, timed, "save" if op == "save" else "load")
     if op != "save":
         verify(system, spec, out)
-    report = io.StringIO()
-    stats = pstats.Stats(prof, stream=report)
-    report.write(f"\n#### {args.workload} {args.system} {args.temp or op}: {m['seconds']:.3f} s wall, "
-                 f"{m['cpu_s']:.3f} s CPU (all threads), peak RSS growth {m['peak_rss_mib'] - m['rss_before_mib']:.0f}"
-                 f" MiB (under cProfile; main thread only below)\n\n")
-    report.write(phase_table(stats, "save" if op == "save" else "load") + "\n\n```\n")
-    stats.sort_stats("tottime").print_stats(15)
-    report.write("```\n")
-    emit({"report": report.getvalue()})
+    title = (f"\n#### {args.workload} {args.system} {args.temp or op}: {m['seconds']:.3f} s wall, "
+             f"{m['cpu_s']:.3f} s CPU (all threads), peak RSS growth "
+             f"{m['peak_rss_mib'] - m['rss_before_mib']:.0f} MiB (under cProfile; main thread only below)\n\n")
+    emit({"report": title + stats_text})
 
 
 def profile_main(args: argparse.Namespace, root: Path) -> None:
@@ -547,18 +464,8 @@ def syscall_counts(args: argparse.Namespace, wl: str, label: str, root: Path) ->
     rows = []
     for op in ("save", "load"):
         log = root / f"strace-{wl}-{op}.log"
-        prefix = ["strace", "-f", "-y", "-o", str(log), "-e",
-                  "trace=openat,fsync,fdatasync,rename,renameat,renameat2,pwrite64,pwritev,pwritev2,write,writev,"
-                  "pread64,preadv,preadv2,read,readv,mmap"]
-        run_child(script, child_args(args, op, wl, label, path), prefix=prefix)
-        counts: dict[str, int] = {}
-        for line in log.read_text().splitlines():
-            if str(path) not in line:
-                continue
-            m = re.match(r"\d+\s+(\w+)\(", line)
-            if m:
-                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-        log.unlink()
+        run_child(script, child_args(args, op, wl, label, path), prefix=strace_prefix(log))
+        counts = strace_counts(log, path)
         rows.append((op, ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))))
     remove(path)
     return f"\nsyscalls on {wl} checkpoint files (strace -f -y):\n\n" + markdown_table(
@@ -575,16 +482,6 @@ def child_args(args: argparse.Namespace, op: str, workload: str, system: str, pa
         "--child", op, "--workload", workload, "--system", system, "--path", str(path),
         "--size-gib", str(args.size_gib), *(["--torch-mmap"] if args.torch_mmap else ["--no-torch-mmap"]),
     ]
-
-
-def disk_usage(path: Path) -> tuple[int, int]:
-    """(files, bytes) under ``path``."""
-    files = nbytes = 0
-    for root, _dirs, names in os.walk(path):
-        for n in names:
-            files += 1
-            nbytes += os.path.getsize(os.path.join(root, n))
-    return files, nbytes
 
 
 def system_labels(args: argparse.Namespace, workload: str) -> list[str]:
@@ -612,7 +509,8 @@ def system_labels(args: argparse.Namespace, workload: str) -> list[str]:
 
 def _growth(r: dict[str, list[float]], temp: str, nbytes: int, key: str = "peak_rss_mib") -> float:
     """Median over runs of (``key`` - RSS before) in units of the bytes loaded."""
-    xs = [(a - b) * (1 << 20) / nbytes for a, b in zip(r.get(f"{temp}_{key}", []), r.get(f"{temp}_rss_before_mib", []))]
+    pairs = zip(r.get(f"{temp}_{key}", []), r.get(f"{temp}_rss_before_mib", []))
+    xs = [max(0.0, a - b) * (1 << 20) / nbytes for a, b in pairs]
     return median(xs)
 
 
@@ -632,7 +530,8 @@ def run_workload(args: argparse.Namespace, workload: str, root: Path, dropped: l
             path = root / f"{workload}-{re.sub(r'[^A-Za-z0-9.=+-]', '_', label)}-{rep}"
             remove(path)
             same = args.same_process and label == labels[0]
-            s = run_child(script, child_args(args, "save", workload, label, path) + (["--then-load"] if same else []))
+            argv = child_args(args, "save", workload, label, path) + (["--then-load"] if same else [])
+            s = run_child(script, argv)
             disk[label] = disk_usage(path)
             r = runs[label]
             for k in keys:
@@ -722,7 +621,8 @@ def verdicts(results: dict[str, Any], dd: dict[str, float]) -> list[str]:
         text = f"W1 {temp} load {cmp} safetensors"
         if x1 and st and f"{temp}_s" in x1:
             q = x1[f"{temp}_s"] / st[f"{temp}_s"]
-            line(text, q <= want, f"xckpt {x1[f'{temp}_s']:.3f} s / safetensors {st[f'{temp}_s']:.3f} s = {q:.2f}x")
+            line(text, q <= want,
+                 f"xckpt {x1[f'{temp}_s']:.3f} s / safetensors {st[f'{temp}_s']:.3f} s = {q:.2f}x")
         else:
             line(text, None, f"needs xckpt and safetensors with {temp} loads in the run")
     if x1:
@@ -740,18 +640,21 @@ def verdicts(results: dict[str, Any], dd: dict[str, float]) -> list[str]:
             line(text, None, f"needs xckpt and {name} on W1 in the run")
     x2, stf2 = (results["W2"]["rows"][0] if "W2" in results else None), row("W2", "safetensors+fsync")
     if x2 and stf2:
-        qs = {t: (x2["save_s"] + x2[f"{t}_s"]) / (stf2["save_s"] + stf2[f"{t}_s"]) for t in results["W2"]["temps"]}
+        qs = {t: (x2["save_s"] + x2[f"{t}_s"]) / (stf2["save_s"] + stf2[f"{t}_s"])
+              for t in results["W2"]["temps"]}
         line("W2 save + load within 1.5x of safetensors+fsync", all(q <= 1.5 for q in qs.values()),
              ", ".join(f"{t}: {q:.2f}x" for t, q in qs.items()))
     else:
-        line("W2 save + load within 1.5x of safetensors+fsync", None, "needs xckpt and safetensors+fsync on W2")
+        line("W2 save + load within 1.5x of safetensors+fsync", None,
+             "needs xckpt and safetensors+fsync on W2")
     for name, kind in ((x1["system"] if x1 else "xckpt", "numpy"), ("xckpt-torch", "torch")):
         r = row("W1", name)
         text = f"W1 peak load RSS growth <= 1.15x bytes loaded, {kind} target ({name})"
         temps = results["W1"]["temps"] if r else []
         if r and temps:
             gs = {t: r[f"{t}_rss_growth_x"] for t in temps}
-            line(text, all(g <= 1.15 for g in gs.values()), ", ".join(f"{t}: {g:.2f}x" for t, g in gs.items()))
+            line(text, all(g <= 1.15 for g in gs.values()),
+                 ", ".join(f"{t}: {g:.2f}x" for t, g in gs.items()))
         else:
             line(text, None, f"needs {name} on W1 in the run")
     return out
@@ -808,12 +711,14 @@ def main() -> None:
     started = datetime.datetime.now(datetime.timezone.utc)
     print(f"# bench/io.py  {started:%Y-%m-%d %H:%M} UTC  cpus {os.cpu_count()}  "
           f"load avg {load_average()}  dir {root}")
-    dd = dd_ceiling(root, max(16, int(min(args.size_gib, 1.0) * 1024)))
+    # dd writes as many bytes as W1 has (64 MiB to 4 GiB): the ceiling its save is compared with.
+    dd_mib = min(4096, max(64, spec_bytes(workload_spec("W1", args.size_gib)) >> 20))
+    dd = dd_ceiling(root, dd_mib)
     print(f"dd ceiling (16 MiB blocks, direct I/O, {dd['bytes'] / 1e9:.2f} GB): write "
           f"{dd['write_gbps']:.2f} GB/s, read {dd['read_gbps']:.2f} GB/s", flush=True)
     dropped: list[bool] = []
     results = {wl: run_workload(args, wl, root, dropped) for wl in args.workload.split(",")}
-    cold_note = "" if all(dropped) else "; COLD LOADS ARE NOT COLD (page cache could not be dropped: not root)"
+    cold_note = "" if all(dropped) else "; COLD LOADS ARE NOT COLD (page cache not dropped: not root)"
     print(f"\nloads: {' and '.join(args.temps)}, each in a fresh process, medians of {args.repeats}; "
           f"torch.load mmap={args.torch_mmap}; load avg now {load_average()}{cold_note}\n")
     for wl, res in results.items():
