@@ -75,7 +75,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 def worker(kind: str, root: str, seed: int, frac: float) -> None:
     """One killed save (runs in a forked child; see the module docstring)."""
     target = os.path.join(root, "target")
-    storage = "plain" if seed % 2 else "ocdbt"
+    storage = ("ocdbt", "plain", "files")[seed % 3]
     # Warm up (tensorstore's drivers and thread pools start on first use), so the timed
     # save below takes as long as the save under test.
     xckpt.save(data(0, small=2), os.path.join(root, "warm"), storage=storage)

@@ -64,7 +64,7 @@ def test_every_dtype_round_trips_bit_exact(tmp_path, dtype, form):
     assert same_bits(ck.read("a", (slice(3, 17), slice(1, 5))), a[3:17, 1:5])
 
 
-@pytest.mark.parametrize("storage", ["ocdbt", "plain"])
+@pytest.mark.parametrize("storage", ["ocdbt", "plain", "files"])
 def test_scalars_empty_tensors_and_objects(tmp_path, storage):
     data = {
         "scalar": np.array(3.5, dtype=np.float32),
@@ -161,7 +161,7 @@ def chunk_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != "zarr.json" and "ranks" not in p.parts and p.name != "xckpt.json")
 
 
-@pytest.mark.parametrize("storage", ["plain", "ocdbt"])
+@pytest.mark.parametrize("storage", ["plain", "ocdbt", "files"])
 @pytest.mark.parametrize("form", ["array", "packed"])
 def test_flipped_byte_is_a_corrupt_chunk_naming_the_tensor(tmp_path, storage, form):
     a = random_array("float32", (300, 300) if form == "array" else (100, 100))
@@ -376,7 +376,7 @@ def test_many_small_tensors_are_packed_into_few_files(tmp_path):
 @pytest.mark.parametrize("storage", [None, "ocdbt"])
 def test_chunks_readable_with_plain_tensorstore(tmp_path, storage):
     """The README recipe: follow the manifest, open the chunk's zarr v3 array
-    (a local directory defaults to "plain": the array's own directory)."""
+    (a local directory defaults to "files": the array's own directory, chunk keys c.<i>.<j>)."""
     import tensorstore as ts
 
     a = random_array("float32", (300, 300))
@@ -384,7 +384,7 @@ def test_chunks_readable_with_plain_tensorstore(tmp_path, storage):
     m = json.loads((tmp_path / "c" / "xckpt.json").read_text())
     chunk = m["tensors"]["w"]["chunks"][0]
     rank_dir, rest = chunk["key"].split("/", 2)[1], chunk["key"].split("/", 2)[2]
-    assert m["storage"][rank_dir] == (storage or "plain")
+    assert m["storage"][rank_dir] == (storage or "files")
     if storage == "ocdbt":
         kvstore: Any = {"driver": "ocdbt", "base": f"file://{tmp_path}/c/data/{rank_dir}/", "path": rest + "/"}
     else:
@@ -413,7 +413,7 @@ def test_golden_v1_checkpoint_loads_unchanged():
     assert os.path.exists(root / "ckpt" / "xckpt.json")
 
 
-@pytest.mark.parametrize("storage", ["ocdbt", "plain"])
+@pytest.mark.parametrize("storage", ["ocdbt", "plain", "files"])
 def test_all_zero_chunks_are_stored(tmp_path, storage):
     """tensorstore skips chunks equal to the fill value unless told otherwise; a reader
     that treats a missing chunk as damage needs them on disk."""

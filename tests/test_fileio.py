@@ -47,15 +47,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("sep", ["/", "."])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_files_are_byte_identical_to_tensorstore(tmp_path, dtype):
+def test_files_are_byte_identical_to_tensorstore(tmp_path, dtype, sep):
     """What _fileio writes is exactly what tensorstore's zarr3 driver writes (chunk files
     byte for byte, zarr.json as JSON), and each reads the other's."""
     for i, (shape, grid) in enumerate(CASES):
         a = _array(dtype, shape, i)
         ours, theirs = tmp_path / f"ours{i}", tmp_path / f"ts{i}"
-        _fileio.write_arrays(str(ours), [_fileio.ArrayWrite("arr", dtype, a, grid)])
-        spec = array_spec(f"file://{theirs}/arr/", dtype, shape, grid)
+        _fileio.write_arrays(str(ours), [_fileio.ArrayWrite("arr", dtype, a, grid, sep)])
+        spec = array_spec(f"file://{theirs}/arr/", dtype, shape, grid, sep)
         spec["store_data_equal_to_fill_value"] = True
         ts.open(spec, create=True).result().write(a).result()
         mine, ref = _tree(ours), _tree(theirs)
@@ -70,9 +71,9 @@ def test_files_are_byte_identical_to_tensorstore(tmp_path, dtype):
         assert got.tobytes() == a.tobytes()
         out = np.empty(shape, _np(dtype))
         region = tuple(slice(0, s) for s in shape)
-        _fileio.read_chunks(str(theirs), [_fileio.ChunkRead("arr", shape, grid, region, out)])
+        _fileio.read_chunks(str(theirs), [_fileio.ChunkRead("arr", shape, grid, region, out, sep)])
         assert out.tobytes() == a.tobytes()
-        _fileio.check_meta(str(ours), "arr", dtype, shape, grid)
+        _fileio.check_meta(str(ours), "arr", dtype, shape, grid, sep)
 
 
 @settings(max_examples=60, deadline=None)
@@ -105,7 +106,7 @@ def _saved(tmp_path: Path) -> tuple[Path, np.ndarray, str]:
     a = _array("float32", (2048, 300), 3)
     xckpt.save({"w": a, "small": np.arange(10.0)}, tmp_path / "c")
     m = json.loads((tmp_path / "c" / "xckpt.json").read_text())
-    assert m["storage"] == {"0": "plain"}
+    assert m["storage"] == {"0": "files"}
     return tmp_path / "c", a, m["tensors"]["w"]["chunks"][0]["key"]
 
 
@@ -115,16 +116,16 @@ def test_default_local_save_is_plain_and_round_trips(tmp_path):
     assert got["w"].tobytes() == a.tobytes() and got["small"].tolist() == list(np.arange(10.0))
     with xckpt.open(path) as ck:
         assert ck.read("w", np.s_[100:1900, 7:200]).tobytes() == a[100:1900, 7:200].tobytes()
-    assert (path / key / "zarr.json").exists() and (path / key / "c" / "0" / "0").exists()
+    assert (path / key / "zarr.json").exists() and (path / key / "c.0.0").exists()
 
 
 def test_flipped_byte_is_a_corrupt_chunk_error(tmp_path):
     path, _a, key = _saved(tmp_path)
-    f = path / key / "c" / "1" / "0"
+    f = path / key / "c.1.0"
     data = bytearray(f.read_bytes())
     data[100] ^= 0x40
     f.write_bytes(bytes(data))
-    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*c/1/0 fails its crc32c check"):
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*c.1.0 fails its crc32c check"):
         xckpt.load(path)
     # a read that does not touch the damaged inner chunk still works
     with xckpt.open(path) as ck:
@@ -133,13 +134,13 @@ def test_flipped_byte_is_a_corrupt_chunk_error(tmp_path):
 
 def test_missing_and_truncated_chunk_files(tmp_path):
     path, _a, key = _saved(tmp_path)
-    f = path / key / "c" / "2" / "0"
+    f = path / key / "c.2.0"
     data = f.read_bytes()
     f.write_bytes(data[:-9])
     with pytest.raises(CorruptChunkError, match=rf"tensor 'w'.*holds {len(data) - 9} bytes, expected {len(data)}"):
         xckpt.load(path)
     os.unlink(f)
-    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*chunk file .*c/2/0 is missing.*xckpt verify"):
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*chunk file .*c.2.0 is missing.*xckpt verify"):
         xckpt.load(path)
 
 
@@ -164,11 +165,11 @@ def test_verify_reads_files_directly_and_names_the_damage(tmp_path):
     path, _a, key = _saved(tmp_path)
     with xckpt.open(path) as ck:
         assert ck.verify() == []
-    f = path / key / "c" / "2" / "0"
+    f = path / key / "c.2.0"
     data = bytearray(f.read_bytes())
     data[-1] ^= 1  # the stored crc32c itself
     f.write_bytes(bytes(data))
     with xckpt.open(path) as ck:
         problems = ck.verify()
-    assert len(problems) == 1 and "tensor 'w'" in problems[0] and "c/2/0 fails its crc32c check" in problems[0]
+    assert len(problems) == 1 and "tensor 'w'" in problems[0] and "c.2.0 fails its crc32c check" in problems[0]
 

@@ -139,7 +139,7 @@ def test_rank_local_overwrite_with_fewer_ranks_opens(tmp_path):
 # -- byte flips ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("storage", ["ocdbt", "plain"])
+@pytest.mark.parametrize("storage", ["ocdbt", "plain", "files"])
 def test_byte_flips_over_every_file_never_load_wrong(tmp_path, storage):
     """Flip bytes at spread positions of every file of a checkpoint (manifests, zarr metadata,
     chunks, OCDBT manifest and B-tree): a load raises an XckptError or returns exactly the
@@ -254,7 +254,7 @@ def test_racing_overwrites_give_all_of_one(tmp_path):
     tally = Tally("racing overwrites")
     for i in range(n):
         path = str(tmp_path / f"c{i}")
-        storage = "plain" if i % 2 else "ocdbt"
+        storage = ("ocdbt", "plain", "files")[i % 3]
         xckpt.save(data(i + 200, small=10), path, storage=storage)
         a, b = data(i, small=10), data(i + 100, small=10)
         res = _race([lambda d=d, path=path, storage=storage: xckpt.save(d, path, overwrite=True, storage=storage)
@@ -338,7 +338,7 @@ _FSIZE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("storage", ["ocdbt", "plain"])
+@pytest.mark.parametrize("storage", ["ocdbt", "plain", "files"])
 def test_file_too_large_is_a_storage_error(tmp_path, storage):
     """A save under RLIMIT_FSIZE: StorageError (an OSError with errno EFBIG) naming the
     checkpoint and the tensors, the underlying error as its cause; nothing opens; the
@@ -351,7 +351,7 @@ def test_file_too_large_is_a_storage_error(tmp_path, storage):
     assert out["raised"] == "StorageError" and out["oserror"] and out["errno"] == 27  # EFBIG
     # ocdbt goes through tensorstore (its ValueError is the cause); plain local files are
     # written directly (the OSError is).
-    assert out["cause"] == {"ocdbt": "ValueError", "plain": "OSError"}[storage]
+    assert out["cause"] == {"ocdbt": "ValueError", "plain": "OSError", "files": "OSError"}[storage]
     assert str(tmp_path / "c") in out["msg"] and "'w'" in out["msg"]
     assert "size limit" in out["msg"]
     assert out["after"] == "CheckpointNotFoundError" and out["earlier"] and out["resaved"]
@@ -414,6 +414,30 @@ def test_golden_v2_checkpoint_loads_unchanged():
     assert got["shape"] == tuple(expect["tagged_objects"]["shape"])
     assert got["blob"].hex() == expect["tagged_objects"]["blob_hex"]
     assert xckpt.open(root / "ckpt").verify() == []
+
+
+def test_golden_v3_checkpoint_loads_unchanged():
+    """Format version 3 (storage "files": chunk files c.<i>.<j>, one directory per array),
+    checked in; read directly and through tensorstore alike."""
+    import tensorstore as ts
+
+    root = Path(__file__).parent / "golden" / "v3"
+    expect = json.loads((root / "expected.json").read_text())
+    got = xckpt.load(root / "ckpt")
+    for name, spec in expect["tensors"].items():
+        arr = got[name]
+        assert arr.dtype == xckpt.manifest.numpy_dtype(spec["dtype"]) and list(arr.shape) == spec["shape"]
+        assert arr.tobytes().hex() == spec["hex"]
+    for name, value in expect["objects"].items():
+        assert got[name] == value
+    ck = xckpt.open(root / "ckpt")
+    assert ck.verify() == [] and ck.manifest.storage == {0: "files", 1: "files"}
+    c = ck.info("w").chunks[1]
+    assert (root / "ckpt" / c.key / "c.2.0").exists()  # row 11: the third chunk of rank 1's box
+    arr = ts.open({"driver": "zarr3", "kvstore": f"file://{root / 'ckpt' / c.key}/"}).result()
+    assert arr.read().result().tobytes() == got["w"][7:12].tobytes()
+    m = json.loads((root / "ckpt" / "xckpt.json").read_text())
+    assert m["version"] == 3 and m["storage"] == {"0": "files", "1": "files"}
 
 
 def test_verify_is_about_as_fast_as_a_load(tmp_path):

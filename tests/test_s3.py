@@ -60,7 +60,7 @@ def _same(got: dict, want: dict) -> None:
             assert got[k] == v, k
 
 
-@pytest.mark.parametrize("storage", ["ocdbt", "plain"])
+@pytest.mark.parametrize("storage", ["ocdbt", "plain", "files"])
 def test_save_load_bit_exact(s3, storage):
     spec, d = s3.fresh(), _data(1)
     xckpt.save(d, spec, storage=storage)

@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 import google_crc32c
 import numpy as np
 
+from xckpt.storage import key_encoding
+
 __all__ = ["local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "read_chunks"]
 
 #: Threads for chunk reads and writes: enough to keep a fast disk busy and to
@@ -118,9 +120,13 @@ def _zeros(nbytes: int) -> np.ndarray:
     return z[:nbytes]
 
 
-def chunk_file(key_dir: str, idx: Sequence[int]) -> str:
-    """The file of inner chunk ``idx`` of the array in ``key_dir``."""
-    return os.path.join(key_dir, "c", *map(str, idx)) if idx else os.path.join(key_dir, "c")
+def chunk_file(key_dir: str, idx: Sequence[int], sep: str = "/") -> str:
+    """The file of inner chunk ``idx`` of the array in ``key_dir`` (chunk key separator ``sep``)."""
+    if not idx:
+        return os.path.join(key_dir, "c")
+    if sep == ".":
+        return os.path.join(key_dir, "c." + ".".join(map(str, idx)))
+    return os.path.join(key_dir, "c", *map(str, idx))
 
 
 def _fill_value(dtype: str) -> Any:
@@ -145,11 +151,11 @@ def codecs_ok(codecs: Any) -> bool:
     return codecs == CODECS or codecs == CODECS_1
 
 
-def zarr_json(dtype: str, shape: Sequence[int], grid: Sequence[int]) -> bytes:
+def zarr_json(dtype: str, shape: Sequence[int], grid: Sequence[int], sep: str = "/") -> bytes:
     """The array metadata tensorstore writes for :func:`xckpt.storage.array_spec`."""
     meta = {
         "chunk_grid": {"configuration": {"chunk_shape": list(grid)}, "name": "regular"},
-        "chunk_key_encoding": {"name": "default"},
+        "chunk_key_encoding": key_encoding(sep),
         "codecs": CODECS_1 if dtype in _ONE_BYTE else CODECS,
         "data_type": dtype,
         "fill_value": _fill_value(dtype),
@@ -175,10 +181,12 @@ def stored_meta(root: str, key: str) -> dict[str, Any]:
     return meta
 
 
-def check_meta(root: str, key: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> None:
+def check_meta(
+    root: str, key: str, dtype: str, shape: Sequence[int], grid: Sequence[int], sep: str = "/"
+) -> None:
     """Raise ChunkFileError unless the stored metadata of ``key`` is the array the manifest claims."""
     meta = stored_meta(root, key)
-    want = json.loads(zarr_json(dtype, shape, grid))
+    want = json.loads(zarr_json(dtype, shape, grid, sep))
     if not codecs_ok(meta.get("codecs")):
         raise ChunkFileError(
             f"{os.path.join(root, key, 'zarr.json')}: codecs are {meta.get('codecs')!r}, expected {CODECS!r}"
@@ -199,12 +207,14 @@ def _grid_ranges(shape: Sequence[int], grid: Sequence[int]) -> list[range]:
 
 
 class ArrayWrite(NamedTuple):
-    """One array to write: ``key`` under the checkpoint root, its dtype name, data and grid."""
+    """One array to write: ``key`` under the checkpoint root, its dtype name, data, grid and
+    chunk key separator."""
 
     key: str
     dtype: str
     array: np.ndarray
     grid: Sequence[int]
+    sep: str = "/"
 
 
 def _write_file(path: str, parts: Sequence[Any]) -> None:
@@ -288,14 +298,17 @@ def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], 
     for a in arrays:
         key_dir = os.path.join(root, a.key)
         shape = a.array.shape
-        dirs = {os.path.join(key_dir, "c", *map(str, idx[:-1])) for idx in itertools.product(
-            *_grid_ranges(shape, a.grid)
-        )} if shape else {key_dir}
+        if shape and a.sep == "/":
+            dirs = {os.path.dirname(chunk_file(key_dir, idx)) for idx in itertools.product(
+                *_grid_ranges(shape, a.grid))}
+        else:
+            dirs = {key_dir}
         for d in dirs:
             _makedirs(d, made)
-        futs = [pool.submit(_write_file, os.path.join(key_dir, "zarr.json"), [zarr_json(a.dtype, shape, a.grid)])]
+        meta = zarr_json(a.dtype, shape, a.grid, a.sep)
+        futs = [pool.submit(_write_file, os.path.join(key_dir, "zarr.json"), [meta])]
         for idx in itertools.product(*_grid_ranges(shape, a.grid)):
-            futs.append(pool.submit(_write_chunk, chunk_file(key_dir, idx), a.array, a.grid, idx))
+            futs.append(pool.submit(_write_chunk, chunk_file(key_dir, idx, a.sep), a.array, a.grid, idx))
         tasks.append((a.array.nbytes, _all(futs)))
     first_err: BaseException | None = None
     for nbytes, fut in tasks:
@@ -356,6 +369,7 @@ class ChunkRead(NamedTuple):
     grid: tuple[int, ...]
     region: tuple[slice, ...]
     out: np.ndarray
+    sep: str = "/"
 
 
 def _inner_tasks(root: str, job: ChunkRead) -> Iterator[tuple[str, tuple[int, ...], tuple[slice, ...], tuple[slice, ...]]]:
@@ -372,7 +386,7 @@ def _inner_tasks(root: str, job: ChunkRead) -> Iterator[tuple[str, tuple[int, ..
         dest = tuple(
             slice(max(a, s) - a, min(b, s + g) - a) for a, b, s, g in zip(lo, hi, starts, job.grid)
         )
-        yield chunk_file(key_dir, idx), idx, inner, dest
+        yield chunk_file(key_dir, idx, job.sep), idx, inner, dest
 
 
 def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: np.ndarray) -> None:

@@ -7,11 +7,11 @@ checkpoint, byte counts that agree with the boxes) before anything is allocated
 or opened, and raises :class:`~xckpt.errors.ManifestError` (or
 :class:`~xckpt.errors.FormatVersionError`) naming the checkpoint and tensor.
 
-Format (version 2), one JSON object::
+Format (version 3), one JSON object::
 
-    {"format": "xckpt", "version": 2, "save_id": "...", "world_size": W,
+    {"format": "xckpt", "version": 3, "save_id": "...", "world_size": W,
      "rank": r | null,                       # null in the merged xckpt.json
-     "storage": {"<rank>": "ocdbt" | "plain"},  # how data/<rank>/ is organised
+     "storage": {"<rank>": "files" | "plain" | "ocdbt"},  # how data/<rank>/ is organised
      "tensors": {name: {"dtype", "shape", "chunks": [chunk...],
                         "placement"?: {...}, "value_range"?: {...}}},
      "objects": [{"name", "kind": "json" | "bytes", "per_rank", "rank", ...}],
@@ -24,7 +24,10 @@ checks the raw bytes without re-serialising anything. A manifest whose bytes fai
 it, or a version-2 manifest without it, is a :class:`~xckpt.errors.ManifestError`
 (a flipped byte can rename a tensor or drop every object; JSON alone cannot tell).
 Version 1 (the same document without ``checksum``) is still read. ``tensors``,
-``objects`` and ``storage`` are required in both versions.
+``objects`` and ``storage`` are required in every version. Version 3 adds the
+storage kind ``"files"``: plain zarr arrays whose chunk keys use the ``.`` separator
+(``c.0.0``: one directory per array, not one per row of chunks; see
+:mod:`xckpt.storage`); a version 2 reader would look for ``c/0/0`` and must refuse it.
 
 Limits come before allocation: every claim (number of dimensions, each extent, a
 tensor's elements and bytes, world size, chunks per tensor, key and name lengths,
@@ -79,9 +82,11 @@ __all__ = [
 ]
 
 FORMAT = "xckpt"
-VERSION = 2
+VERSION = 3
 #: Versions this xckpt reads (1: no checksum; 2: checksummed manifests).
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
+#: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
+STORAGE_KINDS = ("files", "plain", "ocdbt")
 
 #: Fixed bounds on what a manifest may claim (checked before anything is sized from it).
 MAX_WORLD_SIZE = 1 << 20
@@ -941,7 +946,7 @@ class Manifest:
             raise ManifestError(f"{where}: metadata must be an object")
         storage = {}
         for r, s in storage_raw.items():
-            if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in ("ocdbt", "plain"):
+            if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in STORAGE_KINDS:
                 raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}"[:300])
             storage[int(r)] = s
         for n in tensors_raw:

@@ -16,9 +16,16 @@ region or credentials are given: ``{"driver": "s3", "bucket": ..., "path": ...,
                           save has its own key space, so racing saves never
                           write into each other's data)
 
-``data/<rank>/`` is either an OCDBT database (``storage = "ocdbt"``, the
-default: few files however many arrays) or plain keys (``"plain"``, one file
-per zarr chunk); the manifest records which, per rank.
+``data/<rank>/`` is one of (the manifest records which, per rank):
+
+- ``"files"`` (the default on a local disk, format version 3): one directory per
+  zarr array holding ``zarr.json`` and its chunk files ``c.<i>.<j>`` (chunk key
+  separator ``.``); read and written directly by :mod:`xckpt._fileio` on a local
+  disk, through tensorstore elsewhere;
+- ``"plain"`` (versions 1 and 2): the same with the ``/`` separator, ``c/<i>/<j>``
+  (a directory per row of chunks: many more directories to create and fsync);
+- ``"ocdbt"`` (the default for object stores and ``memory://``): one OCDBT
+  database per rank, few objects however many arrays.
 
 The tensorstore :class:`Context` is built in :func:`default_context` once per
 process and passed explicitly to every open. One process-wide context is also
@@ -231,7 +238,18 @@ def _codecs() -> list[dict[str, Any]]:
     return [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
-def array_spec(kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> dict[str, Any]:
+#: The zarr chunk key separator of each storage kind.
+SEPARATOR = {"files": ".", "plain": "/", "ocdbt": "/"}
+
+
+def key_encoding(sep: str = "/") -> dict[str, Any]:
+    """zarr v3 ``chunk_key_encoding`` for separator ``sep`` (as tensorstore writes it)."""
+    return {"name": "default"} if sep == "/" else {"configuration": {"separator": sep}, "name": "default"}
+
+
+def array_spec(
+    kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[int], sep: str = "/"
+) -> dict[str, Any]:
     """A zarr v3 spec: regular grid, little-endian bytes, crc32c per chunk."""
     return {
         "driver": "zarr3",
@@ -239,7 +257,7 @@ def array_spec(kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[in
         "metadata": {
             "shape": list(shape),
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(grid)}},
-            "chunk_key_encoding": {"name": "default"},
+            "chunk_key_encoding": key_encoding(sep),
             "data_type": dtype,
             "codecs": _codecs(),
         },
@@ -365,7 +383,7 @@ class Storage:
         transaction: Any = None,
     ) -> Any:
         """A future for a new zarr v3 array at ``key`` (inside ``transaction`` if given)."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid)
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, SEPARATOR[storage])
         # Readers treat a missing zarr chunk as damage, so all-zero chunks must be stored too.
         spec["store_data_equal_to_fill_value"] = True
         return self._ts.open(spec, create=True, context=self.context, transaction=transaction)
@@ -379,7 +397,7 @@ class Storage:
     ) -> Any:
         """A future for an existing array, trusting the manifest for its metadata
         (no zarr.json read)."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid)
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, SEPARATOR[storage])
         # A missing chunk is damage, never zeros.
         spec["fill_missing_data_reads"] = False
         return self._ts.open(
@@ -391,7 +409,7 @@ class Storage:
     ) -> Any:
         """A future that fails unless the stored zarr metadata of ``key`` matches the manifest's
         claim (dtype, shape, grid): a claim checked against storage before anything is sized by it."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid)
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, SEPARATOR[storage])
         spec["fill_missing_data_reads"] = False
         return self._ts.open(spec, open=True, read=True, context=self.context)
 

@@ -58,6 +58,7 @@ from xckpt.errors import (
 )
 from xckpt.layout import Box
 from xckpt.manifest import (
+    STORAGE_KINDS,
     ZEROS,
     Chunk,
     Claim,
@@ -75,7 +76,7 @@ from xckpt.manifest import (
     shared_shape,
     unchecked,
 )
-from xckpt.storage import Location, Storage, inner_chunk_shape, packed_grid, storage_error
+from xckpt.storage import SEPARATOR, Location, Storage, inner_chunk_shape, packed_grid, storage_error
 
 __all__ = ["Writer", "save", "finalize", "derived_save_id"]
 
@@ -117,9 +118,10 @@ class Writer:
         save_id: shared by all ranks of one save; default derived from the location.
         overwrite: replace an existing save at ``path`` (needs an explicit ``save_id``
             when ``world_size > 1``, so a reader never mixes two saves).
-        storage: ``"plain"`` (one zarr array per chunk, files written directly: the default
-            for a local directory) or ``"ocdbt"`` (one OCDBT database per rank: the default
-            elsewhere, fewer objects) layout of ``data/<rank>/``.
+        storage: layout of ``data/<rank>/`` (:mod:`xckpt.storage`): ``"files"`` (a directory
+            per zarr array, chunk files written directly: the default for a local directory),
+            ``"ocdbt"`` (one OCDBT database per rank: the default elsewhere, fewer objects) or
+            ``"plain"`` (format version 2's layout of files, a directory per row of chunks).
         pack_threshold: chunks of at most this many bytes are packed together.
         progress: show a progress bar (default: when stderr is a TTY).
         metadata: JSON-able user metadata stored in the manifest.
@@ -148,13 +150,13 @@ class Writer:
     ) -> None:
         if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
             raise XckptError(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
-        if storage not in (None, "ocdbt", "plain"):
-            raise XckptError(f"storage must be 'ocdbt' or 'plain', got {storage!r}")
+        if storage is not None and storage not in STORAGE_KINDS:
+            raise XckptError(f"storage must be one of {', '.join(map(repr, STORAGE_KINDS))}, got {storage!r}")
         self.storage = Storage(path, context)
         #: A local directory: "plain" chunks are written with direct file I/O (xckpt._fileio).
         self._root = _fileio.local_root(self.storage.url)
         if storage is None:
-            storage = "plain" if self._root is not None else "ocdbt"
+            storage = "files" if self._root is not None else "ocdbt"
         self.rank, self.world_size = rank, world_size
         self.kind = storage
         self.pack_threshold = pack_threshold
@@ -458,10 +460,12 @@ class Writer:
 
     def _flush_pending(self) -> None:
         pend, self._pending, self._pending_bytes = self._pending, [], 0
-        if self.kind == "plain" and self._root is not None:
+        if self.kind != "ocdbt" and self._root is not None:
             # Local files: written straight from the caller's arrays and fsynced (bench/io.py).
+            sep = SEPARATOR[self.kind]
             _fileio.write_arrays(
-                self._root, [_fileio.ArrayWrite(p.key, p.dtype, p.array, p.grid) for p in pend], self._bar_update
+                self._root, [_fileio.ArrayWrite(p.key, p.dtype, p.array, p.grid, sep) for p in pend],
+                self._bar_update,
             )
             return
         # One transaction per flush: every array commits together, so OCDBT writes

@@ -151,8 +151,8 @@ def save(
         save_id: shared id of this save; default: process 0's random id,
             broadcast (one process: derived from the location).
         overwrite: replace an existing checkpoint at ``path``.
-        storage: ``"plain"`` or ``"ocdbt"``; default plain for a local directory, else ocdbt
-            (see :class:`xckpt.Writer`).
+        storage: ``"files"``, ``"ocdbt"`` or ``"plain"``; default files for a local directory,
+            else ocdbt (see :class:`xckpt.Writer`).
         metadata: JSON-able user metadata stored in the manifest.
         show_progress: progress bar (default: when stderr is a TTY).
         async_save: return a future once every shard this process writes is
