@@ -54,7 +54,7 @@ Usage, from the repository root::
     .venv/bin/python bench/io.py --sweep                  # xckpt storage / packing / inner chunks
     .venv/bin/python bench/io.py --profile [--strace]     # where xckpt's time goes (save, warm, cold)
 
-An xckpt variant is written ``xckpt[storage=ocdbt|plain,pack=BYTES,inner=BYTES]``
+An xckpt variant is written ``xckpt[storage=files|ocdbt|plain,pack=BYTES,inner=BYTES]``
 (sizes accept K/M suffixes); ``inner`` overrides ``xckpt.storage.INNER_CHUNK_BYTES``.
 Results: markdown tables on stdout and ``bench/out/io.json``.
 """
@@ -492,10 +492,12 @@ def system_labels(args: argparse.Namespace, workload: str) -> list[str]:
         base_opts.append(f"pack={args.pack_threshold}")
     base = "xckpt" + (f"[{','.join(base_opts)}]" if base_opts else "")
     if args.sweep:
-        labels = [base, "xckpt[storage=plain]"]
+        # The default on a local disk is storage=files (direct file I/O); plain is version 2's
+        # layout (a directory per row of chunks), ocdbt goes through tensorstore.
+        labels = [base, "xckpt[storage=plain]", "xckpt[storage=ocdbt]"]
         labels += [f"xckpt[pack={p}]" for p in SWEEP_PACKS if p != "256K"]
-        labels += [f"xckpt[storage=plain,pack={p}]" for p in ("64K", "4M")]
-        labels += ["xckpt[pack=0]", "xckpt[storage=plain,pack=0]"]  # OCDBT alone, neither
+        labels += [f"xckpt[storage=ocdbt,pack={p}]" for p in ("64K", "4M")]
+        labels += ["xckpt[pack=0]", "xckpt[storage=ocdbt,pack=0]"]  # files alone, OCDBT alone
         if workload == "W1":
             labels += [f"xckpt[inner={s}]" for s in SWEEP_INNER if s != "16M"]
         return labels
@@ -671,7 +673,7 @@ def main() -> None:
     p.add_argument("--dir", help="working directory (default: a fresh one under bench/out/)")
     p.add_argument("--only", help="comma list of systems: " + ", ".join(SYSTEMS) + ", xckpt[...] "
                    "(default: all; the first is the baseline of the ratios)")
-    p.add_argument("--xckpt-storage", choices=("ocdbt", "plain"), help="storage of the xckpt baseline")
+    p.add_argument("--xckpt-storage", choices=("files", "ocdbt", "plain"), help="storage of the xckpt baseline")
     p.add_argument("--pack-threshold", help="pack threshold of the xckpt baseline (bytes, K/M)")
     p.add_argument("--torch-mmap", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.load(mmap=True) (default) or a full read")
