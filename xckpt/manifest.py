@@ -766,7 +766,7 @@ def manifest_bytes(doc: Mapping[str, Any]) -> bytes:
     """The bytes of a manifest document with its checksum as the last member."""
     body = dumps_json({k: v for k, v in doc.items() if k != "checksum"})
     digest = hashlib.sha256(body).hexdigest().encode()
-    return body[:-1] + _CHECKSUM_MEMBER + digest + b'"}'
+    return b"".join((memoryview(body)[:-1], _CHECKSUM_MEMBER, digest, b'"}'))  # one copy of the body
 
 
 def _checksum_state(data: bytes) -> bool | None:
