@@ -54,11 +54,16 @@ Decisions (where the design is silent):
   is dropped with a warning naming it.
 * An empty selection (no tensors, no objects) is an error: orbax cannot
   restore an empty tree.
-* Memory: one source chunk at a time; writes go into a tensorstore transaction
-  committed every :data:`TXN_BYTES`, a large chunk in bands of whole grid rows of
-  about that size, so at most about one chunk plus a few zarr chunks is held
-  (measured: 184 MiB of RSS growth converting 256 MiB in 32 MiB chunks; 350 MiB
-  for one 256 MiB chunk, of which 256 MiB is the chunk read from the source).
+* Memory: one source chunk at a time (read into the job's recycled buffers);
+  writes go into a tensorstore transaction committed every :data:`TXN_BYTES`, a
+  large chunk in bands of whole grid rows of about that size, so at most about one
+  chunk plus a few zarr chunks is held (measured: 184 MiB of RSS growth converting
+  256 MiB in 32 MiB chunks; 350 MiB for one 256 MiB chunk, of which 256 MiB is the
+  chunk read from the source; 218 MiB for bench/convert.py's 1 GiB HF directory,
+  whose largest tensor is a 128 MiB chunk).
+* Speed: every array is created in a first transaction; then a full transaction
+  commits (compresses) in the background while the next one fills, so two commits
+  can compress at once: 1 GiB HF -> orbax 5.3-5.7 -> 3.4-5.2 s on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -278,23 +283,49 @@ def _order(leaf: _Leaf) -> tuple:
 
 
 class _Txn:
-    """A tensorstore transaction committed every ``TXN_BYTES`` of writes."""
+    """A tensorstore transaction committed every ``TXN_BYTES`` of writes.
+
+    A full transaction is committed in the background while the next one fills;
+    before committing that one, the previous commit is waited for. So two commits
+    (their zstd compression, on tensorstore's threads) can run at once, and at
+    most two transactions' writes are held.
+    """
 
     def __init__(self, ts: Any) -> None:
         self._ts = ts
         self.txn = ts.Transaction()
         self._pending = 0
+        self._committing: Any = None
 
     def add(self, nbytes: int) -> None:
         self._pending += nbytes
         if self._pending >= TXN_BYTES:
-            self.commit()
+            self.commit(wait=False)
 
-    def commit(self) -> None:
-        self.txn.commit_async().result()
+    def commit(self, *, wait: bool = True) -> None:
+        fut = self.txn.commit_async()
         self.txn = self._ts.Transaction()
         self._pending = 0
-        _trim()
+        self._wait()
+        self._committing = fut
+        if wait:
+            self._wait()
+
+    def _wait(self) -> None:
+        if self._committing is not None:
+            fut, self._committing = self._committing, None
+            fut.result()
+            _trim()
+
+    def abandon(self) -> None:
+        """After a failure: let a background commit finish, so nothing writes under the
+        output once the driver removes it (its own error is the lesser one)."""
+        fut, self._committing = self._committing, None
+        if fut is not None:
+            try:
+                fut.result()
+            except (ValueError, OSError):
+                pass
 
 
 def _trim() -> None:
@@ -387,20 +418,37 @@ def write(job: Any) -> None:
     }
     ctx = default_context()
     txn = _Txn(ts)
-    strings: dict[str, str] = {}
+    # Every tensor's array is created in the first transaction, committed before any data
+    # is written: a handle of a committed transaction can be bound to each later one.
+    opened = {}
     for leaf in leaves:
-        if leaf.kind == "string":
-            strings[leaf.param] = leaf.value
-        elif leaf.kind in ("scalar", "np.ndarray"):
-            arr = leaf.value
-            leaf.dtype, leaf.shape, leaf.grid = dtype_name(arr.dtype), arr.shape, [max(1, s) for s in arr.shape]
-            spec = _array_spec(kv, leaf.param, leaf.dtype, arr.shape, leaf.grid)
-            t = ts.open(spec, context=ctx, transaction=txn.txn).result()
-            t.write(arr).result()
-            txn.add(arr.nbytes)
-        elif leaf.kind == "jax.Array":
-            _write_tensor(job, leaf, kv, ctx, txn, ts)
-    txn.commit()
+        if leaf.kind == "jax.Array":
+            t = job.info(leaf.tensor)
+            leaf.dtype, leaf.shape = t.dtype, tuple(t.shape)
+            leaf.grid = choose_grid(t.shape, t.boxes, t.np_dtype.itemsize, MAX_CHUNK_BYTES)
+            spec = _array_spec(kv, leaf.param, t.dtype, t.shape, leaf.grid)
+            opened[leaf.param] = ts.open(spec, context=ctx, transaction=txn.txn)
+    handles = {param: fut.result() for param, fut in opened.items()}
+    strings: dict[str, str] = {}
+    try:
+        for leaf in leaves:
+            if leaf.kind == "string":
+                strings[leaf.param] = leaf.value
+            elif leaf.kind in ("scalar", "np.ndarray"):
+                arr = leaf.value
+                leaf.dtype, leaf.shape, leaf.grid = dtype_name(arr.dtype), arr.shape, [max(1, s) for s in arr.shape]
+                spec = _array_spec(kv, leaf.param, leaf.dtype, arr.shape, leaf.grid)
+                t = ts.open(spec, context=ctx, transaction=txn.txn).result()
+                t.write(arr).result()
+                txn.add(arr.nbytes)
+        txn.commit()
+        for leaf in leaves:
+            if leaf.kind == "jax.Array":
+                _write_tensor(job, leaf, handles.pop(leaf.param), txn)
+        txn.commit()
+    except BaseException:
+        txn.abandon()
+        raise
 
     if strings:
         _write_json(os.path.join(dst, "_strings.json"), strings)
@@ -458,22 +506,19 @@ def write(job: Any) -> None:
         f.write(f"Checkpoint commit was successful to {dst}")
 
 
-def _write_tensor(job: Any, leaf: _Leaf, kv: dict[str, Any], ctx: Any, txn: _Txn, ts: Any) -> None:
-    t = job.info(leaf.tensor)
-    leaf.dtype, leaf.shape = t.dtype, tuple(t.shape)
-    leaf.grid = choose_grid(t.shape, t.boxes, t.np_dtype.itemsize, MAX_CHUNK_BYTES)
-    spec = _array_spec(kv, leaf.param, t.dtype, t.shape, leaf.grid)
-    arr = ts.open(spec, context=ctx, transaction=txn.txn).result()
-    if math.prod(t.shape) == 0:
+def _write_tensor(job: Any, leaf: _Leaf, base: Any, txn: _Txn) -> None:
+    """Write the tensor's chunks through ``base`` (its array, created in a committed transaction)."""
+    if 0 in (leaf.shape or ()):
         # zarr stores nothing for an empty array; orbax restores it from .zarray alone.
         return
-    bound = txn.txn
-    for chunk, data in job.chunks(leaf.tensor, reuse=True):  # written (copied into the transaction) before the next
+    arr, bound = None, None
+    # reuse: each chunk is written (copied into the transaction) before the next is asked for
+    for chunk, data in job.chunks(leaf.tensor, reuse=True):
         if data.size == 0:
             continue
         for offset, piece in _slabs(chunk.offset, data, leaf.grid[0] if leaf.grid else 1):
-            if bound is not txn.txn:  # the previous transaction was committed
-                arr, bound = arr.with_transaction(txn.txn), txn.txn
+            if bound is not txn.txn:  # a new transaction since the last write
+                arr, bound = base.with_transaction(txn.txn), txn.txn
             box = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
             arr[box].write(piece).result()
             job.bar.update(piece.nbytes)

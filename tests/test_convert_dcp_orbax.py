@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zlib
 from typing import Any
 
@@ -452,6 +453,29 @@ def test_orbax_irregular_boxes_small_chunks_and_dropped_objects(tmp_path, monkey
     assert same(np.asarray(restored["irr"]["w"]), want["irr.w"])
     assert same(np.asarray(restored["irr"]["e"]), want["irr.e"])
     assert restored["tag"] == "run-1" and "blob" not in restored
+
+
+def test_orbax_interrupted_with_commits_in_flight_leaves_nothing(tmp_path, monkeypatch) -> None:
+    from xckpt.convert import WriteJob
+
+    _irregular_source(str(tmp_path / "irr"))
+    monkeypatch.setattr(orbax_write, "MAX_CHUNK_BYTES", 64)
+    monkeypatch.setattr(orbax_write, "TXN_BYTES", 1)  # a commit in the background after every write
+    real, calls = WriteJob.read_chunk, []
+
+    def interrupted(self, name, chunk, **kwargs):
+        calls.append(name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, name, chunk, **kwargs)
+
+    monkeypatch.setattr(WriteJob, "read_chunk", interrupted)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(KeyboardInterrupt), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the dropped object
+        xckpt.convert(str(tmp_path / "irr"), str(out / "o.orbax"), to_format="orbax")
+    assert os.listdir(out) == []
 
 
 # -- errors ------------------------------------------------------------------------------------------

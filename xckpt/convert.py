@@ -202,6 +202,8 @@ class WriteJob:
         """
         chunks = [c for c in self.src.info(name).chunks if rank is None or c.rank == rank]
         yield from _ahead([functools.partial(self._chunk_pair, name, c, reuse) for c in chunks])
+        if reuse:
+            self._buffers.trim()
 
     def _chunk_pair(self, name: str, chunk: Chunk, reuse: bool) -> tuple[Chunk, np.ndarray]:
         return chunk, self.read_chunk(name, chunk, reuse=reuse)
@@ -234,6 +236,7 @@ class WriteJob:
             return
         if len(t.shape) == 0 or len(chunks) == 1:
             yield self.tensor(name, reuse=True)
+            self._buffers.trim()
             return
         bands: list[list[Any]] = []  # [start, end, chunks]
         for c in sorted(chunks, key=lambda c: c.offset[0]):
@@ -251,6 +254,7 @@ class WriteJob:
                 box = Box((lo,) + (0,) * (len(t.shape) - 1), (hi - lo,) + tuple(t.shape[1:]))
                 reads.append(functools.partial(self._read_band, name, box, members))
         yield from _ahead(reads)
+        self._buffers.trim()
 
     def _read_band(self, name: str, box: Box, members: list[Chunk]) -> np.ndarray:
         buf = self._buffers.take(box.shape, self.src.info(name).np_dtype)
@@ -258,6 +262,10 @@ class WriteJob:
         for c in members:
             self._record(name, c.box, buf[c.box.slices(box)])
         return buf
+
+
+#: An arena larger than this is not kept for pieces under half its size.
+_KEEP = 32 << 20
 
 
 class _Buffers:
@@ -278,13 +286,15 @@ class _Buffers:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         i, self._turn = self._turn, 1 - self._turn
         arena = self._arenas[i]
-        if arena is None or arena.nbytes < nbytes:
-            self._arenas[i] = None  # free the smaller one first
+        if arena is None or arena.nbytes < nbytes or (arena.nbytes > _KEEP and arena.nbytes > 2 * nbytes):
+            # Too small, or a rare large piece's arena that would stay resident for small ones.
+            self._arenas[i] = None  # freed before the new one is allocated
             arena = self._arenas[i] = np.empty(max(nbytes, 64), dtype=np.uint8)
         return arena[:nbytes].view(dtype).reshape(shape)
 
-    def clear(self) -> None:
-        self._arenas = [None, None]
+    def trim(self) -> None:
+        """Drop arenas larger than ``_KEEP`` (the caller is done with every piece)."""
+        self._arenas = [a if a is not None and a.nbytes <= _KEEP else None for a in self._arenas]
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -626,6 +636,7 @@ def _read_back(job: WriteJob, out: Source, keys: Sequence[_Key]) -> Iterator[tup
     for items in _ahead([functools.partial(read, batch) for batch in batches if batch]):
         yield from items
         del items
+    job._buffers.trim()
 
 
 def _aligned(nbytes: int) -> int:
