@@ -47,16 +47,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("sep", ["/", "."])
+@pytest.mark.parametrize("kind", ["files", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_files_are_byte_identical_to_tensorstore(tmp_path, dtype, sep):
+def test_files_are_byte_identical_to_tensorstore(tmp_path, dtype, kind):
     """What _fileio writes is exactly what tensorstore's zarr3 driver writes (chunk files
     byte for byte, zarr.json as JSON), and each reads the other's."""
     for i, (shape, grid) in enumerate(CASES):
         a = _array(dtype, shape, i)
         ours, theirs = tmp_path / f"ours{i}", tmp_path / f"ts{i}"
-        _fileio.write_arrays(str(ours), [_fileio.ArrayWrite("arr", dtype, a, grid, sep)])
-        spec = array_spec(f"file://{theirs}/arr/", dtype, shape, grid, sep)
+        _fileio.write_arrays(str(ours), [_fileio.ArrayWrite("arr", dtype, a, grid, kind)])
+        spec = array_spec(f"file://{theirs}/arr/", dtype, shape, grid, kind)
         spec["store_data_equal_to_fill_value"] = True
         ts.open(spec, create=True).result().write(a).result()
         mine, ref = _tree(ours), _tree(theirs)
@@ -71,9 +71,9 @@ def test_files_are_byte_identical_to_tensorstore(tmp_path, dtype, sep):
         assert got.tobytes() == a.tobytes()
         out = np.empty(shape, _np(dtype))
         region = tuple(slice(0, s) for s in shape)
-        _fileio.read_chunks(str(theirs), [_fileio.ChunkRead("arr", shape, grid, region, out, sep)])
+        _fileio.read_chunks(str(theirs), [_fileio.ChunkRead("arr", shape, grid, region, out, kind)])
         assert out.tobytes() == a.tobytes()
-        _fileio.check_meta(str(ours), "arr", dtype, shape, grid, sep)
+        _fileio.check_meta(str(ours), "arr", kind, dtype, shape, grid)
 
 
 @settings(max_examples=60, deadline=None)
@@ -85,8 +85,9 @@ def test_any_region_of_any_layout(tmp_path_factory, data):
     shape = tuple(data.draw(st.integers(1, 12)) for _ in range(ndim))
     grid = tuple(data.draw(st.integers(1, s)) for s in shape)
     a = _array("float32", shape, 1)
+    kind = data.draw(st.sampled_from(["files", "plain"]))
     root = tmp_path_factory.mktemp("region")
-    _fileio.write_arrays(str(root), [_fileio.ArrayWrite("k", "float32", a, grid)])
+    _fileio.write_arrays(str(root), [_fileio.ArrayWrite("k", "float32", a, grid, kind)])
     region = []
     for s in shape:
         lo = data.draw(st.integers(0, s - 1))
@@ -98,49 +99,82 @@ def test_any_region_of_any_layout(tmp_path_factory, data):
     else:
         out = np.zeros(tuple(n + 2 for n in want.shape), np.float32)
         view = out[tuple(slice(1, 1 + n) for n in want.shape)]
-    _fileio.read_chunks(str(root), [_fileio.ChunkRead("k", shape, grid, tuple(region), view)])
+    _fileio.read_chunks(str(root), [_fileio.ChunkRead("k", shape, grid, tuple(region), view, kind)])
     assert view.tobytes() == want.tobytes()
 
 
-def _saved(tmp_path: Path) -> tuple[Path, np.ndarray, str]:
+def _saved(tmp_path: Path, storage: str = "files") -> tuple[Path, np.ndarray, str]:
     a = _array("float32", (2048, 300), 3)
-    xckpt.save({"w": a, "small": np.arange(10.0)}, tmp_path / "c")
+    kw = {} if storage == "files" else {"storage": storage}
+    xckpt.save({"w": a, "small": np.arange(10.0)}, tmp_path / "c", **kw)
     m = json.loads((tmp_path / "c" / "xckpt.json").read_text())
-    assert m["storage"] == {"0": "files"}
+    assert m["storage"] == {"0": storage}
     return tmp_path / "c", a, m["tensors"]["w"]["chunks"][0]["key"]
 
 
-def test_default_local_save_is_plain_and_round_trips(tmp_path):
+def _flip(f: Path, at: int) -> None:
+    data = bytearray(f.read_bytes())
+    data[at] ^= 0x40
+    f.write_bytes(bytes(data))
+
+
+def test_default_local_save_is_one_shard_file_per_box(tmp_path):
     path, a, key = _saved(tmp_path)
+    assert sorted(p.name for p in (path / key).iterdir()) == ["c.0.0", "zarr.json"]
     got = xckpt.load(path)
     assert got["w"].tobytes() == a.tobytes() and got["small"].tolist() == list(np.arange(10.0))
     with xckpt.open(path) as ck:
         assert ck.read("w", np.s_[100:1900, 7:200]).tobytes() == a[100:1900, 7:200].tobytes()
-    assert (path / key / "zarr.json").exists() and (path / key / "c.0.0").exists()
+        grid = ck.info("w").chunks[0].grid
+    # tensorstore reads the shard through its own index
+    arr = ts.open({"driver": "zarr3", "kvstore": f"file://{path / key}/"}).result()
+    assert arr.read().result().tobytes() == a.tobytes() and grid[0] < 2048
 
 
 def test_flipped_byte_is_a_corrupt_chunk_error(tmp_path):
-    path, _a, key = _saved(tmp_path)
-    f = path / key / "c.1.0"
-    data = bytearray(f.read_bytes())
-    data[100] ^= 0x40
-    f.write_bytes(bytes(data))
-    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*c.1.0 fails its crc32c check"):
+    path, a, key = _saved(tmp_path)
+    index = 16 * 3 + 4  # 3 zarr chunks of 683 rows
+    chunk = 683 * 300 * 4 + 4
+    _flip(path / key / "c.0.0", index + chunk + 100)  # inside the second zarr chunk
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*c\.0\.0 \(zarr chunk \[1, 0\]\) fails its crc32c check"):
         xckpt.load(path)
-    # a read that does not touch the damaged inner chunk still works
+    # a read that does not touch the damaged zarr chunk still works
     with xckpt.open(path) as ck:
-        assert ck.read("w", np.s_[0:10]).shape == (10, 300)
+        assert ck.read("w", np.s_[0:10]).tobytes() == a[0:10].tobytes()
+    _flip(path / key / "c.0.0", 5)  # the index
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*c\.0\.0 \(index\) fails its crc32c check"):
+        xckpt.load(path)
 
 
-def test_missing_and_truncated_chunk_files(tmp_path):
+def test_missing_and_truncated_shard_files(tmp_path):
     path, _a, key = _saved(tmp_path)
-    f = path / key / "c.2.0"
+    f = path / key / "c.0.0"
+    data = f.read_bytes()
+    f.write_bytes(data[:-9])
+    with pytest.raises(CorruptChunkError, match=rf"tensor 'w'.*zarr chunk \[2, 0\]\): index gives bytes .* of a {len(data) - 9}-byte file"):
+        xckpt.load(path)
+    f.write_bytes(data[:30])
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*holds 30 bytes, less than its index \(52\)"):
+        xckpt.load(path)
+    os.unlink(f)
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*shard file .*c\.0\.0 is missing.*xckpt verify"):
+        xckpt.load(path)
+
+
+def test_plain_chunk_files_damage(tmp_path):
+    """Version 2's layout (a file per zarr chunk), still written with storage="plain"."""
+    path, _a, key = _saved(tmp_path, "plain")
+    _flip(path / key / "c" / "1" / "0", 100)
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*c/1/0 fails its crc32c check"):
+        xckpt.load(path)
+    _flip(path / key / "c" / "1" / "0", 100)  # repaired
+    f = path / key / "c" / "2" / "0"
     data = f.read_bytes()
     f.write_bytes(data[:-9])
     with pytest.raises(CorruptChunkError, match=rf"tensor 'w'.*holds {len(data) - 9} bytes, expected {len(data)}"):
         xckpt.load(path)
     os.unlink(f)
-    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*chunk file .*c.2.0 is missing.*xckpt verify"):
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*chunk file .*c/2/0 is missing"):
         xckpt.load(path)
 
 
@@ -150,6 +184,11 @@ def test_zarr_metadata_that_disagrees_with_the_manifest(tmp_path):
     meta["data_type"] = "int32"
     (path / key / "zarr.json").write_text(json.dumps(meta))
     with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*does not match the manifest.*data_type is 'int32'"):
+        xckpt.load(path)
+    meta["data_type"] = "float32"
+    meta["codecs"][0]["configuration"]["index_location"] = "end"
+    (path / key / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*does not match the manifest.*: layout"):
         xckpt.load(path)
 
 
@@ -165,11 +204,11 @@ def test_verify_reads_files_directly_and_names_the_damage(tmp_path):
     path, _a, key = _saved(tmp_path)
     with xckpt.open(path) as ck:
         assert ck.verify() == []
-    f = path / key / "c.2.0"
+    f = path / key / "c.0.0"
     data = bytearray(f.read_bytes())
-    data[-1] ^= 1  # the stored crc32c itself
+    data[-1] ^= 1  # the last zarr chunk's stored crc32c itself
     f.write_bytes(bytes(data))
     with xckpt.open(path) as ck:
         problems = ck.verify()
-    assert len(problems) == 1 and "tensor 'w'" in problems[0] and "c.2.0 fails its crc32c check" in problems[0]
-
+    assert len(problems) == 1 and "tensor 'w'" in problems[0]
+    assert "c.0.0 (zarr chunk [2, 0]) fails its crc32c check" in problems[0]

@@ -1,27 +1,31 @@
 """Direct reads and writes of zarr v3 chunk files on a local filesystem.
 
-An array of a rank with ``"plain"`` storage is what tensorstore's zarr3 driver
-writes: ``<key>/zarr.json`` and one file per inner chunk, ``<key>/c/<i>/<j>/...``
-(``<key>/c`` for a 0-d array), holding the chunk's little-endian bytes in C order,
-padded with zeros to the full grid at the array's edges, followed by the crc32c of
-those bytes (4 bytes, little-endian). This module reads and writes exactly those
-files, so tensorstore reads what it writes and the other way round (tests check
-both), but without tensorstore's intermediate buffers:
+xckpt reads and writes the arrays of ``"files"`` and ``"plain"`` ranks itself when
+the checkpoint is a local directory, byte for byte as tensorstore's zarr3 driver
+would (:func:`xckpt.storage.array_metadata`; tests check both directions):
 
-- a read ``preadv``s each inner chunk straight into the destination array when
-  the wanted part is contiguous there (the common case: whole chunks, or row
-  ranges of C-contiguous tensors), else into a per-thread scratch buffer, and
-  checks the crc32c in hardware (``google_crc32c``);
-- a write ``pwritev``s each inner chunk straight from the caller's array (a copy
-  only for chunks that are not contiguous in it), then fsyncs every file and
-  every directory it created, so the data is durable before the rank manifest.
+- ``"files"`` (format version 3): ``<key>/zarr.json`` and one shard file
+  ``<key>/c.0.0`` (``c`` for a 0-d array): an index of ``(offset, nbytes)`` uint64
+  pairs, one per zarr chunk in C order, and its crc32c, then every zarr chunk;
+- ``"plain"`` (versions 1 and 2): one file per zarr chunk, ``<key>/c/<i>/<j>``.
 
-Chunk files are written in place, not through a temporary name: a save always
-writes into a key space no committed manifest points to (a fresh location, or
-``data/<rank>.<token>/`` when overwriting), and readers accept data only through
-a manifest written after this returns. Measured on bench/io.py (see the README):
-this is what lets a warm load run at page-cache speed and a durable save beat
-one fsync'd stream.
+A zarr chunk is its little-endian bytes in C order (padded with zeros to the full
+grid at the array's edges) followed by their crc32c, 4 bytes little-endian.
+
+Without tensorstore's intermediate buffers:
+
+- a read ``preadv``s the chunks straight into the destination when the wanted part
+  is contiguous there (whole chunks, or row ranges of C-contiguous tensors: a whole
+  box of a "files" array is one request per 32 MiB), else into a per-thread scratch
+  buffer, and checks every crc32c in hardware (``google_crc32c``);
+- a write ``pwritev``s straight from the caller's arrays (a copy only for chunks
+  that are not contiguous there), then fsyncs every file and every directory it
+  created, so the data is durable before the rank manifest is written.
+
+Files are written in place, not through a temporary name: a save always writes into
+a key space no committed manifest points to (a fresh location, or
+``data/<rank>.<token>/`` when overwriting), and readers accept data only through a
+manifest written after this returns.
 """
 
 from __future__ import annotations
@@ -38,14 +42,24 @@ from typing import Any, NamedTuple
 import google_crc32c
 import numpy as np
 
-from xckpt.storage import key_encoding
+from xckpt.storage import CODECS, CODECS_1, array_metadata
 
-__all__ = ["local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "read_chunks"]
+__all__ = [
+    "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "read_chunks", "submit_read",
+    "bytes_read", "check_meta", "parse_meta", "stored_meta", "chunk_file", "data_file",
+]
 
 #: Threads for chunk reads and writes: enough to keep a fast disk busy and to
 #: overlap page-cache copies on 2 cores (bench/io.py); the GIL is released in
 #: preadv/pwritev/fsync and large numpy copies.
 THREADS = max(4, min(16, 2 * (os.cpu_count() or 2)))
+#: Bytes one request reads or writes at most (a box of a "files" array is split in
+#: runs of this size, read or written by several threads at once).
+RUN_BYTES = 32 << 20
+#: Files a write keeps open at once.
+_OPEN_FILES = 128
+_IOV_MAX = 900
+_MISSING = (1 << 64) - 1
 
 _POOL: cf.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -55,8 +69,6 @@ _EXTEND = google_crc32c.extend
 #: Characters a file URL may encode differently from the path (tensorstore decodes
 #: percent escapes): such locations are read and written through tensorstore only.
 _UNSAFE = set("%?#\\")
-
-
 _COUNT_LOCK = threading.Lock()
 _BYTES_READ = [0]
 
@@ -112,58 +124,25 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def _zeros(nbytes: int) -> np.ndarray:
-    z = getattr(_LOCAL, "zeros", None)
-    if z is None or z.size < nbytes:
-        z = np.zeros(max(nbytes, 1 << 16), np.uint8)
-        _LOCAL.zeros = z
-    return z[:nbytes]
+def chunk_file(key_dir: str, idx: Sequence[int]) -> str:
+    """The file of zarr chunk ``idx`` of a "plain" array in ``key_dir``."""
+    return os.path.join(key_dir, "c", *map(str, idx)) if idx else os.path.join(key_dir, "c")
 
 
-def chunk_file(key_dir: str, idx: Sequence[int], sep: str = "/") -> str:
-    """The file of inner chunk ``idx`` of the array in ``key_dir`` (chunk key separator ``sep``)."""
-    if not idx:
-        return os.path.join(key_dir, "c")
-    if sep == ".":
-        return os.path.join(key_dir, "c." + ".".join(map(str, idx)))
-    return os.path.join(key_dir, "c", *map(str, idx))
+def data_file(key_dir: str, ndim: int) -> str:
+    """The shard file of a "files" array in ``key_dir``."""
+    return os.path.join(key_dir, "c." + ".".join(["0"] * ndim)) if ndim else os.path.join(key_dir, "c")
 
 
-def _fill_value(dtype: str) -> Any:
-    if dtype == "bool":
-        return False
-    if dtype.startswith("complex"):
-        return [0.0, 0.0]
-    if dtype.startswith(("int", "uint")):
-        return 0
-    return 0.0
+def _grid_ranges(shape: Sequence[int], grid: Sequence[int]) -> list[range]:
+    return [range(-(-s // g)) for s, g in zip(shape, grid)]
 
 
-#: The codecs of every array read directly: little-endian bytes, then crc32c.
-CODECS = [{"configuration": {"endian": "little"}, "name": "bytes"}, {"name": "crc32c"}]
-#: The same as tensorstore writes them for one-byte types (no byte order to state).
-CODECS_1 = [{"name": "bytes"}, {"name": "crc32c"}]
-_ONE_BYTE = ("bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+# -- metadata ------------------------------------------------------------------
 
 
-def codecs_ok(codecs: Any) -> bool:
-    """Whether stored ``codecs`` are the ones this module reads (either spelling)."""
-    return codecs == CODECS or codecs == CODECS_1
-
-
-def zarr_json(dtype: str, shape: Sequence[int], grid: Sequence[int], sep: str = "/") -> bytes:
-    """The array metadata tensorstore writes for :func:`xckpt.storage.array_spec`."""
-    meta = {
-        "chunk_grid": {"configuration": {"chunk_shape": list(grid)}, "name": "regular"},
-        "chunk_key_encoding": key_encoding(sep),
-        "codecs": CODECS_1 if dtype in _ONE_BYTE else CODECS,
-        "data_type": dtype,
-        "fill_value": _fill_value(dtype),
-        "node_type": "array",
-        "shape": list(shape),
-        "zarr_format": 3,
-    }
-    return json.dumps(meta, separators=(",", ":")).encode()
+def zarr_json(kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> bytes:
+    return json.dumps(array_metadata(kind, dtype, shape, grid), separators=(",", ":")).encode()
 
 
 def stored_meta(root: str, key: str) -> dict[str, Any]:
@@ -181,58 +160,65 @@ def stored_meta(root: str, key: str) -> dict[str, Any]:
     return meta
 
 
-def check_meta(
-    root: str, key: str, dtype: str, shape: Sequence[int], grid: Sequence[int], sep: str = "/"
-) -> None:
+def parse_meta(meta: dict[str, Any]) -> tuple[str, str, list[int], list[int]] | None:
+    """``(kind, dtype, shape, grid)`` of stored metadata this module reads, else None."""
+    try:
+        codecs = meta["codecs"]
+        shape = list(meta["shape"])
+        outer = list(meta["chunk_grid"]["configuration"]["chunk_shape"])
+        dtype = meta["data_type"]
+        if meta["chunk_grid"]["name"] != "regular" or not isinstance(dtype, str):
+            return None
+        if codecs in (CODECS, CODECS_1):
+            kind, grid = "plain", outer
+        elif (
+            len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"
+            and codecs[0]["configuration"].get("index_location") == "start"
+            and codecs[0]["configuration"]["codecs"] in (CODECS, CODECS_1)
+            and codecs[0]["configuration"]["index_codecs"] == CODECS
+        ):
+            kind, grid = "files", list(codecs[0]["configuration"]["chunk_shape"])
+        else:
+            return None
+    except (KeyError, TypeError, AttributeError, IndexError):
+        return None
+    if not all(type(v) is int and v >= 0 for v in shape + grid) or len(grid) != len(shape) or 0 in grid:
+        return None
+    if array_metadata(kind, dtype, shape, grid)["chunk_grid"]["configuration"]["chunk_shape"] != outer:
+        return None  # a "files" array of several shards, or keys this module does not name
+    if meta.get("chunk_key_encoding") != array_metadata(kind, dtype, shape, grid)["chunk_key_encoding"]:
+        return None
+    return kind, dtype, shape, grid
+
+
+def check_meta(root: str, key: str, kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> None:
     """Raise ChunkFileError unless the stored metadata of ``key`` is the array the manifest claims."""
-    meta = stored_meta(root, key)
-    want = json.loads(zarr_json(dtype, shape, grid, sep))
-    if not codecs_ok(meta.get("codecs")):
-        raise ChunkFileError(
-            f"{os.path.join(root, key, 'zarr.json')}: codecs are {meta.get('codecs')!r}, expected {CODECS!r}"
+    got = parse_meta(stored_meta(root, key))
+    want = (kind, dtype, list(shape), list(grid))
+    if got != want:
+        what = "layout" if got is None else next(
+            f"{n} is {g!r}, the manifest claims {w!r}" for n, g, w in zip(("storage", "data_type", "shape", "grid"),
+                                                                          got, want) if g != w
         )
-    for field in ("data_type", "shape", "chunk_grid", "chunk_key_encoding"):
-        if meta.get(field) != want[field]:
-            raise ChunkFileError(
-                f"{os.path.join(root, key, 'zarr.json')}: {field} is {meta.get(field)!r}, the manifest "
-                f"claims {want[field]!r}"
-            )
-
-
-def _grid_ranges(shape: Sequence[int], grid: Sequence[int]) -> list[range]:
-    return [range(-(-s // g)) for s, g in zip(shape, grid)]
+        raise ChunkFileError(f"{os.path.join(root, key, 'zarr.json')}: {what}")
 
 
 # -- writes ------------------------------------------------------------------
 
 
 class ArrayWrite(NamedTuple):
-    """One array to write: ``key`` under the checkpoint root, its dtype name, data, grid and
-    chunk key separator."""
+    """One array to write: ``key`` under the checkpoint root, its dtype name, data, zarr
+    chunk shape and storage kind (``"files"`` or ``"plain"``)."""
 
     key: str
     dtype: str
     array: np.ndarray
     grid: Sequence[int]
-    sep: str = "/"
-
-
-def _write_file(path: str, parts: Sequence[Any]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        total = sum(memoryview(p).nbytes for p in parts)
-        done = os.pwritev(fd, parts, 0)
-        if done != total:  # a short write: finish byte by byte-range
-            flat = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
-            while done < total:
-                done += os.pwrite(fd, flat[done:], done)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    kind: str = "files"
 
 
 def _chunk_parts(arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> list[Any]:
-    """The bytes of inner chunk ``idx`` as buffers (views of ``arr`` where it can), with
+    """The stored bytes of zarr chunk ``idx`` as buffers (views of ``arr`` where it can),
     zero padding and the crc32c trailer."""
     shape = arr.shape
     starts = [i * g for i, g in zip(idx, grid)]
@@ -240,8 +226,9 @@ def _chunk_parts(arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> 
     full = math.prod(grid) * arr.itemsize
     # Contiguous in a C-order array when every dim after the first is whole.
     if all(st == 0 and sp == n for st, sp, n in zip(starts[1:], stops[1:], shape[1:])):
-        lo = starts[0] * (full // grid[0]) if shape else 0
-        valid = (stops[0] - starts[0]) * (full // grid[0]) if shape else full
+        row = full // grid[0] if shape else full
+        lo = starts[0] * row if shape else 0
+        valid = (stops[0] - starts[0]) * row if shape else full
         data = arr.reshape(-1).view(np.uint8)[lo : lo + valid]
         parts: list[Any] = [data]
         crc = _CRC(data)
@@ -261,8 +248,65 @@ def _chunk_parts(arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> 
     return parts
 
 
+def _pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> None:
+    views = [memoryview(p).cast("B") for p in parts]
+    total = sum(v.nbytes for v in views)
+    done = os.pwritev(fd, views, offset)
+    while done < total:  # a short write: go on from where it stopped
+        skip, rest = done, []
+        for v in views:
+            if skip >= v.nbytes:
+                skip -= v.nbytes
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        done += os.pwritev(fd, rest, offset + done)
+
+
+def _write_file(path: str, parts: Sequence[Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        _pwrite_all(fd, parts, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_chunk(path: str, arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> None:
+    _write_file(path, _chunk_parts(arr, grid, idx))
+
+
+def _write_run(fd: int, offset: int, head: bytes, arr: np.ndarray, grid: Sequence[int],
+               idxs: Sequence[tuple[int, ...]]) -> None:
+    parts: list[Any] = [head] if head else []
+    for idx in idxs:
+        parts += _chunk_parts(arr, grid, idx)
+    _pwrite_all(fd, parts, offset)
+
+
+def _shard_runs(a: ArrayWrite) -> tuple[bytes, int, list[list[tuple[int, ...]]]]:
+    """The index of a "files" array's shard, each chunk's stored size, and its chunks in
+    runs of about :data:`RUN_BYTES`."""
+    idxs = list(itertools.product(*_grid_ranges(a.array.shape, a.grid)))
+    size = math.prod(a.grid) * a.array.itemsize + 4
+    start = 16 * len(idxs) + 4
+    index = np.empty((len(idxs), 2), "<u8")
+    index[:, 0] = start + size * np.arange(len(idxs), dtype=np.uint64)
+    index[:, 1] = size
+    raw = index.tobytes()
+    per_run = max(1, min(RUN_BYTES // size, _IOV_MAX // 3))
+    return raw + _CRC(raw).to_bytes(4, "little"), size, [idxs[i : i + per_run] for i in range(0, len(idxs), per_run)]
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_close(fd: int) -> None:
     try:
         os.fsync(fd)
     finally:
@@ -285,59 +329,85 @@ def _makedirs(path: str, made: set[str]) -> None:
         made.add(os.path.dirname(d))
 
 
+def _wait(futs: Sequence[cf.Future[Any]]) -> BaseException | None:
+    """Wait for every future (no thread still writes after this); the first error."""
+    first: BaseException | None = None
+    for f in futs:
+        try:
+            f.result()
+        except (OSError, ValueError) as e:
+            first = first or e
+    return first
+
+
 def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], None] | None = None) -> None:
     """Write ``arrays`` as zarr v3 arrays under ``root`` and make them durable.
 
-    Every chunk file and ``zarr.json`` is written and fsynced by the I/O threads;
-    then every directory created is fsynced. ``done(nbytes)`` is called per array
-    (in this thread) as its chunks complete. Raises OSError on a storage failure.
+    Every file (chunks and ``zarr.json``) is written and fsynced by the I/O threads,
+    then every directory created is fsynced. ``done(nbytes)`` is called per array (in
+    this thread) once it is durable. Raises OSError on a storage failure, after every
+    write has stopped.
     """
     made: set[str] = set()
-    tasks: list[tuple[int, cf.Future[None]]] = []
+    for i in range(0, len(arrays), _OPEN_FILES):
+        _write_batch(root, arrays[i : i + _OPEN_FILES], made, done)
+    err = _wait([_pool().submit(_fsync_dir, d) for d in made])
+    if err is not None:
+        raise err
+
+
+def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str],
+                 done: Callable[[int], None] | None) -> None:
     pool = _pool()
-    for a in arrays:
-        key_dir = os.path.join(root, a.key)
-        shape = a.array.shape
-        if shape and a.sep == "/":
-            dirs = {os.path.dirname(chunk_file(key_dir, idx)) for idx in itertools.product(
-                *_grid_ranges(shape, a.grid))}
-        else:
-            dirs = {key_dir}
-        for d in dirs:
-            _makedirs(d, made)
-        meta = zarr_json(a.dtype, shape, a.grid, a.sep)
-        futs = [pool.submit(_write_file, os.path.join(key_dir, "zarr.json"), [meta])]
-        for idx in itertools.product(*_grid_ranges(shape, a.grid)):
-            futs.append(pool.submit(_write_chunk, chunk_file(key_dir, idx, a.sep), a.array, a.grid, idx))
-        tasks.append((a.array.nbytes, _all(futs)))
-    first_err: BaseException | None = None
-    for nbytes, fut in tasks:
-        try:
-            fut.result()
-        except OSError as e:  # wait for the rest before raising: no thread writes after we return
-            first_err = first_err or e
-            continue
-        if done is not None:
-            done(nbytes)
-    if first_err is not None:
-        raise first_err
-    # Concurrently: a journaling file system commits concurrent fsyncs together.
-    for f in [pool.submit(_fsync_dir, d) for d in made]:
-        f.result()
+    fds: list[int] = []
+    writes: list[list[cf.Future[Any]]] = []
+    try:
+        for a in arrays:
+            key_dir = os.path.join(root, a.key)
+            shape = a.array.shape
+            futs = []
+            if a.kind == "files":
+                _makedirs(key_dir, made)
+                fd = os.open(data_file(key_dir, len(shape)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                             0o644)
+                fds.append(fd)
+                head, size, runs = _shard_runs(a)
+                offset = 0
+                for n, run in enumerate(runs):
+                    first = head if n == 0 else b""
+                    futs.append(pool.submit(_write_run, fd, offset, first, a.array, a.grid, run))
+                    offset += len(first) + size * len(run)
+            else:
+                idxs = list(itertools.product(*_grid_ranges(shape, a.grid)))
+                for d in {os.path.dirname(chunk_file(key_dir, idx)) for idx in idxs} if shape else {key_dir}:
+                    _makedirs(d, made)
+                futs += [pool.submit(_write_chunk, chunk_file(key_dir, idx), a.array, a.grid, idx) for idx in idxs]
+            meta = zarr_json(a.kind, a.dtype, shape, a.grid)
+            futs.append(pool.submit(_write_file, os.path.join(key_dir, "zarr.json"), [meta]))
+            writes.append(futs)
+    except OSError:
+        _wait([f for futs in writes for f in futs])
+        for fd in fds:
+            os.close(fd)
+        raise
+    err = _wait([f for futs in writes for f in futs])
+    syncs = [pool.submit(_fsync_close, fd) for fd in fds]
+    err = _wait(syncs) or err
+    if err is not None:
+        raise err
+    if done is not None:
+        for a in arrays:
+            done(a.array.nbytes)
 
 
-def _write_chunk(path: str, arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> None:
-    _write_file(path, _chunk_parts(arr, grid, idx))
-
-
-def _all(futs: list[cf.Future[None]], result: Any = None) -> cf.Future[Any]:
+def _all(futs: Sequence[cf.Future[Any]], result: Any = None) -> cf.Future[Any]:
     """A future done when all of ``futs`` are (its result ``result``), failing with the first error."""
     out: cf.Future[Any] = cf.Future()
     left = [len(futs)]
     errors: list[BaseException] = []
     lock = threading.Lock()
 
-    def one(f: cf.Future[None]) -> None:
+    def one(f: cf.Future[Any]) -> None:
         with lock:
             e = f.exception()
             if e is not None:
@@ -362,37 +432,62 @@ def _all(futs: list[cf.Future[None]], result: Any = None) -> cf.Future[Any]:
 
 class ChunkRead(NamedTuple):
     """Read ``region`` (slices in the stored box's coordinates) of the array at ``key``
-    (stored shape ``shape``, zarr grid ``grid``) into ``out`` (exactly the region's shape)."""
+    (stored shape ``shape``, zarr grid ``grid``, storage ``kind``) into ``out`` (exactly
+    the region's shape)."""
 
     key: str
     shape: tuple[int, ...]
     grid: tuple[int, ...]
     region: tuple[slice, ...]
     out: np.ndarray
-    sep: str = "/"
+    kind: str = "files"
 
 
-def _inner_tasks(root: str, job: ChunkRead) -> Iterator[tuple[str, tuple[int, ...], tuple[slice, ...], tuple[slice, ...]]]:
-    """(file, idx, slices inside the inner chunk, slices of ``job.out``) per inner chunk touched."""
-    key_dir = os.path.join(root, job.key)
+def _touched(job: ChunkRead) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...], tuple[slice, ...]]]:
+    """(idx, slices inside the zarr chunk, slices of ``job.out``) per zarr chunk the region touches."""
     lo = [r.start for r in job.region]
     hi = [r.stop for r in job.region]
     ranges = [range(a // g, (b - 1) // g + 1) if b > a else range(0) for a, b, g in zip(lo, hi, job.grid)]
     for idx in itertools.product(*ranges):
         starts = [i * g for i, g in zip(idx, job.grid)]
-        inner = tuple(
-            slice(max(a, s) - s, min(b, s + g) - s) for a, b, s, g in zip(lo, hi, starts, job.grid)
-        )
-        dest = tuple(
-            slice(max(a, s) - a, min(b, s + g) - a) for a, b, s, g in zip(lo, hi, starts, job.grid)
-        )
-        yield chunk_file(key_dir, idx, job.sep), idx, inner, dest
+        inner = tuple(slice(max(a, s) - s, min(b, s + g) - s) for a, b, s, g in zip(lo, hi, starts, job.grid))
+        dest = tuple(slice(max(a, s) - a, min(b, s + g) - a) for a, b, s, g in zip(lo, hi, starts, job.grid))
+        yield idx, inner, dest
+
+
+def _is_prefix(out: np.ndarray, grid: Sequence[int], inner: tuple[slice, ...]) -> bool:
+    """Whether ``inner`` of a zarr chunk is a prefix of its bytes that ``out`` holds contiguously."""
+    return (
+        out.flags.c_contiguous
+        and all(s.start == 0 for s in inner)
+        and all(s.stop == g for s, g in zip(inner[1:], grid[1:]))
+    )
+
+
+def _check_crc(path: str, what: str, head: np.ndarray, tail: np.ndarray, stored: bytes) -> None:
+    crc = _CRC(head)
+    if tail.size:
+        crc = _EXTEND(crc, tail)
+    want = int.from_bytes(bytes(stored), "little")
+    if crc != want:
+        raise ChunkFileError(f"{path}{what} fails its crc32c check (stored {want:#010x}, computed {crc:#010x})")
+
+
+def _read_scratch(fd: int, path: str, what: str, offset: int, full: int, grid: Sequence[int],
+                  inner: tuple[slice, ...], out: np.ndarray) -> None:
+    """One zarr chunk into scratch, checked, then its ``inner`` part copied into ``out``."""
+    buf = _scratch(full + 4)
+    n = os.preadv(fd, [buf], offset)
+    _count(n)
+    if n != full + 4:
+        raise ChunkFileError(f"{path}{what}: read {n} of {full + 4} bytes")
+    _check_crc(path, what, buf[:full], buf[:0], buf[full:])
+    out[...] = buf[:full].view(out.dtype).reshape(grid)[inner]
 
 
 def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: np.ndarray) -> None:
-    """Read one inner chunk file, check its crc32c, and put ``inner`` of it into ``out``."""
-    itemsize = out.itemsize
-    full = math.prod(grid) * itemsize
+    """One "plain" chunk file: checked, ``inner`` of it into ``out``."""
+    full = math.prod(grid) * out.itemsize
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -401,38 +496,105 @@ def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: 
         size = os.fstat(fd).st_size
         if size != full + 4:
             raise ChunkFileError(f"chunk file {path} holds {size} bytes, expected {full + 4}")
-        # The wanted part is a prefix of the file when only the first dim is cut short.
-        prefix = (
-            out.flags.c_contiguous
-            and all(s.start == 0 for s in inner)
-            and all(s.stop == g for s, g in zip(inner[1:], grid[1:]))
-        )
-        if prefix:
-            head = out.reshape(-1).view(np.uint8)
-            rest = full - head.size
-            tail = _scratch(rest + 4)
-            n = os.preadv(fd, [head, tail], 0)
-            _count(n)
-            if n != full + 4:
-                raise ChunkFileError(f"chunk file {path}: read {n} of {full + 4} bytes")
-            crc = _CRC(head)
-            if rest:
-                crc = _EXTEND(crc, tail[:rest])
-            stored = int.from_bytes(tail[rest:].tobytes(), "little")
+        if _is_prefix(out, grid, inner):
+            _read_run(fd, path, 0, [(out, full, "")])
         else:
-            buf = _scratch(full + 4)
-            n = os.preadv(fd, [buf], 0)
-            _count(n)
-            if n != full + 4:
-                raise ChunkFileError(f"chunk file {path}: read {n} of {full + 4} bytes")
-            crc = _CRC(buf[:full])
-            stored = int.from_bytes(buf[full:].tobytes(), "little")
-            if crc == stored:
-                out[...] = buf[:full].view(out.dtype).reshape(grid)[inner]
-        if crc != stored:
+            _read_scratch(fd, path, "", 0, full, grid, inner, out)
+    finally:
+        os.close(fd)
+
+
+def _read_run(fd: int, path: str, offset: int, items: Sequence[tuple[np.ndarray, int, str]]) -> None:
+    """Adjacent stored chunks from ``offset`` in one ``preadv``: each ``(out, full, what)``
+    fills ``out`` with the chunk's first bytes (the rest and the crc go to scratch)."""
+    heads = [out.reshape(-1).view(np.uint8) for out, _full, _what in items]
+    rests = [full - h.size for h, (_out, full, _what) in zip(heads, items)]
+    tail = _scratch(sum(rests) + 4 * len(items))
+    iov: list[Any] = []
+    pos = 0
+    spans = []
+    for h, r in zip(heads, rests):
+        iov.append(h)
+        iov.append(tail[pos : pos + r + 4])
+        spans.append((pos, r))
+        pos += r + 4
+    total = sum(h.size for h in heads) + pos
+    n = os.preadv(fd, iov, offset)
+    _count(n)
+    if n != total:
+        raise ChunkFileError(f"{path}: read {n} of {total} bytes at offset {offset}")
+    for h, (p, r), (_out, _full, what) in zip(heads, spans, items):
+        _check_crc(path, what, h, tail[p : p + r], tail[p + r : p + r + 4])
+
+
+def _read_index(path: str, count: int) -> tuple[np.ndarray, int]:
+    """A "files" shard's index (``count`` x (offset, nbytes)), checked, and the file size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ChunkFileError(f"shard file {path} is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        want = 16 * count + 4
+        if size < want:
+            raise ChunkFileError(f"shard file {path} holds {size} bytes, less than its index ({want})")
+        buf = os.pread(fd, want, 0)
+        _count(len(buf))
+    finally:
+        os.close(fd)
+    raw = np.frombuffer(buf, np.uint8)
+    _check_crc(path, " (index)", raw[: want - 4], raw[:0], raw[want - 4 :])
+    return np.frombuffer(buf, "<u8", count * 2).reshape(count, 2), size
+
+
+def _shard_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> list[tuple[Any, tuple[Any, ...]]]:
+    """Reads of the chunks ``job`` needs from a shard: runs of adjacent whole chunks in one
+    ``preadv`` each, other chunks one by one through scratch."""
+    counts = [len(r) for r in _grid_ranges(job.shape, job.grid)]
+    full = math.prod(job.grid) * job.out.itemsize
+    tasks: list[tuple[Any, tuple[Any, ...]]] = []
+    run: list[tuple[np.ndarray, int, str]] = []
+    run_start = run_end = -1
+    for idx, inner, dest in _touched(job):
+        flat = int(np.ravel_multi_index(idx, counts)) if idx else 0
+        off, nb = int(index[flat, 0]), int(index[flat, 1])
+        what = f" (zarr chunk {list(idx)})"
+        if off == _MISSING and nb == _MISSING:
+            raise ChunkFileError(f"shard file {path}{what} is missing")
+        if nb != full + 4 or off + nb > size:
             raise ChunkFileError(
-                f"chunk file {path} fails its crc32c check (stored {stored:#010x}, computed {crc:#010x})"
+                f"shard file {path}{what}: index gives bytes [{off}, {off + nb}) of a {size}-byte file, "
+                f"expected {full + 4} bytes"
             )
+        out = job.out[dest] if dest else job.out
+        if not _is_prefix(out, job.grid, inner):
+            tasks.append((_shard_scratch, (path, what, off, full, job.grid, inner, out)))
+            continue
+        if run and (off != run_end or len(run) >= _IOV_MAX // 2 or run_end - run_start >= RUN_BYTES):
+            tasks.append((_shard_run, (path, run_start, run)))
+            run = []
+        if not run:
+            run_start = off
+        run.append((out, full, what))
+        run_end = off + nb
+    if run:
+        tasks.append((_shard_run, (path, run_start, run)))
+    return tasks
+
+
+def _shard_run(path: str, offset: int, items: Sequence[tuple[np.ndarray, int, str]]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _read_run(fd, path, offset, items)
+    finally:
+        os.close(fd)
+
+
+def _shard_scratch(path: str, what: str, offset: int, full: int, grid: Sequence[int], inner: tuple[slice, ...],
+                   out: np.ndarray) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _read_scratch(fd, path, what, offset, full, grid, inner, out)
     finally:
         os.close(fd)
 
@@ -440,20 +602,45 @@ def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: 
 def submit_read(root: str, job: ChunkRead) -> cf.Future[np.ndarray]:
     """Start reading ``job`` on the I/O threads; the future's result is ``job.out``."""
     pool = _pool()
-    futs = [] if job.out.size == 0 else [
-        pool.submit(_read_file, path, job.grid, inner, job.out[dest] if dest else job.out)
-        for path, _idx, inner, dest in _inner_tasks(root, job)
-    ]
-    return _all(futs, job.out)
+    key_dir = os.path.join(root, job.key)
+    if job.out.size == 0:
+        return _all([], job.out)
+    if job.kind != "files":
+        return _all([
+            pool.submit(_read_file, chunk_file(key_dir, idx), job.grid, inner, job.out[dest] if dest else job.out)
+            for idx, inner, dest in _touched(job)
+        ], job.out)
+    path = data_file(key_dir, len(job.shape))
+    count = math.prod(len(r) for r in _grid_ranges(job.shape, job.grid))
+    result: cf.Future[np.ndarray] = cf.Future()
+
+    def relay(f: cf.Future[Any]) -> None:
+        e = f.exception()
+        if e is not None:
+            result.set_exception(e)
+        else:
+            result.set_result(job.out)
+
+    def indexed(f: cf.Future[tuple[np.ndarray, int]]) -> None:
+        try:
+            index, size = f.result()
+            tasks = _shard_tasks(path, job, index, size)
+        except (OSError, ChunkFileError) as e:
+            result.set_exception(e)
+            return
+        _all([pool.submit(fn, *args) for fn, args in tasks]).add_done_callback(relay)
+
+    pool.submit(_read_index, path, count).add_done_callback(indexed)
+    return result
 
 
 def read_chunks(root: str, jobs: Sequence[ChunkRead], done: Callable[[int, int], None] | None = None) -> None:
-    """Fill every ``job.out`` from its chunk files under ``root``, checking crc32c.
+    """Fill every ``job.out`` from its files under ``root``, checking every crc32c.
 
-    Inner chunks are read concurrently by the I/O threads; ``done(job_index, nbytes)``
-    is called in this thread as each job completes. Raises :class:`ChunkFileError`
-    (damaged data, naming the file) or OSError (storage) after all reads stopped,
-    with ``job_index`` set on it.
+    Reads run concurrently on the I/O threads; ``done(job_index, nbytes)`` is called in
+    this thread as each job completes. Raises :class:`ChunkFileError` (damaged data,
+    naming the file) or OSError (storage) after all reads stopped, with ``job_index``
+    set on it.
     """
     per_job = [submit_read(root, job) for job in jobs]
     first_err: BaseException | None = None

@@ -47,7 +47,7 @@ from xckpt.manifest import (
     parse_claim,
 )
 from xckpt.source import ChunkRead, Source, whole_request
-from xckpt.storage import SEPARATOR, Location, Storage, corrupt, key_encoding, packed_grid, storage_error
+from xckpt.storage import Location, Storage, corrupt, packed_grid, storage_error
 
 __all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 
@@ -254,14 +254,14 @@ class Checkpoint(Source):
         """Whether rank ``rank``'s chunks are files this process reads itself."""
         return self._root is not None and self.manifest.storage.get(rank, "ocdbt") != "ocdbt"
 
-    def _sep(self, rank: int) -> str:
-        return SEPARATOR[self.manifest.storage.get(rank, "ocdbt")]
+    def _kind(self, rank: int) -> str:
+        return self.manifest.storage.get(rank, "ocdbt")
 
     def _read_files(self, jobs: list[ChunkRead], bar: Any) -> None:
         """Array chunks of "plain" ranks on a local disk: preadv into ``out``, crc32c checked."""
         reads = [
             _fileio.ChunkRead(
-                c.key, c.shape, c.grid or c.shape, req.chunk_slices, out[req.target_slices], self._sep(c.rank)
+                c.key, c.shape, c.grid or c.shape, req.chunk_slices, out[req.target_slices], self._kind(c.rank)
             )
             for _name, c, req, out in jobs
         ]
@@ -296,9 +296,9 @@ class Checkpoint(Source):
             bar.update(req.box.volume * itemsize)
 
     def _packed_meta(self, key: str, rank: int) -> tuple[int, int, str] | None:
-        """(bytes, zarr chunk length, chunk key separator) of a "plain"/"files" rank's packed array
-        from its zarr.json, read directly; None when its codecs or key encoding are not the ones
-        read directly (tensorstore reads it then)."""
+        """(bytes, zarr chunk length, storage kind) of a "plain"/"files" rank's packed array from
+        its zarr.json, read directly; None when its layout is not one :mod:`xckpt._fileio`
+        reads (tensorstore reads it then)."""
         if key not in self._packed_stored:
             try:
                 meta = _fileio.stored_meta(self._root, key)  # type: ignore[arg-type]
@@ -317,10 +317,9 @@ class Checkpoint(Source):
                     f"checkpoint {self.path!r}, packed chunks of rank {rank} ({key})",
                     ValueError(f"zarr.json shape {shape!r} / chunk shape {grid!r} is not one length each"),
                 )
-            enc = meta.get("chunk_key_encoding")
-            sep = next((s for s in "/." if enc == key_encoding(s)), None)
-            same = _fileio.codecs_ok(meta.get("codecs")) and meta.get("data_type") == "uint8"
-            self._packed_stored[key] = (shape[0], grid[0], sep) if same and sep else None
+            layout = _fileio.parse_meta(meta)
+            ok = layout is not None and layout[1] == "uint8" and len(layout[2]) == 1
+            self._packed_stored[key] = (layout[2][0], layout[3][0], layout[0]) if ok else None  # type: ignore[index]
         return self._packed_stored[key]
 
     def _packed_store(self, key: str, rank: int) -> Any:
@@ -439,7 +438,7 @@ class Checkpoint(Source):
     def _check_file_meta(self, name: str, c: Chunk) -> None:
         try:
             _fileio.check_meta(
-                self._root, c.key, self.info(name).dtype, c.shape, c.grid or c.shape, self._sep(c.rank)  # type: ignore[arg-type]
+                self._root, c.key, self._kind(c.rank), self.info(name).dtype, c.shape, c.grid or c.shape  # type: ignore[arg-type]
             )
         except _fileio.ChunkFileError as e:
             raise corrupt(f"{self._where(name, c)}: the stored array does not match the manifest", e) from None
@@ -653,13 +652,13 @@ class _Slab:
             grid = c.grid or c.shape
             try:
                 _fileio.check_meta(
-                    ck._root, c.key, ck.info(self.name).dtype, c.shape, grid, ck._sep(c.rank)  # type: ignore[arg-type]
+                    ck._root, c.key, ck._kind(c.rank), ck.info(self.name).dtype, c.shape, grid  # type: ignore[arg-type]
                 )
             except (_fileio.ChunkFileError, OSError) as e:
                 return ValueError(str(e))
             region = (slice(self.lo, self.hi), *(slice(0, s) for s in c.shape[1:])) if c.shape else ()
             out = np.empty(tuple(r.stop - r.start for r in region), ck.info(self.name).np_dtype)
-            read = _fileio.ChunkRead(c.key, c.shape, grid, region, out, ck._sep(c.rank))
+            read = _fileio.ChunkRead(c.key, c.shape, grid, region, out, ck._kind(c.rank))
             return _fileio.submit_read(ck._root, read)  # type: ignore[arg-type]
         try:
             arr = ck._open_checked(self.name, self.chunk).result()

@@ -19,11 +19,11 @@ region or credentials are given: ``{"driver": "s3", "bucket": ..., "path": ...,
 ``data/<rank>/`` is one of (the manifest records which, per rank):
 
 - ``"files"`` (the default on a local disk, format version 3): one directory per
-  zarr array holding ``zarr.json`` and its chunk files ``c.<i>.<j>`` (chunk key
-  separator ``.``); read and written directly by :mod:`xckpt._fileio` on a local
-  disk, through tensorstore elsewhere;
-- ``"plain"`` (versions 1 and 2): the same with the ``/`` separator, ``c/<i>/<j>``
-  (a directory per row of chunks: many more directories to create and fsync);
+  stored box holding ``zarr.json`` and one shard file ``c.0.0`` with all its zarr
+  chunks and their index (:func:`array_metadata`); read and written directly by
+  :mod:`xckpt._fileio` on a local disk, through tensorstore elsewhere;
+- ``"plain"`` (versions 1 and 2): one file per zarr chunk, ``c/<i>/<j>`` (a directory
+  per row of chunks: many more files and directories to create, fsync and open);
 - ``"ocdbt"`` (the default for object stores and ``memory://``): one OCDBT
   database per rank, few objects however many arrays.
 
@@ -234,34 +234,69 @@ def packed_grid(size: int) -> int:
     return max(1, -(-size // pieces))
 
 
-def _codecs() -> list[dict[str, Any]]:
-    return [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+#: Codecs of every chunk: little-endian bytes, then crc32c (as tensorstore writes them).
+CODECS: list[dict[str, Any]] = [{"configuration": {"endian": "little"}, "name": "bytes"}, {"name": "crc32c"}]
+#: The same for one-byte types, which tensorstore writes without a byte order.
+CODECS_1: list[dict[str, Any]] = [{"name": "bytes"}, {"name": "crc32c"}]
+_ONE_BYTE = ("bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
-#: The zarr chunk key separator of each storage kind.
-SEPARATOR = {"files": ".", "plain": "/", "ocdbt": "/"}
+def _fill_value(dtype: str) -> Any:
+    if dtype == "bool":
+        return False
+    if dtype.startswith("complex"):
+        return [0.0, 0.0]
+    if dtype.startswith(("int", "uint")):
+        return 0
+    return 0.0
 
 
-def key_encoding(sep: str = "/") -> dict[str, Any]:
-    """zarr v3 ``chunk_key_encoding`` for separator ``sep`` (as tensorstore writes it)."""
-    return {"name": "default"} if sep == "/" else {"configuration": {"separator": sep}, "name": "default"}
+def shard_shape(shape: Sequence[int], grid: Sequence[int]) -> list[int]:
+    """The one shard of a "files" array: its shape rounded up to whole inner chunks."""
+    return [-(-s // g) * g for s, g in zip(shape, grid)]
+
+
+def array_metadata(kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> dict[str, Any]:
+    """The zarr v3 metadata of a stored box, exactly as tensorstore writes it.
+
+    ``"plain"``/``"ocdbt"``: a regular grid of ``grid`` chunks, each little-endian bytes
+    then crc32c, keys ``c/<i>/<j>``. ``"files"`` (version 3): the same chunks inside one
+    shard (``sharding_indexed``, index of (offset, nbytes) at the start with its own
+    crc32c), so a box is one file ``c.0.0`` that a whole read takes in one request.
+    """
+    codecs = CODECS_1 if dtype in _ONE_BYTE else CODECS
+    if kind == "files":
+        grid_meta = shard_shape(shape, grid)
+        codecs = [{
+            "configuration": {
+                "chunk_shape": list(grid),
+                "codecs": codecs,
+                "index_codecs": CODECS,
+                "index_location": "start",
+            },
+            "name": "sharding_indexed",
+        }]
+        encoding: dict[str, Any] = {"configuration": {"separator": "."}, "name": "default"}
+    else:
+        grid_meta = list(grid)
+        encoding = {"name": "default"}
+    return {
+        "chunk_grid": {"configuration": {"chunk_shape": grid_meta}, "name": "regular"},
+        "chunk_key_encoding": encoding,
+        "codecs": codecs,
+        "data_type": dtype,
+        "fill_value": _fill_value(dtype),
+        "node_type": "array",
+        "shape": list(shape),
+        "zarr_format": 3,
+    }
 
 
 def array_spec(
-    kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[int], sep: str = "/"
+    kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[int], kind: str = "plain"
 ) -> dict[str, Any]:
-    """A zarr v3 spec: regular grid, little-endian bytes, crc32c per chunk."""
-    return {
-        "driver": "zarr3",
-        "kvstore": kvstore,
-        "metadata": {
-            "shape": list(shape),
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(grid)}},
-            "chunk_key_encoding": key_encoding(sep),
-            "data_type": dtype,
-            "codecs": _codecs(),
-        },
-    }
+    """A zarr v3 spec of a stored box (see :func:`array_metadata`)."""
+    return {"driver": "zarr3", "kvstore": kvstore, "metadata": array_metadata(kind, dtype, shape, grid)}
 
 
 class Storage:
@@ -383,7 +418,7 @@ class Storage:
         transaction: Any = None,
     ) -> Any:
         """A future for a new zarr v3 array at ``key`` (inside ``transaction`` if given)."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, SEPARATOR[storage])
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage)
         # Readers treat a missing zarr chunk as damage, so all-zero chunks must be stored too.
         spec["store_data_equal_to_fill_value"] = True
         return self._ts.open(spec, create=True, context=self.context, transaction=transaction)
@@ -397,7 +432,7 @@ class Storage:
     ) -> Any:
         """A future for an existing array, trusting the manifest for its metadata
         (no zarr.json read)."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, SEPARATOR[storage])
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage)
         # A missing chunk is damage, never zeros.
         spec["fill_missing_data_reads"] = False
         return self._ts.open(
@@ -409,7 +444,7 @@ class Storage:
     ) -> Any:
         """A future that fails unless the stored zarr metadata of ``key`` matches the manifest's
         claim (dtype, shape, grid): a claim checked against storage before anything is sized by it."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, SEPARATOR[storage])
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage)
         spec["fill_missing_data_reads"] = False
         return self._ts.open(spec, open=True, read=True, context=self.context)
 

@@ -76,7 +76,7 @@ from xckpt.manifest import (
     shared_shape,
     unchecked,
 )
-from xckpt.storage import SEPARATOR, Location, Storage, inner_chunk_shape, packed_grid, storage_error
+from xckpt.storage import Location, Storage, inner_chunk_shape, packed_grid, storage_error
 
 __all__ = ["Writer", "save", "finalize", "derived_save_id"]
 
@@ -462,9 +462,8 @@ class Writer:
         pend, self._pending, self._pending_bytes = self._pending, [], 0
         if self.kind != "ocdbt" and self._root is not None:
             # Local files: written straight from the caller's arrays and fsynced (bench/io.py).
-            sep = SEPARATOR[self.kind]
             _fileio.write_arrays(
-                self._root, [_fileio.ArrayWrite(p.key, p.dtype, p.array, p.grid, sep) for p in pend],
+                self._root, [_fileio.ArrayWrite(p.key, p.dtype, p.array, p.grid, self.kind) for p in pend],
                 self._bar_update,
             )
             return

@@ -1,5 +1,5 @@
-"""Writes tests/golden/v3 once: format version 3 (storage "files": plain zarr arrays whose
-chunk keys use the "." separator, c.<i>.<j>). Never re-run to "fix" a failing golden test:
+"""Writes tests/golden/v3 once: format version 3 (storage "files": each stored box one
+zarr v3 array of one shard file, c.0.0, holding its zarr chunks behind an index). Never re-run to "fix" a failing golden test:
 a change that breaks reading these files is a format change and needs a new version."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import xckpt.writer
 root = Path(__file__).parent / "v3"
 if (root / "ckpt").exists():
     sys.exit(f"{root / 'ckpt'} exists; golden checkpoints are never regenerated")
-# Inner zarr chunks of 64 bytes, so "w" is stored as several chunk files per box.
+# Zarr chunks of 64 bytes, so each box of "w" holds several in its shard.
 xckpt.writer.inner_chunk_shape = functools.partial(xckpt.storage.inner_chunk_shape, target=64)
 tensors = {
     "w": np.arange(96, dtype=np.float32).reshape(12, 8),
