@@ -49,10 +49,13 @@ __all__ = [
     "bytes_read", "check_meta", "parse_meta", "stored_meta", "chunk_file", "data_file",
 ]
 
-#: Threads for chunk reads and writes: enough to keep a fast disk busy and to
-#: overlap page-cache copies on 2 cores (bench/io.py); the GIL is released in
-#: preadv/pwritev/fsync and large numpy copies.
-THREADS = max(4, min(16, 2 * (os.cpu_count() or 2)))
+#: Threads for reads: twice the cores overlaps page-cache copies with crc32c (the GIL is
+#: released in preadv and large numpy copies); more contend for page faults and were
+#: slower on bench/io.py (2 cores: 4 threads 0.23 s, 8 threads 0.37 s warm).
+READ_THREADS = max(4, min(16, 2 * (os.cpu_count() or 2)))
+#: Threads for writes, which mostly wait in fsync: 8 on 2 cores saved W1 in 0.38 s
+#: against 0.47 s with 4 (bench/io.py).
+WRITE_THREADS = max(8, min(32, 4 * (os.cpu_count() or 2)))
 #: Bytes one request reads or writes at most (a box of a "files" array is split in
 #: runs of this size, read or written by several threads at once).
 RUN_BYTES = 32 << 20
@@ -61,7 +64,7 @@ _OPEN_FILES = 128
 _IOV_MAX = 900
 _MISSING = (1 << 64) - 1
 
-_POOL: cf.ThreadPoolExecutor | None = None
+_POOLS: dict[str, cf.ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 _LOCAL = threading.local()
 _CRC = google_crc32c.value
@@ -99,20 +102,21 @@ def local_root(url: Any) -> str | None:
 
 
 def _forget_pool() -> None:
-    """In a forked child the parent's I/O threads do not exist: start a new pool there."""
-    global _POOL
-    _POOL = None
+    """In a forked child the parent's I/O threads do not exist: start new pools there."""
+    _POOLS.clear()
 
 
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _pool() -> cf.ThreadPoolExecutor:
-    global _POOL
+def _pool(purpose: str = "read") -> cf.ThreadPoolExecutor:
+    """The I/O threads for ``purpose`` ("read" or "write"), started on first use."""
     with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = cf.ThreadPoolExecutor(THREADS, thread_name_prefix="xckpt-io")
-        return _POOL
+        pool = _POOLS.get(purpose)
+        if pool is None:
+            n = READ_THREADS if purpose == "read" else WRITE_THREADS
+            pool = _POOLS[purpose] = cf.ThreadPoolExecutor(n, thread_name_prefix=f"xckpt-{purpose}")
+        return pool
 
 
 def _scratch(nbytes: int) -> np.ndarray:
@@ -351,32 +355,49 @@ def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], 
     made: set[str] = set()
     for i in range(0, len(arrays), _OPEN_FILES):
         _write_batch(root, arrays[i : i + _OPEN_FILES], made, done)
-    err = _wait([_pool().submit(_fsync_dir, d) for d in made])
+    err = _wait([_pool("write").submit(_fsync_dir, d) for d in made])
     if err is not None:
         raise err
 
 
 def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str],
                  done: Callable[[int], None] | None) -> None:
-    pool = _pool()
-    fds: list[int] = []
-    writes: list[list[cf.Future[Any]]] = []
+    pool = _pool("write")
+    futs: list[cf.Future[Any]] = []
+
+    def then_fsync(fd: int, runs: cf.Future[Any]) -> cf.Future[Any]:
+        """fsync and close ``fd`` as soon as its writes are done (writeback of one file
+        overlaps the writes of the next), even when they failed."""
+        out: cf.Future[Any] = cf.Future()
+
+        def go(f: cf.Future[Any]) -> None:
+            def finish(g: cf.Future[Any]) -> None:
+                err = f.exception() or g.exception()
+                if err is not None:
+                    out.set_exception(err)
+                else:
+                    out.set_result(None)
+
+            pool.submit(_fsync_close, fd).add_done_callback(finish)
+
+        runs.add_done_callback(go)
+        return out
+
     try:
         for a in arrays:
             key_dir = os.path.join(root, a.key)
             shape = a.array.shape
-            futs = []
             if a.kind == "files":
                 _makedirs(key_dir, made)
                 fd = os.open(data_file(key_dir, len(shape)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
                              0o644)
-                fds.append(fd)
                 head, size, runs = _shard_runs(a)
-                offset = 0
+                offset, run_futs = 0, []
                 for n, run in enumerate(runs):
                     first = head if n == 0 else b""
-                    futs.append(pool.submit(_write_run, fd, offset, first, a.array, a.grid, run))
+                    run_futs.append(pool.submit(_write_run, fd, offset, first, a.array, a.grid, run))
                     offset += len(first) + size * len(run)
+                futs.append(then_fsync(fd, _all(run_futs)))
             else:
                 idxs = list(itertools.product(*_grid_ranges(shape, a.grid)))
                 for d in {os.path.dirname(chunk_file(key_dir, idx)) for idx in idxs} if shape else {key_dir}:
@@ -384,15 +405,10 @@ def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str],
                 futs += [pool.submit(_write_chunk, chunk_file(key_dir, idx), a.array, a.grid, idx) for idx in idxs]
             meta = zarr_json(a.kind, a.dtype, shape, a.grid)
             futs.append(pool.submit(_write_file, os.path.join(key_dir, "zarr.json"), [meta]))
-            writes.append(futs)
     except OSError:
-        _wait([f for futs in writes for f in futs])
-        for fd in fds:
-            os.close(fd)
+        _wait(futs)
         raise
-    err = _wait([f for futs in writes for f in futs])
-    syncs = [pool.submit(_fsync_close, fd) for fd in fds]
-    err = _wait(syncs) or err
+    err = _wait(futs)
     if err is not None:
         raise err
     if done is not None:
