@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from xckpt.errors import CheckpointNotFoundError, XckptError
+from xckpt.manifest import paused_gc
 from xckpt.source import Source, local_path, readable_objects
 
 __all__ = ["FORMATS", "open", "load", "detect"]
@@ -160,7 +161,8 @@ def load(
     Pickled objects (DCP's non-tensor values) are left out, with a warning naming them,
     unless ``allow_pickle=True``.
     """
-    with open(path, format=format, allow_pickle=allow_pickle, rules=rules) as src:
+    # The manifest's objects and the outputs hold no cycles: no collections while they are built.
+    with paused_gc(), open(path, format=format, allow_pickle=allow_pickle, rules=rules) as src:
         out: dict[str, Any] = dict(src.read_all(show_progress=show_progress))
         out.update(
             src.objects(

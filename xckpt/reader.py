@@ -379,19 +379,29 @@ class Checkpoint(Source):
                 buf = fut if direct else fut.result()
             except ValueError as e:
                 raise corrupt(f"{self._where(span_jobs[0][0], span_jobs[0][1])} (packed)", e) from None
+            # Per small tensor: a memoryview slice, its crc32, one memcpy (W2: 20,000 of them).
+            mv, done = memoryview(buf).cast("B"), 0
             for name, c, req, out in span_jobs:
-                raw = buf[c.byte_offset - start : c.byte_offset - start + c.nbytes]
+                o = c.byte_offset - start  # type: ignore[operator]
+                raw = mv[o : o + c.nbytes]
                 if zlib.crc32(raw) != c.crc32:
                     raise CorruptChunkError(
                         f"{self._where(name, c)}: packed bytes fail their crc32 check. The "
                         "checkpoint is damaged: restore it from a copy or load an earlier one"
                     )
-                if req is None or (req.box.shape == c.shape == out.shape and out.flags.c_contiguous):
-                    out.reshape(-1).view(np.uint8)[:] = raw  # the whole chunk: one memcpy
-                    bar.update(c.nbytes)
+                whole = req is None or (req.box.shape == c.shape == out.shape)
+                if whole and out.flags.c_contiguous:
+                    try:
+                        memoryview(out).cast("B")[:] = raw  # the whole chunk: one memcpy
+                    except (TypeError, ValueError):  # ml_dtypes types have no buffer format
+                        out.reshape(-1).view(np.uint8)[:] = raw
+                    done += c.nbytes
                 else:
-                    out[req.target_slices] = raw.view(out.dtype).reshape(c.shape)[req.chunk_slices]
-                    bar.update(req.box.volume * out.itemsize)
+                    req = req or whole_request(c)
+                    src = np.frombuffer(raw, out.dtype).reshape(c.shape)
+                    out[req.target_slices] = src[req.chunk_slices]
+                    done += req.box.volume * out.itemsize
+            bar.update(done)
 
     def _open_checked(self, name: str, c: Chunk) -> Any:
         """Like :meth:`_open`, but the stored zarr metadata is read and must match the manifest."""
@@ -413,11 +423,16 @@ class Checkpoint(Source):
         if not todo:
             return
         arrays = []
+        files: list[tuple[str, Chunk]] = []
+        sizes: dict[str, int] = {}  # per packed array (20,000 small tensors share one)
         for name in todo:
             for c in self.info(name).chunks:
                 if c.form == "packed":
-                    meta = self._packed_meta(c.key, c.rank) if self._direct(c.rank) else None
-                    size = meta[0] if meta is not None else self._packed_store(c.key, c.rank).shape[0]
+                    size = sizes.get(c.key)
+                    if size is None:
+                        meta = self._packed_meta(c.key, c.rank) if self._direct(c.rank) else None
+                        size = meta[0] if meta is not None else self._packed_store(c.key, c.rank).shape[0]
+                        sizes[c.key] = size
                     if c.byte_offset + c.nbytes > size:  # type: ignore[operator]
                         raise CorruptChunkError(
                             f"{self._where(name, c)}: the manifest claims bytes [{c.byte_offset}, "
@@ -425,9 +440,12 @@ class Checkpoint(Source):
                             "the manifest does not belong to this data (restore the checkpoint from a copy)"
                         )
                 elif self._direct(c.rank):
-                    self._check_file_meta(name, c)
+                    files.append((name, c))
                 else:
                     arrays.append((name, c, self._open_checked(name, c)))
+        if files:  # zarr.json files read concurrently (a cold load opens each)
+            for _ in _fileio._pool().map(lambda nc: self._check_file_meta(*nc), files):
+                pass
         for name, c, fut in arrays:
             try:
                 fut.result()
