@@ -42,7 +42,7 @@ from xckpt._async import submit, wait_pending
 from xckpt.errors import ObjectError, UnsupportedPlacementError, XckptError
 from xckpt.layout import Box, choose_writer
 from xckpt.manifest import DTYPES, Manifest
-from xckpt.writer import Writer, finalize
+from xckpt.writer import ALL_HELD, Writer, finalize
 
 from ._tree import device_boxes, flatten, placement_info
 
@@ -185,7 +185,7 @@ def save(
     if overwrite and world == 1 and sid is None:
         sid = "s-" + secrets.token_hex(8)
     w = Writer(path, rank=me, world_size=world, save_id=sid, overwrite=overwrite, storage=storage,
-               metadata=metadata, progress=show_progress)
+               metadata=metadata, progress=show_progress, inflight_bytes=ALL_HELD)  # all host arrays are held
     _barrier(f"xckpt-open-{w.save_id}")
     try:
         plans: list[tuple[str, tuple[int, ...], list[tuple[Box, Any]]]] = []

@@ -181,7 +181,7 @@ def save(
         CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
     """
     from xckpt.torch.value_groups import save_value_groups, split_value_groups
-    from xckpt.writer import Writer, finalize
+    from xckpt.writer import ALL_HELD, Writer, finalize
 
     wait_pending()
     rank, world, group_rank = rank_world(process_group)
@@ -230,7 +230,8 @@ def save(
         plans, owned = split_value_groups(flat, value_groups)
         jobs, objects = _plan(flat, set(owned), rank, world, group_rank)
         writer = Writer(
-            loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite, progress=show_progress
+            loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite, progress=show_progress,
+            inflight_bytes=ALL_HELD,  # every host array below is held until the save ends
         )
         events = []
         for job in jobs:
