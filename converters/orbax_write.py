@@ -54,13 +54,13 @@ Decisions (where the design is silent):
   is dropped with a warning naming it.
 * An empty selection (no tensors, no objects) is an error: orbax cannot
   restore an empty tree.
-* Memory: one source chunk at a time (read into the job's recycled buffers);
-  writes go into a tensorstore transaction committed every :data:`TXN_BYTES`, a
-  large chunk in bands of whole grid rows of about that size, so at most about one
-  chunk plus a few zarr chunks is held (measured: 184 MiB of RSS growth converting
-  256 MiB in 32 MiB chunks; 350 MiB for one 256 MiB chunk, of which 256 MiB is the
-  chunk read from the source; 218 MiB for bench/convert.py's 1 GiB HF directory,
-  whose largest tensor is a 128 MiB chunk).
+* Memory: the source is read in bands of whole grid rows of about
+  :data:`TXN_BYTES` (:meth:`WriteJob.bands`, recycled buffers), written into a
+  tensorstore transaction committed every :data:`TXN_BYTES`, so a large source
+  chunk is never held whole: about two bands, two transactions and the zarr chunks
+  being compressed (measured: 172-199 MiB of RSS growth for bench/convert.py's
+  1 GiB HF directory, whose largest tensor is one 128 MiB chunk; 219-250 MiB when
+  whole chunks were read).
 * Speed: every array is created in a first transaction; then a full transaction
   commits (compresses) in the background while the next one fills, so two commits
   can compress at once: 1 GiB HF -> orbax 5.3-5.7 -> 3.4-5.2 s on 2 busy cores.
@@ -512,29 +512,16 @@ def _write_tensor(job: Any, leaf: _Leaf, base: Any, txn: _Txn) -> None:
         # zarr stores nothing for an empty array; orbax restores it from .zarray alone.
         return
     arr, bound = None, None
-    # reuse: each chunk is written (copied into the transaction) before the next is asked for
-    for chunk, data in job.chunks(leaf.tensor, reuse=True):
-        if data.size == 0:
-            continue
-        for offset, piece in _slabs(chunk.offset, data, leaf.grid[0] if leaf.grid else 1):
-            if bound is not txn.txn:  # a new transaction since the last write
-                arr, bound = base.with_transaction(txn.txn), txn.txn
-            box = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
-            arr[box].write(piece).result()
-            job.bar.update(piece.nbytes)
-            txn.add(piece.nbytes)
-            del piece
-        del data  # before the next chunk is read: one chunk in memory at a time
-
-
-def _slabs(offset: Sequence[int], data: np.ndarray, step0: int) -> Any:
-    """``data`` in bands of whole grid rows of about ``TXN_BYTES``, so a transaction holds a band
-    rather than a copy of a whole large chunk (bands start on the chunk's own offset, so
-    aligned boxes stay whole zarr chunks)."""
-    if data.ndim == 0 or data.nbytes <= TXN_BYTES:
-        yield tuple(offset), data
-        return
-    row = data.nbytes // data.shape[0]
-    rows = max(step0, (TXN_BYTES // row) // step0 * step0)
-    for a in range(0, data.shape[0], rows):
-        yield (offset[0] + a, *offset[1:]), data[a : a + rows]
+    # Bands of whole grid rows of about TXN_BYTES (starting on each chunk's own offset, so aligned
+    # boxes stay whole zarr chunks), read one at a time into recycled buffers: each is written
+    # (copied into the transaction) before the next is asked for, so a large source chunk is
+    # never in memory whole.
+    step0 = leaf.grid[0] if leaf.grid else 1
+    for _chunk, offset, piece in job.bands(leaf.tensor, max_bytes=TXN_BYTES, multiple=step0):
+        if bound is not txn.txn:  # a new transaction since the last write
+            arr, bound = base.with_transaction(txn.txn), txn.txn
+        box = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
+        arr[box].write(piece).result()
+        job.bar.update(piece.nbytes)
+        txn.add(piece.nbytes)
+        del piece  # before the next band is read

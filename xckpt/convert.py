@@ -125,14 +125,14 @@ def guess_format(dst: str) -> str:
     return "xckpt"
 
 
-def _crc(arr: np.ndarray) -> int:
-    """crc32c of ``arr``'s row-major bytes (hardware crc32c, several GB/s)."""
+def _crc(arr: np.ndarray, crc: int = 0) -> int:
+    """crc32c of ``arr``'s row-major bytes (hardware crc32c, several GB/s), continuing ``crc``."""
     if not arr.size:
-        return 0
+        return crc
     a = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
     raw = a.reshape(-1).view(np.uint8)
     raw.flags.writeable = False  # google_crc32c takes read-only buffers (a view: arr stays writable)
-    return google_crc32c.value(raw)
+    return google_crc32c.extend(crc, raw)
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,9 @@ class WriteJob:
     record: bool = True
     _buffers: _Buffers = field(default_factory=lambda: _Buffers(), repr=False, compare=False)
     _crcs: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    _partial: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = field(
         default_factory=dict, repr=False, compare=False
     )
 
@@ -203,6 +206,48 @@ class WriteJob:
         yield from _ahead([functools.partial(self._chunk_pair, name, c, reuse) for c in chunks])
         if reuse:
             self._buffers.trim()
+
+    def bands(
+        self, name: str, *, max_bytes: int, multiple: int = 1
+    ) -> Iterator[tuple[Chunk, tuple[int, ...], np.ndarray]]:
+        """Each stored chunk of ``name`` in bands of whole rows: ``(chunk, band offset, band)``.
+
+        A band holds a multiple of ``multiple`` rows (at least that many) and about
+        ``max_bytes``; a chunk no larger than that comes whole. Bands are read one at a
+        time into recycled buffers, each valid only until the next is asked for, the
+        next read in the background meanwhile: memory stays near two bands whatever
+        the source's chunks. The crc32c recorded for verify is the whole chunk's.
+        """
+        t = self.src.info(name)
+        reads = []
+        for c in t.chunks:
+            if not c.box.volume:
+                continue
+            nbytes = c.box.volume * t.np_dtype.itemsize
+            if len(c.shape) == 0 or nbytes <= max_bytes:
+                reads.append(functools.partial(self._band, name, c, c.box, True))
+                continue
+            row = nbytes // c.shape[0]
+            rows = max(multiple, (max_bytes // row) // multiple * multiple)
+            for a in range(0, c.shape[0], rows):
+                b = min(c.shape[0], a + rows)
+                box = Box((c.offset[0] + a, *c.offset[1:]), (b - a, *c.shape[1:]))
+                reads.append(functools.partial(self._band, name, c, box, b == c.shape[0]))
+        yield from _ahead(reads)
+        self._buffers.trim()
+
+    def _band(self, name: str, chunk: Chunk, box: Box, last: bool) -> tuple[Chunk, tuple[int, ...], np.ndarray]:
+        out = self._buffers.take(box.shape, self.src.info(name).np_dtype)
+        if out.size:
+            self.src.read_into([(name, box, out)], show_progress=False)
+        if self.record:  # bands of a chunk are read in order: its crc32c continues band by band
+            key = (name, tuple(chunk.offset), tuple(chunk.shape))
+            crc = _crc(out, self._partial.pop(key, 0))
+            if last:
+                self._crcs[key] = crc
+            else:
+                self._partial[key] = crc
+        return chunk, tuple(box.offset), out
 
     def _chunk_pair(self, name: str, chunk: Chunk, reuse: bool) -> tuple[Chunk, np.ndarray]:
         return chunk, self.read_chunk(name, chunk, reuse=reuse)
@@ -522,7 +567,7 @@ def _writer(fmt: str) -> Callable[[WriteJob], None]:
 
 
 #: Bytes of boxes verify reads back in one ``read_into`` (the reader runs them concurrently).
-_VERIFY_BATCH = 32 << 20
+_VERIFY_BATCH = 16 << 20
 
 
 _Key = tuple[str, tuple[int, ...], tuple[int, ...]]  # (name, box offset, box shape)
@@ -535,8 +580,9 @@ def _verify(job: WriteJob, out_format: str) -> None:
     the format's reader and its crc32c compared with the source's. xckpt output: every
     stored chunk is re-read through the xckpt reader, which checks each one's crc32c
     (and a packed chunk's crc32), and the names, dtypes, shapes and boxes must be the
-    source's. Reads go in batches of about ``_VERIFY_BATCH`` bytes into the job's two
-    recycled buffers, the next batch read in the background while one is checked.
+    source's. Reads go in batches of about ``_VERIFY_BATCH`` bytes (a larger box of a
+    format other than xckpt in bands of rows, its crc32c continued band by band) into the
+    job's two recycled buffers, the next batch read in the background while one is checked.
     """
     import xckpt
 
@@ -549,16 +595,20 @@ def _verify(job: WriteJob, out_format: str) -> None:
         else:
             keys = list(job._crcs)
         try:
-            for key, buf in _read_back(job, out, keys):
+            crc = 0
+            for key, buf, last in _read_back(job, out, keys, split=out_format != "xckpt"):
                 want = job._crcs.get(key)
                 if want is None:
                     continue
-                crc = _crc(buf)
-                if crc != want:
+                crc = _crc(buf, crc)
+                if not last:
+                    continue
+                crc, got = 0, crc
+                if got != want:
                     name, offset, shape = key
                     raise VerifyMismatchError(
                         f"conversion of {job.src.path!r} to {out_format}: tensor {name!r}, box "
-                        f"{Box(offset, shape)} reads back with crc32c {crc:08x}, the source's is "
+                        f"{Box(offset, shape)} reads back with crc32c {got:08x}, the source's is "
                         f"{want:08x}; nothing was written to the destination. Check the disk "
                         "and convert again"
                     )
@@ -575,33 +625,47 @@ def _verify(job: WriteJob, out_format: str) -> None:
             )
 
 
-def _read_back(job: WriteJob, out: Source, keys: Sequence[_Key]) -> Iterator[tuple[_Key, np.ndarray]]:
-    """Each box of ``keys`` read from ``out``, in batches (see :func:`_verify`)."""
+def _read_back(
+    job: WriteJob, out: Source, keys: Sequence[_Key], *, split: bool
+) -> Iterator[tuple[_Key, np.ndarray, bool]]:
+    """Each box of ``keys`` read from ``out`` in batches (see :func:`_verify`): ``(key, piece,
+    last)``. With ``split``, a box larger than a batch comes as bands of whole rows, in order
+    (``last`` on its final band), so a reader that decodes every stored chunk a read touches at
+    once (tensorstore, for orbax) holds about a batch, not the largest box."""
     dtypes = {name: out.info(name).np_dtype for name in {key[0] for key in keys}}
+    pieces: list[tuple[_Key, Box, int, bool]] = []  # (key, box read, bytes, last)
+    for key in keys:
+        name, offset, shape = key
+        nbytes = dtypes[name].itemsize * int(np.prod(shape, dtype=np.int64))
+        if not split or len(shape) == 0 or nbytes <= _VERIFY_BATCH or shape[0] <= 1:
+            pieces.append((key, Box(offset, shape), nbytes, True))
+            continue
+        row = nbytes // shape[0]
+        step = max(1, _VERIFY_BATCH // max(1, row))
+        for lo in range(0, shape[0], step):
+            hi = min(shape[0], lo + step)
+            box = Box((offset[0] + lo, *offset[1:]), (hi - lo, *shape[1:]))
+            pieces.append((key, box, (hi - lo) * row, hi == shape[0]))
 
-    def nbytes_of(key: _Key) -> int:
-        return dtypes[key[0]].itemsize * int(np.prod(key[2], dtype=np.int64))
-
-    def read(batch: list[_Key]) -> list[tuple[_Key, np.ndarray]]:
-        sizes = [nbytes_of(key) for key in batch]
-        arena = job._buffers.take((sum(_aligned(n) for n in sizes),), np.dtype(np.uint8))
+    def read(batch: list[tuple[_Key, Box, int, bool]]) -> list[tuple[_Key, np.ndarray, bool]]:
+        arena = job._buffers.take((sum(_aligned(n) for *_, n, _ in batch),), np.dtype(np.uint8))
         items, at = [], 0
-        for key, n in zip(batch, sizes):
-            items.append((key, arena[at : at + n].view(dtypes[key[0]]).reshape(key[2])))
+        for key, box, n, last in batch:
+            items.append((key, arena[at : at + n].view(dtypes[key[0]]).reshape(box.shape), last))
             at += _aligned(n)
-        reads = [(key[0], Box(key[1], key[2]), buf) for key, buf in items if buf.size]
+        reads = [(key[0], box, buf) for (key, box, _, _), (_, buf, _) in zip(batch, items) if buf.size]
         if reads:
             out.read_into(reads, show_progress=False)
         return items
 
-    batches: list[list[_Key]] = [[]]
+    batches: list[list[tuple[_Key, Box, int, bool]]] = [[]]
     size = 0
-    for key in keys:
-        nbytes = _aligned(nbytes_of(key))
+    for piece in pieces:
+        nbytes = _aligned(piece[2])
         if batches[-1] and size + nbytes > _VERIFY_BATCH:
             batches.append([])
             size = 0
-        batches[-1].append(key)
+        batches[-1].append(piece)
         size += nbytes
     for items in _ahead([functools.partial(read, batch) for batch in batches if batch]):
         yield from items
