@@ -338,13 +338,15 @@ def _fsync_close(fd: int) -> None:
         os.close(fd)
 
 
-def _makedirs(path: str, made: set[str]) -> None:
-    """``os.makedirs``, recording each directory created (and its parent) for fsync."""
+def _makedirs(path: str, made: set[str], known: set[str]) -> None:
+    """``os.makedirs``, recording each directory created (and its parent) in ``made`` for
+    fsync; ``known`` holds directories already seen to exist (no stat for them again)."""
     todo = []
     p = path
-    while not os.path.isdir(p):
+    while p not in known and not os.path.isdir(p):
         todo.append(p)
         p = os.path.dirname(p)
+    known.add(p)
     for d in reversed(todo):
         try:
             os.mkdir(d)
@@ -352,6 +354,7 @@ def _makedirs(path: str, made: set[str]) -> None:
             pass
         made.add(d)
         made.add(os.path.dirname(d))
+        known.add(d)
 
 
 def _wait(futs: Sequence[cf.Future[Any]]) -> BaseException | None:
@@ -374,14 +377,15 @@ def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], 
     write has stopped.
     """
     made: set[str] = set()
+    known: set[str] = set()
     for i in range(0, len(arrays), _OPEN_FILES):
-        _write_batch(root, arrays[i : i + _OPEN_FILES], made, done)
+        _write_batch(root, arrays[i : i + _OPEN_FILES], made, known, done)
     err = _wait([_pool("write").submit(_fsync_dir, d) for d in made])
     if err is not None:
         raise err
 
 
-def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str],
+def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str], known: set[str],
                  done: Callable[[int], None] | None) -> None:
     pool = _pool("write")
     futs: list[cf.Future[Any]] = []
@@ -409,7 +413,7 @@ def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str],
             key_dir = os.path.join(root, a.key)
             shape = a.array.shape
             if a.kind == "files":
-                _makedirs(key_dir, made)
+                _makedirs(key_dir, made, known)
                 fd = os.open(data_file(key_dir, len(shape)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
                              0o644)
                 head, size, runs = _shard_runs(a)
@@ -422,7 +426,7 @@ def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str],
             else:
                 idxs = list(itertools.product(*_grid_ranges(shape, a.grid)))
                 for d in {os.path.dirname(chunk_file(key_dir, idx)) for idx in idxs} if shape else {key_dir}:
-                    _makedirs(d, made)
+                    _makedirs(d, made, known)
                 futs += [pool.submit(_write_chunk, chunk_file(key_dir, idx), a.array, a.grid, idx) for idx in idxs]
             meta = zarr_json(a.kind, a.dtype, shape, a.grid)
             futs.append(pool.submit(_write_file, os.path.join(key_dir, "zarr.json"), [meta]))
