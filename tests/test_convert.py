@@ -503,13 +503,15 @@ def test_verify_in_bands_of_rows(sources, tmp_path, monkeypatch):
 def test_verify_catches_a_corrupted_xckpt_write(sources, tmp_path, monkeypatch):
     # xckpt output is verified by its reader's own checksums over re-read bytes: damage on disk
     # after the writer is caught, and nothing reaches dst.
-    real = convert_mod.write_xckpt
+    from xckpt.converters import xckpt_write
+
+    real = xckpt_write.write
 
     def damaged(job):
         real(job)
         _corrupt_one_chunk(job.dst)
 
-    monkeypatch.setattr(convert_mod, "write_xckpt", damaged)
+    monkeypatch.setattr(xckpt_write, "write", damaged)
     with pytest.raises(VerifyMismatchError, match=r"to xckpt does not read back as written: .*nothing was written"):
         xckpt.convert(sources["xckpt2"][0], str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []

@@ -1,0 +1,69 @@
+"""xckpt output of ``xckpt.convert``, keeping the source layout: one :class:`~xckpt.Writer` per source writer.
+
+Ranks are written one after another (each commits before the next starts), each
+Writer holding at most :data:`xckpt.convert.CONVERT_INFLIGHT_BYTES` of chunks in
+flight, so one writer's budget bounds memory; rank 0 finalizes. Chunks come fresh
+from :meth:`WriteJob.chunks` (the Writer keeps them until it flushes them).
+Verify needs no checksums from here: the driver re-reads every stored chunk
+through the xckpt reader, which checks each one's crc32c.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import warnings
+from typing import Any
+
+__all__ = ["write"]
+
+FORMAT = "xckpt"
+
+
+def write(job: Any) -> None:
+    """xckpt output keeping the source layout: one :class:`~xckpt.Writer` per source writer.
+
+    Ranks are written one after another (each commits before the next starts),
+    so one writer's in-flight budget bounds memory; rank 0 finalizes.
+    """
+    from xckpt.convert import CONVERT_INFLIGHT_BYTES
+    from xckpt.writer import Writer, finalize
+
+    src = job.src
+    infos = {n: src.info(n) for n in job.names}
+    world = max([src.world_size] + [c.rank + 1 for t in infos.values() for c in t.chunks])
+    save_id = "convert-" + secrets.token_hex(8)
+    meta = dict(src.metadata)
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError):
+        warnings.warn(
+            f"convert {src.path!r}: the source's metadata is not JSON and stays behind", stacklevel=3
+        )
+        meta = {}
+    for r in range(world):
+        w = Writer(
+            job.dst,
+            rank=r,
+            world_size=world,
+            save_id=save_id,
+            progress=False,
+            metadata=meta,
+            inflight_bytes=CONVERT_INFLIGHT_BYTES,
+        )
+        for name, t in infos.items():
+            w.declare(name, t.dtype, t.shape, placement=t.placement, value_range=t.value_range)
+            for c, arr in job.chunks(name, rank=r):
+                w.write(
+                    name, arr, global_shape=t.shape, offset=c.offset, chunk_value_range=c.value_range
+                )
+                job.bar.update(arr.nbytes)
+                del arr  # the Writer holds it until flushed; drop ours before the next read
+        for oname, value in job.objects.items():
+            if oname in job.per_rank_objects and isinstance(value, list) and len(value) == world:
+                w.write_object(oname, value[r], per_rank=True)
+            elif r == 0:
+                w.write_object(oname, value)
+        w.commit()
+    if world > 1:
+        finalize(job.dst, world, save_id)
