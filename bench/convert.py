@@ -22,6 +22,13 @@ Usage, from the repository root::
 
     .venv/bin/python bench/convert.py                 # ~1 GiB, all routes
     .venv/bin/python bench/convert.py --size-gib 0.25 --only dcp-hf,dcp-torch
+    .venv/bin/python bench/convert.py --reuse --repeat 3 --systems convert --no-check
+
+``--repeat N`` runs each system N times (the table shows medians; every run is
+printed), ``--systems`` keeps the systems whose child mode holds one of the words
+(``convert``, ``full``, ``-nv``), ``--reuse`` keeps the sources of an earlier run of
+the same size. Each child reports wall time, CPU seconds (user + system, all
+threads: steadier than wall time on a shared machine) and peak RSS growth.
 
 Results: a markdown table on stdout and ``bench/out/convert.json``.
 """
