@@ -22,7 +22,7 @@ import re
 import zlib
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -250,12 +250,18 @@ class Checkpoint(Source):
             self._arrays[c.key] = fut
         return fut
 
-    def _direct(self, rank: int) -> bool:
-        """Whether rank ``rank``'s chunks are files this process reads itself."""
-        return self._root is not None and self.manifest.storage.get(rank, "ocdbt") != "ocdbt"
-
     def _kind(self, rank: int) -> str:
         return self.manifest.storage.get(rank, "ocdbt")
+
+    def _direct(self, rank: int) -> bool:
+        """Whether rank ``rank``'s chunks are files this process reads itself."""
+        return self._root is not None and self._kind(rank) != "ocdbt"
+
+    def _raise_read_error(self, e: Exception, what: str) -> NoReturn:
+        """A direct read failed: damaged data (CorruptChunkError) or storage (StorageError)."""
+        if isinstance(e, _fileio.ChunkFileError):
+            raise corrupt(f"checkpoint {self.path!r}, {what}", e) from None
+        raise storage_error(self.path, f"reading {what}", e) from e
 
     def _read_files(self, jobs: list[ChunkRead], bar: Any) -> None:
         """Array chunks of "plain" ranks on a local disk: preadv into ``out``, crc32c checked."""
@@ -267,12 +273,9 @@ class Checkpoint(Source):
         ]
         try:
             _fileio.read_chunks(self._root, reads, lambda _i, n: bar.update(n))  # type: ignore[arg-type]
-        except _fileio.ChunkFileError as e:
+        except (_fileio.ChunkFileError, OSError) as e:
             name, c = jobs[e.job_index][:2]  # type: ignore[attr-defined]
-            raise corrupt(self._where(name, c), e) from None
-        except OSError as e:
-            name, c = jobs[e.job_index][:2]  # type: ignore[attr-defined]
-            raise storage_error(self.path, f"reading tensor {name!r}, chunk {c.box} ({c.key})", e) from e
+            self._raise_read_error(e, f"tensor {name!r}, chunk {c.box} ({c.key})")
 
     def _read_arrays(self, jobs: list[ChunkRead], bar: Any) -> None:
         direct = [j for j in jobs if self._direct(j[1].rank)]
@@ -302,10 +305,8 @@ class Checkpoint(Source):
         if key not in self._packed_stored:
             try:
                 meta = _fileio.stored_meta(self._root, key)  # type: ignore[arg-type]
-            except _fileio.ChunkFileError as e:
-                raise corrupt(f"checkpoint {self.path!r}, packed chunks of rank {rank} ({key})", e) from None
-            except OSError as e:
-                raise storage_error(self.path, f"reading packed chunks of rank {rank} ({key})", e) from e
+            except (_fileio.ChunkFileError, OSError) as e:
+                self._raise_read_error(e, f"packed chunks of rank {rank} ({key})")
             shape = meta.get("shape")
             grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape") if isinstance(
                 meta.get("chunk_grid"), dict) else None
@@ -368,11 +369,8 @@ class Checkpoint(Source):
             try:
                 _fileio.read_chunks(self._root, reads)  # type: ignore[arg-type]
             except (_fileio.ChunkFileError, OSError) as e:
-                span_jobs = spans[e.job_index][2]  # type: ignore[attr-defined]
-                where = f"{self._where(span_jobs[0][0], span_jobs[0][1])} (packed)"
-                if isinstance(e, _fileio.ChunkFileError):
-                    raise corrupt(where, e) from None
-                raise storage_error(self.path, f"reading {where}", e) from e
+                name, c = spans[e.job_index][2][0][:2]  # type: ignore[attr-defined]
+                self._raise_read_error(e, f"tensor {name!r}, chunk {c.box} ({c.key}) (packed)")
             futs = bufs
         for (start, _end, span_jobs), fut in zip(spans, futs):
             try:
