@@ -297,10 +297,9 @@ class Load:
         self.run = fn()
 
     # (a) DCP -> JAX
-    def _prepare_a_xckpt(self) -> Any:
+    def _xckpt_jax_load(self, target: Any) -> Any:
+        """The timed step of an xckpt.jax.load of the checkpoint into ``target`` (bytes counted)."""
         import xckpt.jax
-
-        target = {n: self.sharding for n, _, _ in self.spec}
 
         def run() -> Any:
             src = self.xckpt.open(self.path)
@@ -310,6 +309,9 @@ class Load:
             return out
 
         return run
+
+    def _prepare_a_xckpt(self) -> Any:
+        return self._xckpt_jax_load({n: self.sharding for n, _, _ in self.spec})
 
     def _prepare_a_today(self) -> Any:
         import torch
@@ -367,18 +369,7 @@ class Load:
         }
 
     def _prepare_c_xckpt(self) -> Any:
-        import xckpt.jax
-
-        target = self._abstract()
-
-        def run() -> Any:
-            src = self.xckpt.open(self.path)
-            self.bytes_counter = lambda: src.bytes_read
-            out = xckpt.jax.load(src, target)
-            self.jax.block_until_ready(out)
-            return out
-
-        return run
+        return self._xckpt_jax_load(self._abstract())
 
     def _prepare_c_orbax(self) -> Any:
         import logging

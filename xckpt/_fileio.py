@@ -640,6 +640,13 @@ def _shard_scratch(path: str, what: str, offset: int, full: int, grid: Sequence[
         os.close(fd)
 
 
+def run_all(fn: Callable[[Any], Any], items: Sequence[Any]) -> None:
+    """``fn(item)`` for every item on the read threads (small file reads that each wait on
+    the disk, e.g. every array's zarr.json); the first error is raised."""
+    for _ in _pool().map(fn, items):
+        pass
+
+
 def submit_read(root: str, job: ChunkRead) -> cf.Future[np.ndarray]:
     """Start reading ``job`` on the I/O threads; the future's result is ``job.out``."""
     pool = _pool()

@@ -442,8 +442,7 @@ class Checkpoint(Source):
                 else:
                     arrays.append((name, c, self._open_checked(name, c)))
         if files:  # zarr.json files read concurrently (a cold load opens each)
-            for _ in _fileio._pool().map(lambda nc: self._check_file_meta(*nc), files):
-                pass
+            _fileio.run_all(lambda nc: self._check_file_meta(*nc), files)
         for name, c, fut in arrays:
             try:
                 fut.result()
