@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xckpt
-from xckpt.errors import MissingEntryError, XckptError
+from xckpt.errors import ManifestError, MissingEntryError, XckptError
 from xckpt.manifest import (
     MAX_CHUNKS,
     MAX_EXTENT,
@@ -54,6 +54,23 @@ def _saved(root: str) -> tuple[dict[str, Any], Manifest]:
     w.write("sharded", np.ones((2, 5), np.int16), global_shape=(8, 5), offset=(0, 0))
     w.write("keys", np.arange(8, dtype=np.int64), value_range=ValueRange(group="g", role="key", domain=(0, 8)),
             chunk_value_range=(0, 8))
+    m = w.commit()
+    with open(os.path.join(root, "ranks", "1.json"), "rb") as f:
+        doc = json.loads(f.read())
+    # The entry-object form of every tensor (version 4 writes whole packed tensors as rows).
+    doc["tensors"] = {n: t.to_json() for n, t in m.tensors.items()}
+    return doc, m
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> tuple[dict[str, Any], Manifest]:
+    """A real version-4 rank manifest as written, with packed rows (bf16, 0-d and 1-d)."""
+    root = str(tmp_path_factory.mktemp("rows") / "c")
+    w = xckpt.Writer(root, rank=1, world_size=WORLD, save_id="rows", pack_threshold=4096)
+    w.write("small", np.arange(256, dtype=np.float32))
+    w.write("scalar", np.array(3, np.int64))
+    w.write("bf", np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3))
+    w.write("big", np.ones((64, 32), np.float64))
     m = w.commit()
     with open(os.path.join(root, "ranks", "1.json"), "rb") as f:
         return json.loads(f.read()), m
@@ -221,3 +238,125 @@ def test_read_all_of_a_missing_name_names_it(tmp_path):
         with pytest.raises(MissingEntryError, match=r"has no tensor 'b'.*holds 1 tensors"):
             src.read_all(["a", "b"])
         assert np.array_equal(src.read_all(["a"])["a"], np.ones(3, np.float32))
+
+
+# -- packed rows (version 4) ---------------------------------------------------------
+
+
+def test_whole_packed_tensors_are_written_as_rows(rows):
+    doc, m = rows
+    assert doc["version"] == 4 and doc["packed"] == {"1": m.tensors["small"].chunks[0].key}
+    assert doc["tensors"]["small"] == ["float32", [256], 1, 0, m.tensors["small"].chunks[0].crc32]
+    assert doc["tensors"]["scalar"][:4] == ["int64", [], 1, 1024]
+    assert isinstance(doc["tensors"]["big"], dict)  # an array chunk keeps the entry form
+    parsed = Manifest.from_json(doc, "r")
+    assert list(parsed.tensors) == ["small", "scalar", "bf", "big"]  # save order kept
+    assert _same(dict(parsed.tensors), dict(m.tensors))  # rows parse to the writer's dataclasses
+
+
+def _row_outcome(name: str, row: Any) -> Any:
+    """A mutated row parsed inside a real manifest, and the same tensor as an entry object."""
+    doc = {"format": "xckpt", "version": 4, "save_id": "s", "world_size": WORLD, "rank": 1,
+           "storage": {"1": "files"}, "packed": {"1": "data/1/packed"}, "tensors": {name: row}, "objects": []}
+    return _outcome(lambda: Manifest.from_json(doc, "r").tensors[name])
+
+
+def _as_entry(row: Any) -> dict[str, Any] | None:
+    """The entry-object form of a row (None when the row is not a list of 5)."""
+    if not isinstance(row, list) or len(row) != 5:
+        return None
+    dtype, shape, rank, bo, crc = row
+    nbytes = None
+    if dtype in ("float32", "int64", "bfloat16") and isinstance(shape, list) and all(type(x) is int for x in shape):
+        nbytes = int(np.prod(shape, dtype=object)) * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
+    return {"dtype": dtype, "shape": shape, "chunks": [{
+        "offset": [0] * len(shape) if isinstance(shape, list) else shape, "shape": shape, "key": "data/1/packed",
+        "rank": rank, "nbytes": nbytes, "form": "packed", "byte_offset": bo, "crc32": crc}]}
+
+
+def _check_row(name: str, row: Any) -> None:
+    got = _row_outcome(name, row)
+    assert isinstance(got, (TensorEntry, ManifestError)), (row, got)  # never a raw error
+    if isinstance(got, ManifestError):
+        assert f"tensor {name!r}" in str(got) or "packed" in str(got), str(got)
+        return
+    entry = _as_entry(row)
+    assert entry is not None and got.nbytes > 0, row
+    assert _same(got, TensorEntry.from_json(name, entry, "r", WORLD)), row  # what the entry form says
+
+
+ROW_EDGES = [None, True, False, 0.0, 1.5, "x", [], {}, [True], [0.0], [-1], [0], [MAX_EXTENT], [MAX_EXTENT + 1],
+             [2**40, 2**40], [0] * (MAX_NDIM + 1), [1] * MAX_NDIM, 0, 1, -1, 2, WORLD, (1 << 32) - 1, 1 << 32,
+             MAX_TENSOR_BYTES - 1, MAX_TENSOR_BYTES, 2**64, "float32", "bfloat16", "int4", "data/1/packed"]
+
+
+def test_every_row_field_at_every_edge(rows):
+    """Each of a row's five fields at each edge value: an entry equal to the entry-object
+    form's, or a ManifestError naming the tensor; never a raw error."""
+    doc, _ = rows
+    for name in ("small", "scalar", "bf"):
+        for i in range(5):
+            for value in ROW_EDGES:
+                row = copy.deepcopy(doc["tensors"][name])
+                row[i] = copy.deepcopy(value)
+                _check_row(name, row)
+        for row in ([], doc["tensors"][name][:4], [*doc["tensors"][name], 0], "row"):
+            _check_row(name, row)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_rows_parse_or_fail_cleanly(rows, data):
+    doc, _ = rows
+    name = data.draw(st.sampled_from(["small", "scalar", "bf"]))
+    row = copy.deepcopy(doc["tensors"][name])
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(_paths(row)[1:]))
+        parent = row
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = data.draw(VALUE)
+    _check_row(name, row)
+
+
+def test_row_errors_name_the_tensor_and_the_field(rows):
+    doc, _ = rows
+    base = doc["tensors"]["small"]
+    cases = [
+        ([*base[:2], 2, *base[3:]], r"tensor 'small': rank 2 has no packed array"),
+        (["float32", [0], *base[2:]], r"tensor 'small': a packed row holds no elements"),
+        (["int4", *base[1:]], r"tensor 'small': unknown dtype 'int4'"),
+        ([*base[:3], -1, base[4]], r"tensor 'small': byte_offset must be an integer"),
+        ([*base[:4], 1 << 32], r"tensor 'small': crc32 must be an integer"),
+        (["float32", [1 << 40, 1 << 40], *base[2:]], r"tensor 'small': shape .* claims .* bytes, over the limit"),
+        (base[:4], r"tensor 'small': a packed row is \[dtype, shape, rank, byte_offset, crc32\]"),
+    ]
+    for row, match in cases:
+        with pytest.raises(ManifestError, match=match):
+            Manifest.from_json({**doc, "tensors": {"small": row}}, "r")
+
+
+def test_packed_member_is_checked(rows):
+    doc, _ = rows
+    with pytest.raises(ManifestError, match=r"packed names rank '7', not a rank below 3"):
+        Manifest.from_json({**doc, "packed": {"7": "data/7/packed"}}, "r")
+    with pytest.raises(ManifestError, match=r"packed array of rank 1: chunk key '\.\./x' is not a relative key"):
+        Manifest.from_json({**doc, "packed": {"1": "../x"}}, "r")
+    with pytest.raises(ManifestError, match=r"a packed row in a manifest without packed arrays"):
+        Manifest.from_json({**doc, "packed": {}}, "r")
+    with pytest.raises(ManifestError, match=r"a version 3 manifest has no packed member"):
+        Manifest.from_json({**doc, "version": 3}, "r")
+    old = {k: v for k, v in doc.items() if k != "packed"}
+    with pytest.raises(ManifestError, match=r"a packed row in a manifest without packed arrays \(version 3"):
+        Manifest.from_json({**old, "version": 3}, "r")
+
+
+def test_rows_load_through_the_reader_bit_exact(rows, tmp_path):
+    tree = {f"p{i}": np.full((1 + i % 5, 3), i, np.float32) for i in range(300)}
+    tree["bf"] = np.arange(12, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(3, 4)
+    tree["s"] = np.array(-5, np.int8)
+    xckpt.save(tree, str(tmp_path / "c"))
+    got = xckpt.load(str(tmp_path / "c"))
+    assert list(got) == list(tree)
+    for n, a in tree.items():
+        assert got[n].dtype == a.dtype and got[n].tobytes() == a.tobytes(), n

@@ -258,9 +258,24 @@ def _hostile_bytes(d: dict) -> bytes:
     return body[:-1] + b',"checksum":"sha256:' + hashlib.sha256(body).hexdigest().encode() + b'"}'
 
 
-def _edit(root: str, fn) -> None:
+def _as_entries(d: dict) -> None:
+    """Rewrite version 4's packed rows as the entry objects they stand for (both forms are read)."""
+    from xckpt.manifest import numpy_dtype
+
+    for n, t in d["tensors"].items():
+        if isinstance(t, list):
+            dtype, shape, rank, bo, crc = t
+            chunk = {"offset": [0] * len(shape), "shape": shape, "key": d["packed"][str(rank)], "rank": rank,
+                     "nbytes": int(np.prod(shape)) * numpy_dtype(dtype).itemsize, "form": "packed",
+                     "byte_offset": bo, "crc32": crc}
+            d["tensors"][n] = {"dtype": dtype, "shape": shape, "chunks": [chunk]}
+
+
+def _edit(root: str, fn, entries: bool = True) -> None:
     p = os.path.join(root, "xckpt.json")
     d = orjson.loads(open(p, "rb").read())
+    if entries:
+        _as_entries(d)
     fn(d)
     with open(p, "wb") as f:
         f.write(_hostile_bytes(d))
@@ -291,6 +306,17 @@ def test_huge_claims_are_refused_before_allocation(tmp_path):
     _edit(root, lambda d: d.update(world_size=2**62))
     with pytest.raises(ManifestError, match=r"world_size must be an integer in \[1, 1048577\)"):
         xckpt.open(root)
+
+
+def test_huge_claims_in_packed_rows_are_refused_before_allocation(tmp_path):
+    root = str(tmp_path / "c")
+    xckpt.save({"small": np.arange(16, dtype=np.uint8)}, root)
+    _edit(root, lambda d: d["tensors"]["small"].__setitem__(1, [2**62]), entries=False)
+    with pytest.raises(ManifestError, match=r"tensor 'small': shape \[4611686018427387904\].*over the limit"):
+        xckpt.open(root)
+    _edit(root, lambda d: d["tensors"]["small"].__setitem__(1, [2**40]), entries=False)
+    with pytest.raises(CorruptChunkError, match=r"tensor 'small'.*claims bytes \[0, 1099511627776\).*holds 16 bytes"):
+        xckpt.load(root)
 
 
 def test_huge_world_size_in_rank_manifests_costs_nothing(tmp_path):

@@ -440,6 +440,16 @@ def test_golden_v3_checkpoint_loads_unchanged():
     assert m["version"] == 3 and m["storage"] == {"0": "files", "1": "files"}
 
 
+def test_golden_v4_checkpoint_loads_unchanged():
+    """Format version 4 (whole packed tensors written as rows), checked in."""
+    root, _expect, got = _golden(4)
+    m = json.loads((root / "ckpt" / "xckpt.json").read_text())
+    assert m["version"] == 4 and m["packed"] == {"0": "data/0/packed"}
+    assert m["tensors"]["scalar"][:4] == ["int64", [], 0, 20] and isinstance(m["tensors"]["w"], dict)
+    ck = xckpt.open(root / "ckpt")
+    assert ck.info("fp8").chunks[0].form == "packed" and ck.info("fp8").chunks[0].byte_offset == 12
+
+
 def test_verify_is_about_as_fast_as_a_load(tmp_path):
     """One pass over each packed array: 2,000 small tensors verify in about a load's time."""
     d = {f"layer{i}.bias": np.full(512, i, np.float32) for i in range(2000)}
