@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 from xckpt import layout as L
 from xckpt.errors import LayoutError, ObjectError, UnsupportedPlacementError, XckptError
 from xckpt.torch._dtypes import as_numpy, dtype_name, torch_dtype
-from xckpt.torch._placement import pieces_from_indices, torch_to_layout
+from xckpt.torch._placement import dim_runs, pieces_from_indices, pieces_from_runs, torch_to_layout
 from xckpt.torch._state_dict import PerRank, flatten
 
 EXAMPLES = settings(max_examples=200, deadline=None)
@@ -118,6 +118,31 @@ def test_pieces_reassemble_the_local_tensor(case):
             local[p.slices] = full[p.box.slices()]
         if local.numel():
             assert torch.equal(local, expect)
+
+
+@EXAMPLES
+@given(torch_layouts(), st.booleans())
+def test_dim_runs_are_dim_indices_as_runs(case, fsdp):
+    """dim_runs (range arithmetic, what loads and saves use) gives exactly the runs of
+    dim_indices (index lists), in mesh order and in FSDP2's order, and the same pieces."""
+    shape, mesh, placements = case
+    ours = torch_to_layout(placements, "t")
+    order = L.fsdp_order(ours) if fsdp else None
+    if order is not None:
+        ours = [L.Shard(p.dim) if isinstance(p, L.StridedShard) else p for p in ours]
+    for coord in itertools.product(*(range(n) for n in mesh)):
+        idx = L.dim_indices(shape, mesh, coord, ours, order=order)
+        runs = dim_runs(shape, mesh, coord, ours, order=order)
+        assert runs == [L.indices_to_runs(i) for i in idx]
+        local = torch.empty([len(i) for i in idx])
+        assert pieces_from_runs(runs, local) == pieces_from_indices(idx, local)
+
+
+def test_dim_runs_raise_as_dim_indices_do():
+    with pytest.raises(UnsupportedPlacementError, match=r"tensor 'w': Shard\(2\) names dim 2 but the tensor has 2 dims"):
+        dim_runs((4, 4), (2,), (0,), [L.Shard(2)], name="w")
+    with pytest.raises(UnsupportedPlacementError, match=r"tensor 'w': split factor 0 must be >= 1"):
+        dim_runs((4, 4), (2,), (0,), [L.StridedShard(0, 0)], name="w")
 
 
 def test_torch_to_layout_converts_each_kind():

@@ -210,6 +210,7 @@ def load(
         )
     reads = _Reads()
     later: list[tuple[str, Any]] = []
+    meshes: dict[int, Any] = {}
     for name, target in flat.items():
         if name in handled or name in missing_set:
             continue
@@ -219,7 +220,7 @@ def load(
                 later.append((name, None))
                 continue
             _check(ckpt, name, target)
-            loc = local_pieces(target, name, group_rank)
+            loc = local_pieces(target, name, group_rank, meshes)
             for piece in loc.pieces:
                 reads.add(name, piece)
         else:

@@ -69,12 +69,13 @@ def _plan(flat: Mapping[str, Any], skip: set[str], rank: int, world: int, group_
     """Which boxes this rank writes, and its objects. Local; no collective."""
     jobs: list[_Job] = []
     objects: list[tuple[str, Any, bool]] = []
+    meshes: dict[int, Any] = {}
     for name, v in flat.items():
         if name in skip:
             continue
         if isinstance(v, (torch.Tensor, np.ndarray)):
             shape, tdtype = global_info(v, name)
-            loc = local_pieces(v, name, group_rank)
+            loc = local_pieces(v, name, group_rank, meshes)
             job = _Job(name, dtype_name(tdtype, name), shape, placement_info(loc))
             if loc.layout == "replicated":
                 holders: Sequence[int] | None = range(world)
