@@ -4,6 +4,7 @@ every region of every layout read exactly, and damage reported by type and file.
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 from pathlib import Path
@@ -151,11 +152,18 @@ def test_missing_and_truncated_shard_files(tmp_path):
     f = path / key / "c.0.0"
     data = f.read_bytes()
     f.write_bytes(data[:-9])
-    with pytest.raises(CorruptChunkError, match=rf"tensor 'w'.*zarr chunk \[2, 0\]\): index gives bytes .* of a {len(data) - 9}-byte file"):
+    # The claim is checked against the file's size (one stat) before anything is allocated.
+    with pytest.raises(CorruptChunkError, match=rf"tensor 'w'.*does not match the manifest.*holds {len(data) - 9} "
+                       rf"bytes; a box of shape \[2048, 300\] in zarr chunks of \[683, 300\] \(4-byte items\) "
+                       rf"needs at least {len(data)}"):
         xckpt.load(path)
+    # verify() reads the index and names the zarr chunk that lies past the end.
+    (problem,) = xckpt.open(path).verify()
+    assert re.search(rf"zarr chunk \[2, 0\]\): index gives bytes .* of a {len(data) - 9}-byte file", problem), problem
     f.write_bytes(data[:30])
-    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*holds 30 bytes, less than its index \(52\)"):
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*holds 30 bytes; a box of shape"):
         xckpt.load(path)
+    assert "holds 30 bytes, less than its index (52)" in " ".join(xckpt.open(path).verify())
     os.unlink(f)
     with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*shard file .*c\.0\.0 is missing.*xckpt verify"):
         xckpt.load(path)
@@ -183,13 +191,16 @@ def test_zarr_metadata_that_disagrees_with_the_manifest(tmp_path):
     meta = json.loads((path / key / "zarr.json").read_text())
     meta["data_type"] = "int32"
     (path / key / "zarr.json").write_text(json.dumps(meta))
-    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*does not match the manifest.*data_type is 'int32'"):
-        xckpt.load(path)
+    # A load follows the (checksummed) manifest and every chunk's crc32c; zarr.json is
+    # for other zarr readers, and verify() checks that it agrees.
+    assert xckpt.load(path)["w"].tobytes() == _a.tobytes()
+    (problem,) = xckpt.open(path).verify()
+    assert re.search(r"tensor 'w'.*data_type is 'int32', the manifest claims 'float32'", problem), problem
     meta["data_type"] = "float32"
     meta["codecs"][0]["configuration"]["index_location"] = "end"
     (path / key / "zarr.json").write_text(json.dumps(meta))
-    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*does not match the manifest.*: layout"):
-        xckpt.load(path)
+    (problem,) = xckpt.open(path).verify()
+    assert re.search(r"tensor 'w'.*zarr.json: layout", problem), problem
 
 
 def test_percent_in_path_goes_through_tensorstore(tmp_path):

@@ -46,7 +46,7 @@ from xckpt.storage import CODECS, CODECS_1, array_metadata
 
 __all__ = [
     "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "read_chunks", "submit_read",
-    "bytes_read", "check_meta", "parse_meta", "stored_meta", "chunk_file", "data_file",
+    "bytes_read", "check_meta", "check_shard", "parse_meta", "stored_meta", "chunk_file", "data_file",
 ]
 
 #: Threads for reads: twice the cores overlaps page-cache copies with crc32c (the GIL is
@@ -205,6 +205,26 @@ def check_meta(root: str, key: str, kind: str, dtype: str, shape: Sequence[int],
                                                                           got, want) if g != w
         )
         raise ChunkFileError(f"{os.path.join(root, key, 'zarr.json')}: {what}")
+
+
+def check_shard(root: str, key: str, itemsize: int, shape: Sequence[int], grid: Sequence[int]) -> None:
+    """Raise ChunkFileError unless the shard file of the "files" array at ``key`` holds at
+    least what a box of ``shape`` in zarr chunks of ``grid`` needs (its index and every
+    chunk with its crc32c): the manifest's claim against storage before anything is
+    sized from it, in one ``stat`` (a cold load no longer reads every zarr.json first:
+    the reads follow the checksummed manifest, and verify() still checks zarr.json)."""
+    path = data_file(os.path.join(root, key), len(shape))
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise ChunkFileError(f"shard file {path} is missing") from None
+    count = math.prod(len(r) for r in _grid_ranges(shape, grid))
+    need = 20 * count + 4 + count * math.prod(grid) * itemsize
+    if size < need:
+        raise ChunkFileError(
+            f"shard file {path} holds {size} bytes; a box of shape {list(shape)} in zarr chunks of "
+            f"{list(grid)} ({itemsize}-byte items) needs at least {need}"
+        )
 
 
 # -- writes ------------------------------------------------------------------

@@ -451,10 +451,14 @@ class Checkpoint(Source):
         self._checked.update(todo)
 
     def _check_file_meta(self, name: str, c: Chunk) -> None:
+        """A directly read chunk's claim against storage: a "files" shard's size (one stat),
+        a "plain" array's zarr.json (versions 1-2)."""
+        kind, grid = self._kind(c.rank), c.grid or c.shape
         try:
-            _fileio.check_meta(
-                self._root, c.key, self._kind(c.rank), self.info(name).dtype, c.shape, c.grid or c.shape  # type: ignore[arg-type]
-            )
+            if kind == "files":
+                _fileio.check_shard(self._root, c.key, self.info(name).np_dtype.itemsize, c.shape, grid)  # type: ignore[arg-type]
+            else:
+                _fileio.check_meta(self._root, c.key, kind, self.info(name).dtype, c.shape, grid)  # type: ignore[arg-type]
         except _fileio.ChunkFileError as e:
             raise corrupt(f"{self._where(name, c)}: the stored array does not match the manifest", e) from None
         except OSError as e:
