@@ -1,4 +1,4 @@
-"""The manifest's field checks: fixed bounds on what a manifest may claim, the dtype
+"""The manifest's constants and field checks: format versions, fixed bounds on what a manifest may claim, the dtype
 table, and plain-type validators (a precise :class:`~xckpt.errors.ManifestError` each, or a
 fast yes/no for the many-small-tensors path). Kept apart from :mod:`xckpt.manifest`, which
 re-exports the public names, so the model stays readable."""
@@ -12,6 +12,16 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import ManifestError, ObjectError
+
+FORMAT = "xckpt"
+VERSION = 4
+#: Versions this xckpt reads (1: no checksum; 2: checksummed manifests; 3: storage "files";
+#: 4: packed rows).
+READ_VERSIONS = (1, 2, 3, 4)
+#: The first version whose "tensors" may hold packed rows (see :mod:`xckpt._rows`).
+ROWS_VERSION = 4
+#: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
+STORAGE_KINDS = ("files", "plain", "ocdbt")
 
 #: Fixed bounds on what a manifest may claim (checked before anything is sized from it).
 MAX_WORLD_SIZE = 1 << 20

@@ -51,9 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import hashlib
 import math
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,9 +59,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from xckpt._checks import (
+from xckpt._checks import (  # noqa: F401  (constants re-exported)
     _ITEMSIZES,
     DTYPES,
+    FORMAT,
     MAX_CHUNKS,
     MAX_ELEMENTS,
     MAX_EXTENT,
@@ -72,6 +71,10 @@ from xckpt._checks import (
     MAX_NDIM,
     MAX_TENSOR_BYTES,
     MAX_WORLD_SIZE,
+    READ_VERSIONS,
+    ROWS_VERSION,
+    STORAGE_KINDS,
+    VERSION,
     ZEROS,
     _build,
     _check_key,
@@ -89,6 +92,17 @@ from xckpt._checks import (
     unchecked,  # noqa: F401  (re-exported)
 )
 from xckpt._objects import MAX_OBJECT_DEPTH, decode_checked, decode_value, encode_value
+from xckpt._rows import _packed_keys, _tensor_entries, _tensors_to_json
+from xckpt._signed import (  # noqa: F401  (re-exported)
+    _CHECKSUM_MEMBER,
+    CLAIM_PREFIX,
+    Claim,
+    _checksum_state,
+    claim_bytes,
+    dumps_json,
+    manifest_bytes,
+    parse_claim,
+)
 from xckpt.errors import FormatVersionError, ManifestError
 from xckpt.layout import Box
 
@@ -115,15 +129,6 @@ __all__ = [
     "paused_gc",
 ]
 
-FORMAT = "xckpt"
-VERSION = 4
-#: Versions this xckpt reads (1: no checksum; 2: checksummed manifests; 3: storage "files";
-#: 4: packed rows).
-READ_VERSIONS = (1, 2, 3, 4)
-#: The first version whose "tensors" may hold packed rows (see :func:`_row_entry`).
-ROWS_VERSION = 4
-#: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
-STORAGE_KINDS = ("files", "plain", "ocdbt")
 
 def _chunks_fast(raw: list[Any], shape: tuple[int, ...], itemsize: int, world_size: int) -> tuple[Chunk, ...] | None:
     """The chunks of a tensor entry when every one passes every check of
@@ -538,140 +543,6 @@ class TensorEntry:
 
 
 # ---------------------------------------------------------------------------
-# Packed rows (version 4): a whole tensor stored as one packed chunk -- the
-# many-small-tensors case -- is one short JSON array instead of two objects.
-
-
-def _tensors_to_json(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, Any], dict[int, str]]:
-    """The ``"tensors"`` member (rows where an entry fits one) and the ``"packed"`` keys by rank.
-
-    A row is ``[dtype, shape, rank, byte_offset, crc32]``: a tensor without placement
-    or value range whose only chunk is the whole tensor, packed in its rank's byte
-    array. 20,000 tensors of 256 floats: 1.1 MB of manifest instead of 3.8 MB, and
-    a fifth of the time to write and to read."""
-    keys: dict[int, str] = {}
-    out: dict[str, Any] = {}
-    for n, t in tensors.items():
-        chunks = t.chunks
-        if len(chunks) == 1 and t.placement is None and t.value_range is None:
-            c = chunks[0]
-            if c.form == "packed" and c.shape == t.shape and c.value_range is None and not any(c.offset):
-                if keys.setdefault(c.rank, c.key) == c.key:
-                    out[n] = [t.dtype, list(t.shape), c.rank, c.byte_offset, c.crc32]
-                    continue
-        out[n] = t.to_json()
-    return out, keys
-
-
-def _packed_keys(raw: Any, where: str, world_size: int, version: int) -> dict[int, str]:
-    """The ``"packed"`` member: each writer rank's packed byte array (``{"<rank>": key}``)."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict) or len(raw) > world_size:
-        raise ManifestError(f"{where}: packed must be an object with at most one key per rank")
-    if raw and version < ROWS_VERSION:
-        raise ManifestError(f"{where}: a version {version} manifest has no packed member; the file was edited")
-    keys = {}
-    for r, k in raw.items():
-        if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size):
-            raise ManifestError(f"{where}: packed names rank {r[:20]!r}, not a rank below {world_size}")
-        keys[int(r)] = _check_key(k, f"{where}, packed array of rank {r}")
-    return keys
-
-
-def _tensor_entries(
-    raw: Mapping[str, Any], keys: Mapping[int, str], where: str, world_size: int
-) -> dict[str, TensorEntry]:
-    """The ``"tensors"`` member parsed: entry objects by :meth:`TensorEntry.from_json`,
-    packed rows here, every field checked (plain type and range tests per row, the
-    dtype/shape/rank bounds once per distinct combination; error text only on failure).
-    20,000 rows: about 0.03 s."""
-    out: dict[str, TensorEntry] = {}
-    seen: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (dtype, shape, rank) -> checked (shape, offset, key, nbytes)
-    new, put = _new, _set
-    for n, t in raw.items():
-        if type(t) is not list:
-            out[n] = TensorEntry.from_json(n, t, where, world_size)
-            continue
-        v = None
-        if len(t) == 5:
-            dtype, shp, rank, bo, crc = t
-            if (
-                type(shp) is list
-                and type(rank) is int
-                and type(bo) is int
-                and type(crc) is int
-                and 0 <= bo < MAX_TENSOR_BYTES
-                and 0 <= crc < 4294967296
-                and all(type(x) is int for x in shp)
-                and type(dtype) is str
-            ):
-                k = (dtype, tuple(shp), rank)
-                v = seen.get(k)
-                if v is None:
-                    v = _row_kind(dtype, shp, rank, keys)
-                    if v is not None:
-                        seen[k] = v
-        if v is None:
-            raise _row_error(n, t, keys, where)
-        shape, off, key, nbytes = v
-        c = new(Chunk)
-        put(c, "__dict__", {"offset": off, "shape": shape, "key": key, "rank": rank, "nbytes": nbytes,
-                            "form": "packed", "byte_offset": bo, "crc32": crc, "grid": None, "value_range": None})
-        e = new(TensorEntry)
-        put(e, "__dict__", {"name": n, "dtype": dtype, "shape": shape, "chunks": (c,), "placement": None,
-                            "value_range": None})
-        out[n] = e
-    return out
-
-
-def _row_kind(dtype: str, shp: list[int], rank: int, keys: Mapping[int, str]) -> tuple[Any, ...] | None:
-    """(shape, offset, key, nbytes) of a row's dtype, shape and rank when all are valid, else None."""
-    itemsize = _ITEMSIZES.get(dtype)
-    if itemsize is None:
-        if dtype not in DTYPES:
-            return None
-        itemsize = _ITEMSIZES[dtype] = numpy_dtype(dtype).itemsize
-    shape = _dims(shp)
-    key = keys.get(rank)
-    if shape is None or key is None:
-        return None
-    elements = math.prod(shape)
-    if not 0 < elements <= MAX_ELEMENTS or elements * itemsize >= MAX_TENSOR_BYTES:
-        return None
-    shape = shared_shape(shape)
-    return shape, ZEROS[len(shape)], key, elements * itemsize
-
-
-def _row_error(name: str, row: list[Any], keys: Mapping[int, str], where: str) -> ManifestError:
-    """What is wrong with a packed row :func:`_row_entry` refused."""
-    w = f"{where}, tensor {name!r}"
-    if not keys:
-        return ManifestError(f"{w}: a packed row in a manifest without packed arrays (version 3 or older, or edited)")
-    if len(row) != 5:
-        return ManifestError(f"{w}: a packed row is [dtype, shape, rank, byte_offset, crc32], got {row!r}"[:300])
-    dtype, shp, rank, bo, crc = row
-    if type(dtype) is not str or dtype not in DTYPES:
-        return ManifestError(f"{w}: unknown dtype {dtype!r}"[:300])
-    try:
-        shape = _shape(shp, "shape", w)
-        _int(rank, "rank", w, hi=MAX_WORLD_SIZE)
-        _int(bo, "byte_offset", w, hi=MAX_TENSOR_BYTES)
-        _int(crc, "crc32", w, hi=1 << 32)
-    except ManifestError as e:
-        return e
-    if rank not in keys:
-        return ManifestError(f"{w}: rank {rank} has no packed array in this manifest's packed member")
-    elements = math.prod(shape)
-    if elements == 0:
-        return ManifestError(f"{w}: a packed row holds no elements (an empty tensor is an entry with no chunks)")
-    return ManifestError(
-        f"{w}: shape {list(shape)} ({dtype}) claims {elements * numpy_dtype(dtype).itemsize} bytes, over the "
-        f"limit of {MAX_TENSOR_BYTES}; the manifest is corrupt or hostile"
-    )
-
-
-# ---------------------------------------------------------------------------
 # Objects (values encoded by xckpt._objects)
 
 
@@ -754,76 +625,6 @@ def paused_gc() -> Iterator[None]:
         gc.enable()
 
 
-def dumps_json(d: Any) -> bytes:
-    """Compact JSON bytes (orjson: manifests of 100k chunks encode in milliseconds)."""
-    return orjson.dumps(d)
-
-
-_CHECKSUM_MEMBER = b',"checksum":"sha256:'
-_CHECKSUM_TAIL = re.compile(rb',"checksum":"sha256:([0-9a-f]{64})"\}\s*\Z')
-
-
-def manifest_bytes(doc: Mapping[str, Any]) -> bytes:
-    """The bytes of a manifest document with its checksum as the last member."""
-    body = dumps_json({k: v for k, v in doc.items() if k != "checksum"})
-    digest = hashlib.sha256(body).hexdigest().encode()
-    return b"".join((memoryview(body)[:-1], _CHECKSUM_MEMBER, digest, b'"}'))  # one copy of the body
-
-
-def _checksum_state(data: bytes) -> bool | None:
-    """True: the bytes carry a checksum that matches; False: one that does not; None: none."""
-    m = _CHECKSUM_TAIL.search(data, max(0, len(data) - 200))
-    if m is None:
-        return None
-    h = hashlib.sha256(memoryview(data)[: m.start()])  # (no copy of a manifest of megabytes)
-    h.update(b"}")
-    return h.hexdigest().encode() == m.group(1)
-
-
-#: How a rank's claim of a location begins (see :class:`Claim`).
-CLAIM_PREFIX = b'{"claim":true,'
-
-
-@dataclass(frozen=True, kw_only=True)
-class Claim:
-    """A rank's claim of a location: what ``ranks/<rank>.json`` holds while a save runs.
-
-    A writer writes it with a conditional write before any data (so of two saves
-    racing for a new location exactly one gets it) and replaces it with its
-    manifest by another conditional write at commit. A reader counts a claimed
-    rank as not committed.
-    """
-
-    save_id: str
-    rank: int
-    world_size: int
-    token: str  # names the save's data directory, data/<rank>.<token>/ ("" for data/<rank>/)
-
-
-def claim_bytes(c: Claim) -> bytes:
-    """The bytes of a claim (JSON with a checksum, ``"claim": true`` first)."""
-    return manifest_bytes(
-        {"claim": True, "format": FORMAT, "version": VERSION, "save_id": c.save_id, "rank": c.rank,
-         "world_size": c.world_size, "token": c.token}
-    )
-
-
-def parse_claim(data: bytes, where: str) -> Claim | None:
-    """The claim in ``data``, or None when ``data`` is not a claim (a manifest)."""
-    if not data.startswith(CLAIM_PREFIX):
-        return None
-    if _checksum_state(data) is not True:
-        raise ManifestError(f"{where}: a claim that fails its checksum; the file is corrupt")
-    try:
-        d = orjson.loads(data)
-        return Claim(
-            save_id=_str(d["save_id"], "save_id", where, MAX_KEY_LEN),
-            rank=_int(d["rank"], "rank", where, hi=MAX_WORLD_SIZE),
-            world_size=_int(d["world_size"], "world_size", where, lo=1, hi=MAX_WORLD_SIZE + 1),
-            token=_str(d["token"], "token", where, 64),
-        )
-    except (orjson.JSONDecodeError, KeyError, TypeError) as e:
-        raise ManifestError(f"{where}: a malformed claim ({type(e).__name__}: {e})"[:300]) from None
 
 
 @dataclass(frozen=True, kw_only=True)
