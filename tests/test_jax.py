@@ -10,6 +10,8 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 import functools  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -21,10 +23,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import xckpt  # noqa: E402
 import xckpt.jax as xj  # noqa: E402
+import xckpt.jax._load as jax_load  # noqa: E402
 import xckpt.storage  # noqa: E402
 import xckpt.writer  # noqa: E402
 from xckpt.errors import (  # noqa: E402
     CheckpointExistsError,
+    CorruptChunkError,
     DtypeMismatchError,
     MissingEntryError,
     ObjectError,
@@ -479,3 +483,87 @@ def test_bytes_read_replicated_box_read_once(tmp_path: object, monkeypatch: pyte
     one = bytes_for(lambda: ck.read_into([("w", box, out)]))
     assert same(out, full[64:128])
     assert full.nbytes / 8 <= one < full.nbytes / 8 * 1.05
+
+
+# ---------------------------------------------------------------------------
+# Host buffers: one mapping per array, pre-faulted while the reads run
+
+
+def shard_pointers(arr: jax.Array) -> list[tuple[int, int]]:
+    """(address, bytes) of each distinct device buffer of ``arr``, by address."""
+    seen = {s.data.unsafe_buffer_pointer(): s.data.nbytes for s in arr.addressable_shards}
+    return sorted(seen.items())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_array_boxes_adopted_from_one_mapping(tmp_path: object, dtype: str) -> None:
+    """An array of >= 1 MiB: its device boxes are 64-byte aligned slices of one mapping,
+    read in place and adopted by the CPU devices without a copy (1x memory), bit-exact."""
+    dt = xckpt.manifest.numpy_dtype(dtype)
+    full = np.random.default_rng(7).integers(0, 1 << 16, size=(512, 1024), dtype=np.uint16)
+    full = full.view(dt) if dt.itemsize == 2 else data((512, 1024), seed=7)  # bf16: every bit pattern
+    path = str(tmp_path)
+    xj.save({"w": jax.device_put(full, sharding("8", "x"))}, path)
+    for s in (sharding("2x4", "a", "b"), sharding("4x2", None, ("b", "a")), sharding("8")):
+        out = xj.load(path, {"w": s})["w"]
+        assert out.sharding == s and out.dtype == dt and same(out, full)
+        for shard in out.addressable_shards:
+            assert same(shard.data, full[shard.index])
+        ptrs = shard_pointers(out)
+        assert all(p % 64 == 0 for p, _ in ptrs)
+        # consecutive boxes, no gaps: one mapping holds them all (replicated: one box)
+        assert all(p + n == q for (p, n), (q, _) in zip(ptrs, ptrs[1:]))
+
+
+def test_every_array_mapped_round_trips(root: str, monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """With the mapping threshold at 1 byte every array (uneven saved layouts, an empty
+    array, bf16) takes the mapped, pre-faulted path and still loads bit-exact."""
+    monkeypatch.setattr(jax_load, "_MAP_MIN", 1)
+    for case in ("2x4-two-dims", "8-dim1", "2x4-replicated"):
+        path, w, b = saved_checkpoint(case, root)
+        for target in ("replicated-8", "4x2-tuple-dim1", "8-dim0"):
+            s = sharding(TARGETS[target][0], *TARGETS[target][1])
+            out = xj.load(path, {"params": {"w": s, "b": s}})["params"]
+            assert same(out["w"], w) and same(out["b"], b)
+    upath = str(tmp_path / "uneven")
+    full = data((10, 8), jnp.bfloat16, seed=8)
+    writers = [xckpt.Writer(upath, rank=r, world_size=4, save_id="u") for r in range(4)]
+    for r, (start, size) in enumerate(xckpt.layout.chunk_sizes(10, 4)):  # 3,3,3,1 rows
+        writers[r].write("w", full[start:start + size], global_shape=(10, 8), offset=(start, 0))
+    for wr in writers:
+        wr.commit()
+    out = xj.load(upath, {"w": sharding("2x4", None, ("a", "b"))})["w"]
+    assert same(out, full)
+    epath = str(tmp_path / "empty")
+    xj.save({"e": jax.device_put(np.zeros((0, 8), np.float32), sharding("8", None, "x")),
+             "f": jax.device_put(data((8, 8)), sharding("8", "x"))}, epath)
+    out = xj.load(epath, {"e": sharding("2x4", "a", "b"), "f": sharding("8")})
+    assert out["e"].shape == (0, 8) and same(out["e"], np.zeros((0, 8), np.float32))
+    assert same(out["f"], data((8, 8)))
+
+
+def test_prefault_refused_by_kernel_still_loads(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pre-faulting is an optimisation: where the kernel refuses the advice (EINVAL, as
+    before Linux 5.14) the helper stops and the reads fault the pages in themselves."""
+    monkeypatch.setattr(jax_load, "_MADV_POPULATE_WRITE", -1)  # no such advice
+    full = data((512, 1024), seed=9)
+    xj.save({"w": jax.device_put(full, sharding("8", "x"))}, str(tmp_path))
+    out = xj.load(str(tmp_path), {"w": sharding("2x4", "b", "a")})["w"]
+    assert same(out, full)
+
+
+def test_failed_read_stops_the_prefault_helper(tmp_path: object) -> None:
+    """A damaged chunk raises CorruptChunkError naming the tensor, and the pre-fault
+    helper thread is stopped before load() raises."""
+    full = data((512, 1024), seed=10)
+    xj.save({"w": jax.device_put(full, sharding("8"))}, str(tmp_path))  # one 2 MiB chunk
+    files = [f for f in Path(str(tmp_path), "data").rglob("*")
+             if f.is_file() and f.name != "zarr.json" and f.stat().st_size >= full.nbytes]
+    raw = bytearray(files[0].read_bytes())
+    pos = bytes(raw).find(full.tobytes()[:64])
+    assert pos >= 0
+    raw[pos + 100_000] ^= 0xFF
+    files[0].write_bytes(bytes(raw))
+    with pytest.raises(CorruptChunkError, match=r"tensor 'w'.*(checksum|crc32)"):
+        xj.load(str(tmp_path), {"w": sharding("8", "x")})
+    assert not [t for t in threading.enumerate() if t.name == "xckpt-populate"]
