@@ -20,6 +20,10 @@ defaults (DCP: FileSystemWriter/Reader, one file per rank, one thread). A timed
 region is barrier to barrier, timed on rank 0. Every load is checked bit for bit
 outside the timed region.
 
+CPU: every rank's user + system seconds (all its threads, ``getrusage``) over the
+timed region, summed over the ranks: on a shared machine wall times are noisy, CPU
+seconds much less so.
+
 Memory: the peak-RSS mark of every rank is reset just before each timed region
 (``/proc/self/clear_refs``); the table shows the largest rank's peak RSS during the
 step, and its growth over the RSS at the step's start as a multiple of the bytes
@@ -49,6 +53,7 @@ import gc
 import json
 import os
 import queue
+import resource
 import shutil
 import socket
 import sys
@@ -126,6 +131,7 @@ class Recorder:
         self.rank, self.group = rank, group
         self.times: dict[str, list[float]] = {}
         self.mem: dict[str, list[tuple[float, float]]] = {}  # key -> [(peak MiB, growth MiB)]
+        self.cpu: dict[str, list[float]] = {}  # key -> [user + system seconds of this rank]
         self.cold = True
 
     def temp(self, temp: str) -> None:
@@ -142,17 +148,25 @@ class Recorder:
             dist.barrier()
         reset_peak_rss()
         before = current_rss_mib()
+        c0 = _cpu_seconds()
         t0 = time.perf_counter()
         fn()
         if self.group:
             dist.barrier()
         seconds = time.perf_counter() - t0
+        self.cpu.setdefault(key, []).append(_cpu_seconds() - c0)
         peak = peak_rss_mib()
         self.times.setdefault(key, []).append(seconds)
         self.mem.setdefault(key, []).append((peak, peak - before))
 
     def result(self) -> dict[str, Any]:
-        return {"rank": self.rank, "times": self.times, "mem": self.mem, "cold": self.cold}
+        return {"rank": self.rank, "times": self.times, "mem": self.mem, "cpu": self.cpu, "cold": self.cold}
+
+
+def _cpu_seconds() -> float:
+    """User + system seconds of this process, all threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _saver(sys_: str, sd: Any, path: str, no_dist: bool = False) -> Any:
@@ -251,8 +265,9 @@ def _port() -> int:
 
 
 def _collect(q: Any, n: int, failed: Any, times: dict[str, list[float]],
-             mem: dict[str, list[tuple[float, float]]], cold: list[bool]) -> None:
-    """Merge ``n`` ranks' results: rank 0's times, every rank's memory (largest rank per run).
+             mem: dict[str, list[tuple[float, float]]], cpu: dict[str, list[float]], cold: list[bool]) -> None:
+    """Merge ``n`` ranks' results: rank 0's times, every rank's memory (largest rank per run),
+    CPU seconds summed over the ranks per run.
 
     ``failed()`` is polled while waiting: it raises (or returns True) once a rank has died.
     """
@@ -268,13 +283,14 @@ def _collect(q: Any, n: int, failed: Any, times: dict[str, list[float]],
     for key in parts[0]["mem"]:
         per_run = zip(*(p["mem"][key] for p in parts))
         mem[key] = [(max(x[0] for x in run), max(x[1] for x in run)) for run in per_run]
+        cpu[key] = [sum(run) for run in zip(*(p["cpu"][key] for p in parts))]
     cold.extend(p["cold"] for p in parts)
 
 
-def _group(fn_args: tuple, q: Any, times: dict, mem: dict, cold: list[bool]) -> None:
+def _group(fn_args: tuple, q: Any, times: dict, mem: dict, cpu: dict, cold: list[bool]) -> None:
     """Run ``two_ranks`` on 2 spawned processes, collect their results, join them."""
     pc = mp.start_processes(two_ranks, args=fn_args, nprocs=2, start_method="spawn", join=False)
-    _collect(q, 2, lambda: pc.join(timeout=0), times, mem, cold)
+    _collect(q, 2, lambda: pc.join(timeout=0), times, mem, cpu, cold)
     while not pc.join():
         pass
 
@@ -303,15 +319,16 @@ def main() -> None:
     q = ctx.Queue()
     times: dict[str, list[float]] = {}
     mem: dict[str, list[tuple[float, float]]] = {}
+    cpu: dict[str, list[float]] = {}
     cold: list[bool] = []
-    _group((_port(), str(root), spec, args.repeats, temps, "2to2", q), q, times, mem, cold)
+    _group((_port(), str(root), spec, args.repeats, temps, "2to2", q), q, times, mem, cpu, cold)
     print(f"  2 -> 2 done (load avg {load_average()})", flush=True)
     p = ctx.Process(target=one_rank, args=(str(root), spec, args.repeats, temps, args.repeats - 1, q))
     p.start()
-    _collect(q, 1, lambda: p.exitcode is not None, times, mem, cold)
+    _collect(q, 1, lambda: p.exitcode is not None, times, mem, cpu, cold)
     p.join()
     print(f"  1 rank, 2 -> 1 done (load avg {load_average()})", flush=True)
-    _group((_port(), str(root), spec, args.repeats, temps, "1to2", q), q, times, mem, cold)
+    _group((_port(), str(root), spec, args.repeats, temps, "1to2", q), q, times, mem, cpu, cold)
     print(f"  1 -> 2 done (load avg {load_average()})", flush=True)
 
     rows, summary = [], {}
@@ -323,19 +340,22 @@ def main() -> None:
             m = {s: (median([a for a, _ in mem[key[s]]]),
                      max(0.0, median([g for _, g in mem[key[s]]])) * (1 << 20) / per_rank) for s in SYSTEMS}
             name = op + (f", {temp}" if temp else "")
+            c = {s: median(cpu[key[s]]) for s in SYSTEMS}
             summary[name] = {"xckpt_s": x, "dcp_s": d, "ratio": d / x,
                              "runs": {s: times[key[s]] for s in SYSTEMS},
+                             "cpu_s": c, "cpu_runs": {s: cpu[key[s]] for s in SYSTEMS},
                              "peak_rss_mib": {s: m[s][0] for s in SYSTEMS},
                              "peak_growth_x": {s: m[s][1] for s in SYSTEMS}}
-            rows.append([name, x, d, nbytes / x / 1e9, nbytes / d / 1e9, f"{d / x:.2f}x",
+            rows.append([name, x, d, nbytes / x / 1e9, nbytes / d / 1e9, f"{d / x:.2f}x", c["xckpt"], c["dcp"],
                          m["xckpt"][0], m["dcp"][0], m["xckpt"][1], m["dcp"][1]])
     all_cold = all(cold)
     note = "" if all_cold or "cold" not in temps else "; COLD LOADS ARE NOT COLD (page cache not dropped)"
     print(f"\n### W1 ({nbytes / 1e9:.3f} GB) as Shard(0) DTensors, 2 gloo ranks: xckpt.torch against DCP, "
           f"medians of {args.repeats}; peak RSS of the largest rank, growth as a multiple of the bytes that "
-          f"rank saves or loads (targets resident: 0 is ideal){note}\n")
-    print(markdown_table(["op", "xckpt s", "DCP s", "xckpt GB/s", "DCP GB/s", "DCP/xckpt",
-                          "xckpt peak RSS MiB", "DCP peak RSS MiB", "xckpt peak growth x",
+          f"rank saves or loads (targets resident: 0 is ideal); CPU s: user + system, summed over the "
+          f"ranks{note}\n")
+    print(markdown_table(["op", "xckpt s", "DCP s", "xckpt GB/s", "DCP GB/s", "DCP/xckpt", "xckpt CPU s",
+                          "DCP CPU s", "xckpt peak RSS MiB", "DCP peak RSS MiB", "xckpt peak growth x",
                           "DCP peak growth x"], rows))
     verdicts = []
     for op in TARGETS:

@@ -139,7 +139,7 @@ def test_dim_runs_are_dim_indices_as_runs(case, fsdp):
 
 
 def test_dim_runs_raise_as_dim_indices_do():
-    with pytest.raises(UnsupportedPlacementError, match=r"tensor 'w': Shard\(2\) names dim 2 but the tensor has 2 dims"):
+    with pytest.raises(UnsupportedPlacementError, match=r"tensor 'w': Shard\(2\) names dim 2 but the tensor has 2"):
         dim_runs((4, 4), (2,), (0,), [L.Shard(2)], name="w")
     with pytest.raises(UnsupportedPlacementError, match=r"tensor 'w': split factor 0 must be >= 1"):
         dim_runs((4, 4), (2,), (0,), [L.StridedShard(0, 0)], name="w")

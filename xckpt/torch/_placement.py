@@ -272,7 +272,9 @@ def dtensor_local(dt: Any, name: str, group_rank: Any, meshes: dict[int, Any] | 
     kind, runs = fit[0]
     granks = info.granks
     # Replicas: the coordinates that agree with ours on every non-Replicate axis.
-    axes = [range(n) if isinstance(p, L.Replicate) else (c,) for p, n, c in zip(placements, mesh_shape, coord)]
+    axes = [
+        range(n) if isinstance(p, L.Replicate) else (c,) for p, n, c in zip(placements, mesh_shape, coord)
+    ]
     holders = tuple(sorted({int(granks[c]) for c in itertools.product(*axes)}))
     return Local(tuple(pieces_from_runs(runs, local)), holders, kind, mesh_shape, names, pl_strings)
 

@@ -65,7 +65,9 @@ class _Job:
         self.boxes: list[tuple[L.Box, Any]] = []  # (box, torch tensor part or numpy array)
 
 
-def _plan(flat: Mapping[str, Any], skip: set[str], rank: int, world: int, group_rank: Any) -> tuple[list[_Job], list[tuple[str, Any, bool]]]:
+def _plan(
+    flat: Mapping[str, Any], skip: set[str], rank: int, world: int, group_rank: Any
+) -> tuple[list[_Job], list[tuple[str, Any, bool]]]:
     """Which boxes this rank writes, and its objects. Local; no collective."""
     jobs: list[_Job] = []
     objects: list[tuple[str, Any, bool]] = []
