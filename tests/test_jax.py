@@ -525,6 +525,8 @@ def test_every_array_mapped_round_trips(root: str, monkeypatch: pytest.MonkeyPat
             s = sharding(TARGETS[target][0], *TARGETS[target][1])
             out = xj.load(path, {"params": {"w": s, "b": s}})["params"]
             assert same(out["w"], w) and same(out["b"], b)
+        out = xj.load(path, {"params": {"w": s, "b": s}}, host_budget=1)["params"]  # a batch per array
+        assert same(out["w"], w) and same(out["b"], b)
     upath = str(tmp_path / "uneven")
     full = data((10, 8), jnp.bfloat16, seed=8)
     writers = [xckpt.Writer(upath, rank=r, world_size=4, save_id="u") for r in range(4)]
