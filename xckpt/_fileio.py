@@ -287,17 +287,26 @@ def _pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> None:
         done += os.pwritev(fd, rest, offset + done)
 
 
-def _write_file(path: str, parts: Sequence[Any]) -> None:
+def _write_file(path: str, parts: Sequence[Any], sync: bool = True) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         _pwrite_all(fd, parts, 0)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def _write_chunk(path: str, arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> None:
-    _write_file(path, _chunk_parts(arr, grid, idx))
+    _write_file(path, _chunk_parts(arr, grid, idx), sync=False)
 
 
 def _libc_sync_file_range() -> Any:
@@ -351,13 +360,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_close(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _makedirs(path: str, made: set[str], known: set[str]) -> None:
     """``os.makedirs``, recording each directory created (and its parent) in ``made`` for
     fsync; ``known`` holds directories already seen to exist (no stat for them again)."""
@@ -391,39 +393,52 @@ def _wait(futs: Sequence[cf.Future[Any]]) -> BaseException | None:
 def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], None] | None = None) -> None:
     """Write ``arrays`` as zarr v3 arrays under ``root`` and make them durable.
 
-    Every file (chunks and ``zarr.json``) is written and fsynced by the I/O threads,
-    then every directory created is fsynced. ``done(nbytes)`` is called per array (in
-    this thread) once it is durable. Raises OSError on a storage failure, after every
-    write has stopped.
+    Every file (chunks and ``zarr.json``) is written by the I/O threads (each run's
+    writeback started at once with ``sync_file_range``), then every file and every
+    directory created is fsynced, all at once, before this returns. ``done(nbytes)``
+    is called per array (in this thread) once it is written. Raises OSError on a
+    storage failure, after every write has stopped.
     """
     made: set[str] = set()
     known: set[str] = set()
+    written: list[str] = []
     for i in range(0, len(arrays), _OPEN_FILES):
-        _write_batch(root, arrays[i : i + _OPEN_FILES], made, known, done)
-    err = _wait([_pool("write").submit(_fsync_dir, d) for d in made])
+        batch = arrays[i : i + _OPEN_FILES]
+        _write_batch(root, batch, made, known, written)
+        if done is not None:  # progress counts bytes written; durability comes below, for all
+            for a in batch:
+                done(a.array.nbytes)
+    # Every file and directory is made durable at the end, all at once: each fsync is an
+    # inode write and a disk cache flush, and issued together they overlap each other
+    # instead of stalling the writes (2-rank W1 save 1.40 -> 1.09 s, 1 rank 1.02 -> 0.85 s
+    # in alternated runs; fsync as each file finished was the slower layout).
+    pool = _pool("write")
+    err = _wait([pool.submit(_fsync_path, p) for p in written] + [pool.submit(_fsync_dir, d) for d in made])
     if err is not None:
         raise err
 
 
 def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str], known: set[str],
-                 done: Callable[[int], None] | None) -> None:
+                 written: list[str]) -> None:
+    """Write ``arrays`` (not yet durable); the files written are appended to ``written``."""
     pool = _pool("write")
     futs: list[cf.Future[Any]] = []
 
-    def then_fsync(fd: int, runs: cf.Future[Any]) -> cf.Future[Any]:
-        """fsync and close ``fd`` as soon as its writes are done (writeback of one file
-        overlaps the writes of the next), even when they failed."""
+    def then_close(fd: int, runs: cf.Future[Any]) -> cf.Future[Any]:
+        """Close ``fd`` once its writes are done (even when they failed)."""
         out: cf.Future[Any] = cf.Future()
 
         def go(f: cf.Future[Any]) -> None:
-            def finish(g: cf.Future[Any]) -> None:
-                err = f.exception() or g.exception()
-                if err is not None:
-                    out.set_exception(err)
-                else:
-                    out.set_result(None)
-
-            pool.submit(_fsync_close, fd).add_done_callback(finish)
+            try:
+                os.close(fd)
+            except OSError as e:
+                out.set_exception(f.exception() or e)
+                return
+            err = f.exception()
+            if err is not None:
+                out.set_exception(err)
+            else:
+                out.set_result(None)
 
         runs.add_done_callback(go)
         return out
@@ -434,31 +449,32 @@ def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str], known:
             shape = a.array.shape
             if a.kind == "files":
                 _makedirs(key_dir, made, known)
-                fd = os.open(data_file(key_dir, len(shape)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                             0o644)
+                path = data_file(key_dir, len(shape))
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                written.append(path)
                 head, size, runs = _shard_runs(a)
                 offset, run_futs = 0, []
                 for n, run in enumerate(runs):
                     first = head if n == 0 else b""
                     run_futs.append(pool.submit(_write_run, fd, offset, first, a.array, a.grid, run))
                     offset += len(first) + size * len(run)
-                futs.append(then_fsync(fd, _all(run_futs)))
+                futs.append(then_close(fd, _all(run_futs)))
             else:
                 idxs = list(itertools.product(*_grid_ranges(shape, a.grid)))
                 for d in {os.path.dirname(chunk_file(key_dir, idx)) for idx in idxs} if shape else {key_dir}:
                     _makedirs(d, made, known)
-                futs += [pool.submit(_write_chunk, chunk_file(key_dir, idx), a.array, a.grid, idx) for idx in idxs]
+                paths = [chunk_file(key_dir, idx) for idx in idxs]
+                written.extend(paths)
+                futs += [pool.submit(_write_chunk, p, a.array, a.grid, idx) for p, idx in zip(paths, idxs)]
             meta = zarr_json(a.kind, a.dtype, shape, a.grid)
-            futs.append(pool.submit(_write_file, os.path.join(key_dir, "zarr.json"), [meta]))
+            written.append(os.path.join(key_dir, "zarr.json"))
+            futs.append(pool.submit(_write_file, written[-1], [meta], False))
     except OSError:
         _wait(futs)
         raise
     err = _wait(futs)
     if err is not None:
         raise err
-    if done is not None:
-        for a in arrays:
-            done(a.array.nbytes)
 
 
 def _all(futs: Sequence[cf.Future[Any]], result: Any = None) -> cf.Future[Any]:
