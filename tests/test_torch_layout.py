@@ -204,3 +204,40 @@ def test_flatten_refuses_colliding_names():
 
 def test_layout_error_type_is_value_error():
     assert issubclass(LayoutError, ValueError)
+
+
+def test_whole_tensors_save_and_load_in_order_bit_exact(tmp_path):
+    """Plain tensors and parameters take the whole-tensor path on save and load: the
+    manifest keeps the state dict's order, every element comes back bit for bit, and
+    a target that does not fit still gets the precise error."""
+    import xckpt
+    import xckpt.torch as xt
+    from xckpt.errors import DtypeMismatchError, ShapeMismatchError
+
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "bf": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+        "param": torch.nn.Parameter(torch.randn(4, generator=g)),
+        "empty": torch.empty(0, 3),
+        "arr": np.arange(5.0),
+        "scalar": torch.tensor(-3, dtype=torch.int64),
+        "big": torch.randn(300_000, generator=g),
+        "f8": torch.randn(16, generator=g).to(torch.float8_e4m3fn),
+    }
+    path = str(tmp_path / "c")
+    xt.save(sd, path)
+    assert xckpt.open(path).names() == list(sd)
+    tgt = {k: np.zeros_like(v) if isinstance(v, np.ndarray) else torch.zeros_like(v.detach()) for k, v in sd.items()}
+    tgt["param"] = torch.nn.Parameter(torch.zeros(4))
+    xt.load(path, tgt)
+    for k, v in sd.items():
+        got = tgt[k]
+        if isinstance(v, np.ndarray):
+            assert got.tobytes() == v.tobytes(), k
+        else:
+            assert got.dtype == v.dtype and got.shape == v.shape, k
+            assert as_numpy(got.detach()).tobytes() == as_numpy(v.detach()).tobytes(), k
+    with pytest.raises(DtypeMismatchError, match=r"tensor 'bf': saved as bfloat16, the target is float32"):
+        xt.load(path, {"bf": torch.zeros(2, 3)})
+    with pytest.raises(ShapeMismatchError, match=r"tensor 'big': saved with global shape \(300000,\), the target"):
+        xt.load(path, {"big": torch.zeros(3)})

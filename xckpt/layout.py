@@ -66,6 +66,12 @@ class Box:
 
     @classmethod
     def full(cls, shape: Sequence[int]) -> Box:
+        if type(shape) is tuple and all(type(s) is int and s >= 0 for s in shape):
+            # Already a shape (a manifest's, a tensor's): built without normalising it
+            # again (a load of 20,000 small tensors builds one box per tensor).
+            b = object.__new__(cls)
+            object.__setattr__(b, "__dict__", {"offset": (0,) * len(shape), "shape": shape})
+            return b
         return cls((0,) * len(shape), shape)
 
     @property

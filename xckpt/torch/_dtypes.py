@@ -42,6 +42,11 @@ def dtype_name(dtype: torch.dtype, name: str = "<tensor>") -> str:
     return n
 
 
+def known_dtype_name(dtype: torch.dtype) -> str | None:
+    """The manifest dtype name of a torch dtype, or None when xckpt cannot store it."""
+    return _NAMES.get(dtype)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a manifest dtype name."""
     return _DTYPES[name]

@@ -26,13 +26,17 @@ from xckpt.errors import (
     UnsupportedPlacementError,
     XckptError,
 )
+from xckpt.manifest import paused_gc
 from xckpt.source import Source
 from xckpt.torch._dist import rank_world
-from xckpt.torch._dtypes import as_numpy, dtype_name, torch_dtype
+from xckpt.torch._dtypes import as_numpy, dtype_name, known_dtype_name, torch_dtype
 from xckpt.torch._placement import Piece, global_info, local_pieces
 from xckpt.torch._state_dict import PerRank, Slot, flatten
 
 __all__ = ["LoadResult", "load", "load_full"]
+
+#: Targets that are whole tensors (not DTensors or ShardedTensors, which subclass Tensor).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass
@@ -142,6 +146,7 @@ class _Reads:
                 torch.cuda.synchronize(d)
 
 
+@paused_gc()  # tens of thousands of small objects, none in a cycle (see paused_gc)
 def load(
     path: Any,
     state_dict: Mapping[str, Any],
@@ -214,6 +219,13 @@ def load(
     for name, target in flat.items():
         if name in handled or name in missing_set:
             continue
+        if type(target) in _PLAIN and name in saved_tensors and target.device.type == "cpu":
+            # A whole CPU tensor (the many-small-tensors case): no placement to work out.
+            t = ckpt.info(name)
+            if tuple(target.shape) == t.shape and known_dtype_name(target.dtype) == t.dtype:
+                if target.numel():
+                    reads.items.append((name, t.box, as_numpy(target)))
+                continue
         is_tensor = isinstance(target, (torch.Tensor, np.ndarray))
         if name in saved_tensors:
             if not is_tensor:
@@ -243,6 +255,7 @@ def load(
     return LoadResult(missing=missing, unexpected=unexpected, evicted=dict(evicted), skipped=skipped)
 
 
+@paused_gc()
 def load_full(
     path: Any,
     names: Sequence[str] | None = None,

@@ -44,7 +44,7 @@ import torch
 from xckpt import layout as L
 from xckpt._async import submit, wait_pending
 from xckpt.errors import XckptError
-from xckpt.manifest import Manifest
+from xckpt.manifest import Manifest, paused_gc
 from xckpt.torch._dist import distributed, rank_world, share_outcome
 from xckpt.torch._dtypes import as_numpy, dtype_name
 from xckpt.torch._placement import global_info, local_pieces, placement_info
@@ -53,6 +53,8 @@ from xckpt.torch._state_dict import PerRank, flatten
 __all__ = ["save"]
 
 _side_groups: dict[Any, Any] = {}
+#: Whole tensors (not DTensors or ShardedTensors, which subclass Tensor).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Job:
@@ -62,7 +64,7 @@ class _Job:
 
     def __init__(self, name: str, dtype: Any, shape: tuple[int, ...], placement: Any) -> None:
         self.name, self.dtype, self.shape, self.placement = name, dtype, shape, placement
-        self.boxes: list[tuple[L.Box, Any]] = []  # (box, torch tensor part or numpy array)
+        self.boxes: list[tuple[L.Box | None, Any]] = []  # (box or None: whole, tensor part or numpy array)
 
 
 def _plan(
@@ -74,6 +76,14 @@ def _plan(
     meshes: dict[int, Any] = {}
     for name, v in flat.items():
         if name in skip:
+            continue
+        if type(v) in _PLAIN:
+            # A whole tensor (the many-small-tensors case): every rank holds it, one writes it.
+            shape = tuple(v.shape)
+            job = _Job(name, dtype_name(v.dtype, name), shape, None)
+            if v.numel() and (world == 1 or L.choose_writer(name, 0, range(world)) == rank):
+                job.boxes.append((None, v))  # None: the whole tensor
+            jobs.append(job)
             continue
         if isinstance(v, (torch.Tensor, np.ndarray)):
             shape, tdtype = global_info(v, name)
@@ -141,6 +151,7 @@ def _side_group(dist: Any, pg: Any) -> Any:
     return grp
 
 
+@paused_gc()  # tens of thousands of small objects, none in a cycle (see paused_gc)
 def save(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -227,7 +238,7 @@ def save(
 
     # Foreground: plan, open the writer, take host copies (async).
     writer = None
-    arrays: list[tuple[Any, L.Box, np.ndarray]] = []
+    arrays: list[tuple[Any, L.Box | None, np.ndarray]] = []
     try:
         flat, _ = flatten(state_dict)
         plans, owned = split_value_groups(flat, value_groups)
@@ -258,10 +269,16 @@ def save(
         err: BaseException | None = None
         manifest: Manifest | None = None
         try:
-            for job in jobs:
-                writer.declare(job.name, _np_dtype(job.dtype), job.shape, placement=job.placement)
+            whole = {job.name: arr for job, box, arr in arrays if box is None}
+            for job in jobs:  # in the state dict's order, so the manifest keeps it
+                arr = whole.get(job.name)
+                if arr is not None:
+                    writer.write(job.name, arr)  # a whole tensor: declared as it is written
+                else:
+                    writer.declare(job.name, _np_dtype(job.dtype), job.shape, placement=job.placement)
             for job, box, arr in arrays:
-                writer.write(job.name, arr, global_shape=job.shape, offset=box.offset, placement=job.placement)
+                if box is not None:
+                    writer.write(job.name, arr, global_shape=job.shape, offset=box.offset, placement=job.placement)
             for name, value, per_rank in objects:
                 writer.write_object(name, value, per_rank=per_rank)
             manifest = writer.commit()
