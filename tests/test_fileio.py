@@ -4,9 +4,9 @@ every region of every layout read exactly, and damage reported by type and file.
 from __future__ import annotations
 
 import json
-import re
 import math
 import os
+import re
 from pathlib import Path
 
 import ml_dtypes
