@@ -562,13 +562,18 @@ def _read_scratch(fd: int, path: str, what: str, offset: int, full: int, grid: S
     out[...] = buf[:full].view(out.dtype).reshape(grid)[inner]
 
 
+def _open_existing(path: str, what: str) -> int:
+    """A read-only fd of ``path``; ChunkFileError naming it (as ``what``) when it is missing."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ChunkFileError(f"{what} {path} is missing") from None
+
+
 def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: np.ndarray) -> None:
     """One "plain" chunk file: checked, ``inner`` of it into ``out``."""
     full = math.prod(grid) * out.itemsize
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ChunkFileError(f"chunk file {path} is missing") from None
+    fd = _open_existing(path, "chunk file")
     try:
         size = os.fstat(fd).st_size
         if size != full + 4:
@@ -606,10 +611,7 @@ def _read_run(fd: int, path: str, offset: int, items: Sequence[tuple[np.ndarray,
 
 def _read_index(path: str, count: int) -> tuple[np.ndarray, int]:
     """A "files" shard's index (``count`` x (offset, nbytes)), checked, and the file size."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ChunkFileError(f"shard file {path} is missing") from None
+    fd = _open_existing(path, "shard file")
     try:
         size = os.fstat(fd).st_size
         want = 16 * count + 4

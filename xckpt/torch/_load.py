@@ -30,13 +30,11 @@ from xckpt.manifest import paused_gc
 from xckpt.source import Source
 from xckpt.torch._dist import rank_world
 from xckpt.torch._dtypes import as_numpy, dtype_name, known_dtype_name, torch_dtype
-from xckpt.torch._placement import Piece, global_info, local_pieces
+from xckpt.torch._placement import PLAIN_TENSORS, Piece, global_info, local_pieces
 from xckpt.torch._state_dict import PerRank, Slot, flatten
 
 __all__ = ["LoadResult", "load", "load_full"]
 
-#: Targets that are whole tensors (not DTensors or ShardedTensors, which subclass Tensor).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass
@@ -219,7 +217,7 @@ def load(
     for name, target in flat.items():
         if name in handled or name in missing_set:
             continue
-        if type(target) in _PLAIN and name in saved_tensors and target.device.type == "cpu":
+        if type(target) in PLAIN_TENSORS and name in saved_tensors and target.device.type == "cpu":
             # A whole CPU tensor (the many-small-tensors case): no placement to work out.
             t = ckpt.info(name)
             if tuple(target.shape) == t.shape and known_dtype_name(target.dtype) == t.dtype:

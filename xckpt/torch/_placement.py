@@ -47,6 +47,10 @@ __all__ = [
 ]
 
 
+#: Whole tensors: exactly these types (DTensor and ShardedTensor subclass Tensor).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_dtensor(v: Any) -> bool:
     # No DTensor can exist before its module is imported; importing it here (sympy and
     # all) cost about 7 s on the first load of plain tensors (bench/formats.py profile).

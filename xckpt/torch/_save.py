@@ -47,14 +47,12 @@ from xckpt.errors import XckptError
 from xckpt.manifest import Manifest, paused_gc
 from xckpt.torch._dist import distributed, rank_world, share_outcome
 from xckpt.torch._dtypes import as_numpy, dtype_name
-from xckpt.torch._placement import global_info, local_pieces, placement_info
+from xckpt.torch._placement import PLAIN_TENSORS, global_info, local_pieces, placement_info
 from xckpt.torch._state_dict import PerRank, flatten
 
 __all__ = ["save"]
 
 _side_groups: dict[Any, Any] = {}
-#: Whole tensors (not DTensors or ShardedTensors, which subclass Tensor).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Job:
@@ -77,7 +75,7 @@ def _plan(
     for name, v in flat.items():
         if name in skip:
             continue
-        if type(v) in _PLAIN:
+        if type(v) in PLAIN_TENSORS:
             # A whole tensor (the many-small-tensors case): every rank holds it, one writes it.
             shape = tuple(v.shape)
             job = _Job(name, dtype_name(v.dtype, name), shape, None)
