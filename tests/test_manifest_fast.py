@@ -142,22 +142,28 @@ def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
-@FUZZ
-@given(data=st.data())
-def test_fast_parse_agrees_with_checked_parse(saved, data):
-    """Mutated entries: the fast parser declines (None) or gives exactly the checked parser's result."""
-    doc, _ = saved
-    name = data.draw(st.sampled_from(sorted(doc["tensors"])))
-    entry = copy.deepcopy(doc["tensors"][name])
+def _mutated(data: Any, doc: Any) -> Any:
+    """A copy of ``doc`` with 1-3 members replaced by drawn values (or, in objects, removed)."""
+    doc = copy.deepcopy(doc)
     for _ in range(data.draw(st.integers(1, 3))):
-        path = data.draw(st.sampled_from(_paths(entry)[1:]))
-        parent = entry
+        path = data.draw(st.sampled_from(_paths(doc)[1:]))
+        parent = doc
         for k in path[:-1]:
             parent = parent[k]
         if data.draw(st.booleans()) and isinstance(parent, dict):
             del parent[path[-1]]
         else:
             parent[path[-1]] = data.draw(VALUE)
+    return doc
+
+
+@FUZZ
+@given(data=st.data())
+def test_fast_parse_agrees_with_checked_parse(saved, data):
+    """Mutated entries: the fast parser declines (None) or gives exactly the checked parser's result."""
+    doc, _ = saved
+    name = data.draw(st.sampled_from(sorted(doc["tensors"])))
+    entry = _mutated(data, doc["tensors"][name])
     fast = _outcome(lambda: TensorEntry._from_json_fast(name, entry, "w", WORLD))
     checked = _outcome(lambda: TensorEntry._from_json_checked(name, entry, "w", WORLD))
     if isinstance(fast, Exception):
@@ -309,13 +315,7 @@ def test_every_row_field_at_every_edge(rows):
 def test_mutated_rows_parse_or_fail_cleanly(rows, data):
     doc, _ = rows
     name = data.draw(st.sampled_from(["small", "scalar", "bf"]))
-    row = copy.deepcopy(doc["tensors"][name])
-    for _ in range(data.draw(st.integers(1, 3))):
-        path = data.draw(st.sampled_from(_paths(row)[1:]))
-        parent = row
-        for k in path[:-1]:
-            parent = parent[k]
-        parent[path[-1]] = data.draw(VALUE)
+    row = _mutated(data, doc["tensors"][name])
     _check_row(name, row)
 
 
