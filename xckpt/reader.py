@@ -16,6 +16,7 @@ chunk's zarr metadata and each packed byte range against its packed array.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -26,7 +27,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from xckpt import _fileio
+from xckpt import _fileio, _packedio
 from xckpt._progress import progress
 from xckpt.errors import (
     CheckpointNotFoundError,
@@ -53,9 +54,10 @@ __all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 
 #: A rank manifest's key (rank numbers below 10^7; ASCII digits only).
 _RANK_KEY = re.compile(r"^ranks/[0-9]{1,7}\.json$")
-#: Packed byte ranges closer than this are fetched in one read.
+#: verify(): packed byte ranges closer than this are fetched in one read.
 _COALESCE_GAP = 1 << 20
-#: Packed reads: bytes one read spans at most, and bytes read ahead of the copies out.
+#: Packed reads: bytes one read spans at most (a tensor straddling its end stretches it),
+#: and, through tensorstore, bytes read ahead of the checks and copies out.
 _PACKED_SPAN = 8 << 20
 _PACKED_INFLIGHT = 64 << 20
 #: verify(): bytes read per request, and bytes in flight at once.
@@ -203,16 +205,46 @@ class Checkpoint(Source):
     # -- tensors ------------------------------------------------------------
 
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
-        array_jobs: list[ChunkRead] = []
+        """Every direct read (array chunks, then packed spans) starts before any is waited
+        on, so packed small tensors are read while the large chunks are; tensorstore reads
+        run meanwhile. Nothing still writes into an output when this returns or raises."""
+        direct: list[ChunkRead] = []
+        through_ts: list[ChunkRead] = []
         packed_jobs: dict[str, list[ChunkRead]] = defaultdict(list)
         for job in jobs:
             if job.chunk.form == "packed":
                 packed_jobs[job.chunk.key].append(job)
             else:
-                array_jobs.append(job if job.req is not None else job._replace(req=whole_request(job.chunk)))
-        self._read_arrays(array_jobs, bar)
-        for key, pj in packed_jobs.items():
-            self._read_packed(key, pj, bar)
+                job = job if job.req is not None else job._replace(req=whole_request(job.chunk))
+                (direct if self._direct(job.chunk.rank) else through_ts).append(job)
+        files = [(job, _fileio.submit_read(self._root, self._file_read(job))) for job in direct]  # type: ignore[arg-type]
+        spans: list[tuple[list[ChunkRead], Any]] = []
+        err: BaseException | None = None
+        try:
+            through_ts_packed = []
+            for key, pj in packed_jobs.items():
+                meta = self._packed_meta(key, pj[0].chunk.rank) if self._direct(pj[0].chunk.rank) else None
+                if meta is None:
+                    through_ts_packed.append((key, pj))
+                else:
+                    spans += self._submit_packed(key, pj, meta)
+            self._read_arrays(through_ts, bar)
+            for key, pj in through_ts_packed:
+                self._read_packed_store(key, pj, bar)
+        except BaseException as e:  # raised below, once the direct reads have stopped
+            err = e
+        waits = [(job, fut, "") for job, fut in files] + [(sj[0], fut, " (packed)") for sj, fut in spans]
+        for (name, c, _req, _out), fut, what in waits:
+            try:
+                n = fut.result()
+            except (_fileio.ChunkFileError, OSError) as e:
+                err = err or self._read_error(e, f"tensor {name!r}, chunk {c.box} ({c.key}){what}")
+            except Exception as e:  # a packed tensor's own crc32 check, raised on its read thread
+                err = err or e
+            else:
+                bar.update(n if what else n.nbytes)
+        if err is not None:
+            raise err
 
     def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
         """A packed chunk is one read of its bytes; an array chunk reads every inner zarr
@@ -260,31 +292,26 @@ class Checkpoint(Source):
         """Whether rank ``rank``'s chunks are files this process reads itself."""
         return self._root is not None and self._kind(rank) != "ocdbt"
 
-    def _raise_read_error(self, e: Exception, what: str) -> NoReturn:
+    def _read_error(self, e: Exception, what: str) -> XckptError:
         """A direct read failed: damaged data (CorruptChunkError) or storage (StorageError)."""
         if isinstance(e, _fileio.ChunkFileError):
-            raise corrupt(f"checkpoint {self.path!r}, {what}", e) from None
-        raise storage_error(self.path, f"reading {what}", e) from e
+            return corrupt(f"checkpoint {self.path!r}, {what}", e)
+        err = storage_error(self.path, f"reading {what}", e)
+        err.__cause__ = e
+        return err
 
-    def _read_files(self, jobs: list[ChunkRead], bar: Any) -> None:
-        """Array chunks of "plain" ranks on a local disk: preadv into ``out``, crc32c checked."""
-        reads = [
-            _fileio.ChunkRead(
-                c.key, c.shape, c.grid or c.shape, req.chunk_slices, out[req.target_slices], self._kind(c.rank)
-            )
-            for _name, c, req, out in jobs
-        ]
-        try:
-            _fileio.read_chunks(self._root, reads, lambda _i, n: bar.update(n))  # type: ignore[arg-type]
-        except (_fileio.ChunkFileError, OSError) as e:
-            name, c = jobs[e.job_index][:2]  # type: ignore[attr-defined]
-            self._raise_read_error(e, f"tensor {name!r}, chunk {c.box} ({c.key})")
+    def _raise_read_error(self, e: Exception, what: str) -> NoReturn:
+        raise self._read_error(e, what) from (None if isinstance(e, _fileio.ChunkFileError) else e)
+
+    def _file_read(self, job: ChunkRead) -> _fileio.ChunkRead:
+        """The direct read of an array chunk job (``job.req`` set)."""
+        c, req = job.chunk, job.req
+        return _fileio.ChunkRead(
+            c.key, c.shape, c.grid or c.shape, req.chunk_slices, job.out[req.target_slices], self._kind(c.rank)  # type: ignore[union-attr]
+        )
 
     def _read_arrays(self, jobs: list[ChunkRead], bar: Any) -> None:
-        direct = [j for j in jobs if self._direct(j[1].rank)]
-        if direct:
-            self._read_files(direct, bar)
-            jobs = [j for j in jobs if not self._direct(j[1].rank)]
+        """Array chunks through tensorstore (OCDBT ranks, or a location that is not a local directory)."""
         opened = [(job, self._open(job[0], job[1])) for job in jobs]
         writes = []
         for (name, c, req, out), fut in opened:
@@ -337,13 +364,12 @@ class Checkpoint(Source):
             self._packed_stores[key] = store
         return store
 
-    def _read_packed(self, key: str, jobs: list[ChunkRead], bar: Any) -> None:
-        rank = jobs[0][1].rank
-        meta = self._packed_meta(key, rank) if self._direct(rank) else None
-        store = None if meta is not None else self._packed_store(key, rank)
-        size = meta[0] if meta is not None else store.shape[0]  # type: ignore[union-attr]
+    def _packed_spans(self, key: str, jobs: list[ChunkRead], size: int, grid: int) -> list[tuple[int, int, list[ChunkRead]]]:
+        """``jobs`` (packed chunks of one array) grouped by the zarr chunks they lie in:
+        (first, stop, jobs) per span of whole zarr chunks, each zarr chunk in one span,
+        each span at most :data:`_PACKED_SPAN` bytes unless a tensor straddles its end."""
         jobs.sort(key=lambda j: j[1].byte_offset)  # type: ignore[arg-type, return-value]
-        spans: list[list[Any]] = []  # [start, end, [jobs]]: nearby ranges in one read, at most _PACKED_SPAN
+        spans: list[tuple[int, int, list[ChunkRead]]] = []
         for job in jobs:
             c = job[1]
             start, end = c.byte_offset, c.byte_offset + c.nbytes  # type: ignore[operator]
@@ -352,51 +378,62 @@ class Checkpoint(Source):
                     f"{self._where(job[0], c)}: bytes [{start}, {end}) lie past the end of the packed "
                     f"array ({size} bytes)"
                 )
-            if spans and start - spans[-1][1] <= _COALESCE_GAP and end - spans[-1][0] <= _PACKED_SPAN:
-                spans[-1][1] = max(spans[-1][1], end)
-                spans[-1][2].append(job)
+            lo, hi = start // grid, max(start // grid + 1, -(-end // grid))
+            if spans and (lo < spans[-1][1] or (lo == spans[-1][1] and (hi - spans[-1][0]) * grid <= _PACKED_SPAN)):
+                first, stop, span_jobs = spans[-1]
+                spans[-1] = (first, max(stop, hi), span_jobs)
+                span_jobs.append(job)
             else:
-                spans.append([start, end, [job]])
-        # Spans are read _PACKED_INFLIGHT bytes ahead of the copies out of them: the
-        # buffers held stay bounded (a JAX restore of 168 MB of packed shards held
-        # them all at once: 1.18x the bytes loaded in peak RSS).
-        inflight: list[tuple[list[Any], Any]] = []
+                spans.append((lo, hi, [job]))
+        return spans
+
+    def _submit_packed(self, key: str, jobs: list[ChunkRead], meta: tuple[int, int, str]) -> list[tuple[list[ChunkRead], Any]]:
+        """Start the direct reads of packed ``jobs`` (see :mod:`xckpt._packedio`): one task
+        per span, which checks and copies out its tensors on the read thread."""
+        size, grid, kind = meta
+        spans = self._packed_spans(key, jobs, size, grid)
+        try:
+            arr = _packedio.open_packed(self._root, key, size, grid, kind)  # type: ignore[arg-type]
+        except (_fileio.ChunkFileError, OSError) as e:
+            self._raise_read_error(e, f"packed chunks of rank {jobs[0][1].rank} ({key})")
+        return [
+            (span_jobs, _packedio.submit_span(arr, first, stop, functools.partial(self._unpack, first * grid, span_jobs)))
+            for first, stop, span_jobs in spans
+        ]
+
+    def _read_packed_store(self, key: str, jobs: list[ChunkRead], bar: Any) -> None:
+        """Packed ``jobs`` through tensorstore, span by span, :data:`_PACKED_INFLIGHT` bytes
+        read ahead of the checks and copies (the buffers held stay bounded)."""
+        store = self._packed_store(key, jobs[0][1].rank)
+        size = store.shape[0]
+        grid = packed_grid(size)
+        inflight: list[tuple[int, list[ChunkRead], Any]] = []
         held = 0
-        for span in spans:
-            while inflight and held + span[1] - span[0] > _PACKED_INFLIGHT:
-                done, fut = inflight.pop(0)
-                held -= done[1] - done[0]
-                self._unpack(key, done, fut, meta is not None, bar)
-            inflight.append((span, self._start_span(key, span, meta, store)))
-            held += span[1] - span[0]
-        for done, fut in inflight:
-            self._unpack(key, done, fut, meta is not None, bar)
+        for first, stop, span_jobs in self._packed_spans(key, jobs, size, grid):
+            while inflight and held + (stop - first) * grid > _PACKED_INFLIGHT:
+                held -= self._unpack_store(inflight.pop(0), grid, bar)
+            inflight.append((first, span_jobs, store[first * grid : min(stop * grid, size)].read()))
+            held += (stop - first) * grid
+        for done in inflight:
+            self._unpack_store(done, grid, bar)
 
-    def _start_span(self, key: str, span: list[Any], meta: tuple[int, int, str] | None, store: Any) -> Any:
-        """Start reading packed bytes ``[span[0], span[1])``; a future of the bytes."""
-        start, end = span[0], span[1]
-        if meta is None:
-            return store[start:end].read()
-        buf = np.empty(end - start, np.uint8)
-        return _fileio.submit_read(
-            self._root,  # type: ignore[arg-type]
-            _fileio.ChunkRead(key, (meta[0],), (meta[1],), (slice(start, end),), buf, meta[2]),
-        )
-
-    def _unpack(self, key: str, span: list[Any], fut: Any, direct: bool, bar: Any) -> None:
-        """Check each packed chunk of a read span against its crc32 and copy it to its output."""
-        start, span_jobs = span[0], span[2]
+    def _unpack_store(self, done: tuple[int, list[ChunkRead], Any], grid: int, bar: Any) -> int:
+        first, span_jobs, fut = done
         try:
             buf = fut.result()
-        except (_fileio.ChunkFileError, OSError) as e:
-            name, c = span_jobs[0][:2]
-            self._raise_read_error(e, f"tensor {name!r}, chunk {c.box} ({c.key}) (packed)")
         except ValueError as e:
             raise corrupt(f"{self._where(span_jobs[0][0], span_jobs[0][1])} (packed)", e) from None
+        bar.update(self._unpack(first * grid, span_jobs, buf))
+        return buf.nbytes
+
+    def _unpack(self, base: int, span_jobs: list[ChunkRead], data: np.ndarray) -> int:
+        """Check each packed chunk of a span (``data``: the packed bytes from ``base`` on)
+        against its crc32 and copy it to its output; the bytes filled. Runs on a read thread
+        for direct reads."""
         # Per small tensor: a memoryview slice, its crc32, one memcpy (W2: 20,000 of them).
-        mv, done = memoryview(buf).cast("B"), 0
+        mv, done = memoryview(data).cast("B"), 0
         for name, c, req, out in span_jobs:
-            o = c.byte_offset - start  # type: ignore[operator]
+            o = c.byte_offset - base  # type: ignore[operator]
             raw = mv[o : o + c.nbytes]
             if zlib.crc32(raw) != c.crc32:
                 raise CorruptChunkError(
@@ -415,7 +452,7 @@ class Checkpoint(Source):
                 src = np.frombuffer(raw, out.dtype).reshape(c.shape)
                 out[req.target_slices] = src[req.chunk_slices]
                 done += req.box.volume * out.itemsize
-        bar.update(done)
+        return done
 
     def _open_checked(self, name: str, c: Chunk) -> Any:
         """Like :meth:`_open`, but the stored zarr metadata is read and must match the manifest."""

@@ -40,7 +40,7 @@ from jax.sharding import Sharding
 from xckpt.errors import DtypeMismatchError, MissingEntryError, ShapeMismatchError, XckptError
 from xckpt.formats import open as open_source
 from xckpt.layout import Box, box_from_index
-from xckpt.manifest import TensorEntry
+from xckpt.manifest import TensorEntry, paused_gc
 from xckpt.source import Source, readable_objects
 
 from ._tree import device_boxes, flatten
@@ -206,6 +206,7 @@ def _run_batch(ck: Source, batch: list[_ArrayJob], out: list[Any], show_progress
         out[job.index] = _build(job, bufs.pop(job.name))
 
 
+@paused_gc()  # thousands of boxes, buffers and jobs, none in a cycle (see paused_gc)
 def load(
     path: str | os.PathLike[str],
     target: Any = None,
