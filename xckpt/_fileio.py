@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import google_crc32c
 import numpy as np
 
-from xckpt.storage import CODECS, CODECS_1, array_metadata
+from xckpt.storage import CODECS, CODECS_1, array_metadata, local_root
 
 __all__ = [
     "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "read_chunks", "submit_read",
@@ -69,9 +69,6 @@ _POOL_LOCK = threading.Lock()
 _LOCAL = threading.local()
 _CRC = google_crc32c.value
 _EXTEND = google_crc32c.extend
-#: Characters a file URL may encode differently from the path (tensorstore decodes
-#: percent escapes): such locations are read and written through tensorstore only.
-_UNSAFE = set("%?#\\")
 _COUNT_LOCK = threading.Lock()
 _BYTES_READ = [0]
 
@@ -89,16 +86,6 @@ def _count(n: int) -> None:
 
 class ChunkFileError(ValueError):
     """A chunk file is missing, has the wrong size or fails its crc32c (the data is damaged)."""
-
-
-def local_root(url: Any) -> str | None:
-    """The directory of a ``file://`` checkpoint URL, or None for other locations."""
-    if not isinstance(url, str) or not url.startswith("file:///"):
-        return None
-    path = url[len("file://") :]
-    if _UNSAFE & set(path):
-        return None
-    return path
 
 
 def _forget_pool() -> None:
