@@ -10,11 +10,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import xckpt
 import xckpt.reader
 import xckpt.storage
-from xckpt import _fileio
+from xckpt import _fileio, _packedio
 from xckpt.errors import CorruptChunkError
 from xckpt.layout import Box
 
@@ -151,3 +153,35 @@ def test_missing_packed_shard_is_corrupt_naming_the_tensor(tmp_path, small_grid)
     _packed_file(tmp_path / "c").unlink()
     with pytest.raises(CorruptChunkError, match=r"packed chunks of rank 0 .*shard file .* is missing"):
         ck.read_into([("u8_2", Box((0,), (1024,)), np.empty(1024, np.uint8))])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=40),
+    gaps=st.lists(st.integers(0, 3000), min_size=40, max_size=40),
+    grid=st.integers(1, 2048),
+    per=st.integers(1, 5),
+)
+def test_plan_spans_covers_each_range_and_reads_each_chunk_once(sizes, gaps, grid, per):
+    ranges, pos = [], 0
+    for n, gap in zip(sizes, gaps):
+        pos += gap
+        ranges.append((pos, pos + n))
+        pos += n
+    spans = _packedio.plan_spans(ranges, grid, per * grid)
+    seen: set[int] = set()
+    for first, stop, held in spans:
+        assert first < stop and first // per == (stop - 1) // per  # inside one block
+        assert not seen & set(range(first, stop))  # disjoint ranges: each zarr chunk once
+        seen |= set(range(first, stop))
+        assert held == sorted(set(held))
+        for i in held:  # a range it holds meets it
+            assert ranges[i][0] < stop * grid and ranges[i][1] > first * grid
+    for i, (start, end) in enumerate(ranges):
+        chunks = set(range(start // grid, (end - 1) // grid + 1))
+        assert chunks <= seen  # every byte of every range is read
+        mine = [(f, s) for f, s, held in spans if i in held]
+        assert set().union(*(range(f, s) for f, s in mine)) >= chunks
+        assert all(range(f, s) and set(range(f, s)) & chunks for f, s in mine)
+    # Nothing is read that no range needs.
+    assert seen == set().union(*(range(s // grid, (e - 1) // grid + 1) for s, e in ranges))

@@ -140,6 +140,19 @@ def test_rank_local_overwrite_with_fewer_ranks_opens(tmp_path):
 # -- byte flips ---------------------------------------------------------------------
 
 
+_STAMP = [2_000_000_000 * 10**9]
+
+
+def _rewrite(f: Path, data: bytes) -> None:
+    """Rewrite ``f`` in place with a new modification time. tensorstore's file kvstore
+    tells versions of a file apart by size and mtime, so a same-size rewrite within one
+    clock tick of a read would look unchanged to its OCDBT caches (seen once in a full
+    run); a saved checkpoint's files are never rewritten in place."""
+    f.write_bytes(data)
+    _STAMP[0] += 10**9
+    os.utime(f, ns=(_STAMP[0], _STAMP[0]))
+
+
 @pytest.mark.parametrize("storage", ["ocdbt", "plain", "files"])
 def test_byte_flips_over_every_file_never_load_wrong(tmp_path, storage):
     """Flip bytes at spread positions of every file of a checkpoint (manifests, zarr metadata,

@@ -20,6 +20,7 @@ import functools
 import itertools
 import math
 import re
+import threading
 import zlib
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
@@ -158,6 +159,29 @@ def validate(m: Manifest, where: str) -> None:
         check_coverage(t.shape, [c.box for c in t.chunks], name=name, where=where)
 
 
+def _fills_whole(job: ChunkRead) -> bool:
+    """Whether a packed ``job`` fills all of a C-contiguous output with its whole chunk."""
+    _name, c, req, out = job
+    return (req is None or req.box.shape == c.shape == out.shape) and out.flags.c_contiguous
+
+
+class _Piece:
+    """A packed chunk in several spans: its job, the spans still to copy their part
+    (``left``) into ``whole``: its output's bytes (a whole, C-contiguous output) or a
+    buffer of its own."""
+
+    __slots__ = ("job", "left", "lock", "whole", "into_out")
+
+    def __init__(self, job: ChunkRead, spans: int, lock: threading.Lock) -> None:
+        self.job, self.left, self.lock = job, spans, lock
+        self.into_out = _fills_whole(job)
+        self.whole = job.out.reshape(-1).view(np.uint8) if self.into_out else np.empty(job.chunk.nbytes, np.uint8)
+
+
+def _job_of(item: Any) -> ChunkRead:
+    return item.job if type(item) is _Piece else item
+
+
 class Checkpoint(Source):
     """An xckpt checkpoint opened for reading: the format's :class:`~xckpt.source.Source`.
 
@@ -217,8 +241,9 @@ class Checkpoint(Source):
             else:
                 job = job if job.req is not None else job._replace(req=whole_request(job.chunk))
                 (direct if self._direct(job.chunk.rank) else through_ts).append(job)
-        files = [(job, _fileio.submit_read(self._root, self._file_read(job))) for job in direct]  # type: ignore[arg-type]
-        spans: list[tuple[list[ChunkRead], Any]] = []
+        root: str = self._root  # type: ignore[assignment]  (direct reads: a local directory)
+        files = [(job, _fileio.submit_read(root, self._file_read(job))) for job in direct]
+        spans: list[tuple[ChunkRead, Any]] = []
         err: BaseException | None = None
         try:
             through_ts_packed = []
@@ -233,7 +258,8 @@ class Checkpoint(Source):
                 self._read_packed_store(key, pj, bar)
         except BaseException as e:  # raised below, once the direct reads have stopped
             err = e
-        waits = [(job, fut, "") for job, fut in files] + [(sj[0], fut, " (packed)") for sj, fut in spans]
+        waits = [(job, fut, "") for job, fut in files]
+        waits += [(job, fut, " (packed)") for job, fut in spans]
         for (name, c, _req, _out), fut, what in waits:
             try:
                 n = fut.result()
@@ -306,8 +332,10 @@ class Checkpoint(Source):
     def _file_read(self, job: ChunkRead) -> _fileio.ChunkRead:
         """The direct read of an array chunk job (``job.req`` set)."""
         c, req = job.chunk, job.req
+        if req is None:  # _read_chunks sets it; this keeps the type exact
+            req = whole_request(c)
         return _fileio.ChunkRead(
-            c.key, c.shape, c.grid or c.shape, req.chunk_slices, job.out[req.target_slices], self._kind(c.rank)  # type: ignore[union-attr]
+            c.key, c.shape, c.grid or c.shape, req.chunk_slices, job.out[req.target_slices], self._kind(c.rank)
         )
 
     def _read_arrays(self, jobs: list[ChunkRead], bar: Any) -> None:
@@ -364,12 +392,12 @@ class Checkpoint(Source):
             self._packed_stores[key] = store
         return store
 
-    def _packed_spans(self, key: str, jobs: list[ChunkRead], size: int, grid: int) -> list[tuple[int, int, list[ChunkRead]]]:
-        """``jobs`` (packed chunks of one array) grouped by the zarr chunks they lie in:
-        (first, stop, jobs) per span of whole zarr chunks, each zarr chunk in one span,
-        each span at most :data:`_PACKED_SPAN` bytes unless a tensor straddles its end."""
+    def _packed_spans(self, jobs: list[ChunkRead], size: int, grid: int) -> list[tuple[int, int, list[Any]]]:
+        """``jobs`` (packed chunks of one array) as spans of zarr chunks
+        (:func:`xckpt._packedio.plan_spans`): ``(first, stop, items)``, an item a job, or
+        for a tensor in several spans one :class:`_Piece` they share."""
         jobs.sort(key=lambda j: j[1].byte_offset)  # type: ignore[arg-type, return-value]
-        spans: list[tuple[int, int, list[ChunkRead]]] = []
+        ranges = []
         for job in jobs:
             c = job[1]
             start, end = c.byte_offset, c.byte_offset + c.nbytes  # type: ignore[operator]
@@ -378,27 +406,31 @@ class Checkpoint(Source):
                     f"{self._where(job[0], c)}: bytes [{start}, {end}) lie past the end of the packed "
                     f"array ({size} bytes)"
                 )
-            lo, hi = start // grid, max(start // grid + 1, -(-end // grid))
-            if spans and (lo < spans[-1][1] or (lo == spans[-1][1] and (hi - spans[-1][0]) * grid <= _PACKED_SPAN)):
-                first, stop, span_jobs = spans[-1]
-                spans[-1] = (first, max(stop, hi), span_jobs)
-                span_jobs.append(job)
-            else:
-                spans.append((lo, hi, [job]))
-        return spans
+            ranges.append((start, end))
+        spans = _packedio.plan_spans(ranges, grid, _PACKED_SPAN)
+        parts = [0] * len(jobs)
+        for _first, _stop, held in spans:
+            for i in held:
+                parts[i] += 1
+        lock = threading.Lock()
+        items: list[Any] = [_Piece(job, n, lock) if n > 1 else job for job, n in zip(jobs, parts)]
+        return [(first, stop, [items[i] for i in held]) for first, stop, held in spans]
 
-    def _submit_packed(self, key: str, jobs: list[ChunkRead], meta: tuple[int, int, str]) -> list[tuple[list[ChunkRead], Any]]:
+    def _submit_packed(
+        self, key: str, jobs: list[ChunkRead], meta: tuple[int, int, str]
+    ) -> list[tuple[ChunkRead, Any]]:
         """Start the direct reads of packed ``jobs`` (see :mod:`xckpt._packedio`): one task
         per span, which checks and copies out its tensors on the read thread."""
         size, grid, kind = meta
-        spans = self._packed_spans(key, jobs, size, grid)
+        spans = self._packed_spans(jobs, size, grid)
         try:
             arr = _packedio.open_packed(self._root, key, size, grid, kind)  # type: ignore[arg-type]
         except (_fileio.ChunkFileError, OSError) as e:
             self._raise_read_error(e, f"packed chunks of rank {jobs[0][1].rank} ({key})")
+        unpack = functools.partial
         return [
-            (span_jobs, _packedio.submit_span(arr, first, stop, functools.partial(self._unpack, first * grid, span_jobs)))
-            for first, stop, span_jobs in spans
+            (_job_of(items[0]), _packedio.submit_span(arr, first, stop, unpack(self._unpack, first * grid, items)))
+            for first, stop, items in spans
         ]
 
     def _read_packed_store(self, key: str, jobs: list[ChunkRead], bar: Any) -> None:
@@ -407,52 +439,69 @@ class Checkpoint(Source):
         store = self._packed_store(key, jobs[0][1].rank)
         size = store.shape[0]
         grid = packed_grid(size)
-        inflight: list[tuple[int, list[ChunkRead], Any]] = []
+        inflight: list[tuple[int, list[Any], Any]] = []
         held = 0
-        for first, stop, span_jobs in self._packed_spans(key, jobs, size, grid):
+        for first, stop, pieces in self._packed_spans(jobs, size, grid):
             while inflight and held + (stop - first) * grid > _PACKED_INFLIGHT:
                 held -= self._unpack_store(inflight.pop(0), grid, bar)
-            inflight.append((first, span_jobs, store[first * grid : min(stop * grid, size)].read()))
+            inflight.append((first, pieces, store[first * grid : min(stop * grid, size)].read()))
             held += (stop - first) * grid
         for done in inflight:
             self._unpack_store(done, grid, bar)
 
-    def _unpack_store(self, done: tuple[int, list[ChunkRead], Any], grid: int, bar: Any) -> int:
-        first, span_jobs, fut = done
+    def _unpack_store(self, done: tuple[int, list[Any], Any], grid: int, bar: Any) -> int:
+        first, items, fut = done
         try:
             buf = fut.result()
         except ValueError as e:
-            raise corrupt(f"{self._where(span_jobs[0][0], span_jobs[0][1])} (packed)", e) from None
-        bar.update(self._unpack(first * grid, span_jobs, buf))
+            name, c = _job_of(items[0])[:2]
+            raise corrupt(f"{self._where(name, c)} (packed)", e) from None
+        bar.update(self._unpack(first * grid, items, buf))
         return buf.nbytes
 
-    def _unpack(self, base: int, span_jobs: list[ChunkRead], data: np.ndarray) -> int:
+    def _unpack(self, base: int, items: list[Any], data: np.ndarray) -> int:
         """Check each packed chunk of a span (``data``: the packed bytes from ``base`` on)
-        against its crc32 and copy it to its output; the bytes filled. Runs on a read thread
-        for direct reads."""
-        # Per small tensor: a memoryview slice, its crc32, one memcpy (W2: 20,000 of them).
-        mv, done = memoryview(data).cast("B"), 0
-        for name, c, req, out in span_jobs:
-            o = c.byte_offset - base  # type: ignore[operator]
-            raw = mv[o : o + c.nbytes]
-            if zlib.crc32(raw) != c.crc32:
-                raise CorruptChunkError(
-                    f"{self._where(name, c)}: packed bytes fail their crc32 check. The "
-                    "checkpoint is damaged: restore it from a copy or load an earlier one"
-                )
-            whole = req is None or (req.box.shape == c.shape == out.shape)
-            if whole and out.flags.c_contiguous:
+        against its crc32 and copy it to its output; the bytes filled. A tensor in several
+        spans (a :class:`_Piece`) is assembled first, and checked and copied out by the
+        span that completes it. Runs on a read thread for direct reads."""
+        mv, done, end = memoryview(data).cast("B"), 0, base + data.nbytes
+        for item in items:
+            if type(item) is _Piece:
+                c = item.job[1]
+                start = c.byte_offset
+                lo, hi = max(start, base), min(start + c.nbytes, end)  # type: ignore[operator]
+                item.whole[lo - start : hi - start] = mv[lo - base : hi - base]  # type: ignore[operator]
+                with item.lock:
+                    item.left -= 1
+                    if item.left:
+                        continue
+                done += self._check_copy(item.job, memoryview(item.whole).cast("B"), item.into_out)
+                continue
+            # Per small tensor: a memoryview slice, its crc32, one memcpy (W2: 20,000 of them).
+            o = item[1].byte_offset - base
+            done += self._check_copy(item, mv[o : o + item[1].nbytes], False)
+        return done
+
+    def _check_copy(self, job: ChunkRead, raw: memoryview, in_place: bool) -> int:
+        """Check packed chunk ``raw`` (the bytes of ``job.chunk``) against its crc32 and copy
+        it to ``job.out`` (unless it was assembled there, ``in_place``); the bytes filled."""
+        name, c, req, out = job
+        if zlib.crc32(raw) != c.crc32:
+            raise CorruptChunkError(
+                f"{self._where(name, c)}: packed bytes fail their crc32 check. The "
+                "checkpoint is damaged: restore it from a copy or load an earlier one"
+            )
+        if _fills_whole(job):
+            if not in_place:
                 try:
                     memoryview(out).cast("B")[:] = raw  # the whole chunk: one memcpy
                 except (TypeError, ValueError):  # ml_dtypes types have no buffer format
                     out.reshape(-1).view(np.uint8)[:] = raw
-                done += c.nbytes
-            else:
-                req = req or whole_request(c)
-                src = np.frombuffer(raw, out.dtype).reshape(c.shape)
-                out[req.target_slices] = src[req.chunk_slices]
-                done += req.box.volume * out.itemsize
-        return done
+            return c.nbytes
+        req = req or whole_request(c)
+        src = np.frombuffer(raw, out.dtype).reshape(c.shape)
+        out[req.target_slices] = src[req.chunk_slices]
+        return req.box.volume * out.itemsize
 
     def _open_checked(self, name: str, c: Chunk) -> Any:
         """Like :meth:`_open`, but the stored zarr metadata is read and must match the manifest."""
