@@ -127,6 +127,21 @@ def test_rank_local_missing_rank_is_incomplete(tmp_path):
         xckpt.open(tmp_path / "c")
 
 
+def test_rank_local_many_ranks_merge_and_name_the_missing_ones(tmp_path):
+    """12 rank manifests (read concurrently from a local directory): merged bit for bit;
+    with three removed, the error names them."""
+    full = random_array("float32", (24, 3), seed=5)
+    for r in range(12):
+        w = xckpt.Writer(tmp_path / "c", rank=r, world_size=12, save_id="s")
+        w.write("t", full[2 * r : 2 * r + 2], global_shape=(24, 3), offset=(2 * r, 0))
+        w.commit()
+    assert same_bits(xckpt.load(tmp_path / "c")["t"], full)
+    for r in (3, 7, 11):
+        (tmp_path / "c" / "ranks" / f"{r}.json").unlink()
+    with pytest.raises(IncompleteCheckpointError, match=r"of 12 ranks is incomplete: rank manifests missing: \[3, 7, 11\]"):
+        xckpt.open(tmp_path / "c")
+
+
 def test_rank_local_mixed_saves_are_incomplete(tmp_path):
     full = random_array("float32", (4, 2))
     for r, sid in [(0, "step-1"), (1, "step-2")]:

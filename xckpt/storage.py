@@ -41,6 +41,7 @@ atomically; tensorstore's file, memory and S3 kvstores support them.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno as errno_mod
 import json
 import math
@@ -414,7 +415,11 @@ class Storage:
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Read many keys concurrently."""
         if self.root is not None:
-            return [self._read_local(k) for k in keys]
+            if len(keys) <= 4:
+                return [self._read_local(k) for k in keys]
+            # Many rank manifests: concurrent, as the kvstore reads them (cold, each waits on the disk).
+            with cf.ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="xckpt-manifests") as ex:
+                return list(ex.map(self._read_local, keys))
         futs = [self._kv.read(k) for k in keys]
         out: list[bytes | None] = []
         for k, f in zip(keys, futs):
