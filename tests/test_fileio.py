@@ -72,7 +72,7 @@ def test_files_are_byte_identical_to_tensorstore(tmp_path, dtype, kind):
         assert got.tobytes() == a.tobytes()
         out = np.empty(shape, _np(dtype))
         region = tuple(slice(0, s) for s in shape)
-        _fileio.read_chunks(str(theirs), [_fileio.ChunkRead("arr", shape, grid, region, out, kind)])
+        _fileio.submit_read(str(theirs), _fileio.ChunkRead("arr", shape, grid, region, out, kind)).result()
         assert out.tobytes() == a.tobytes()
         _fileio.check_meta(str(ours), "arr", kind, dtype, shape, grid)
 
@@ -100,7 +100,7 @@ def test_any_region_of_any_layout(tmp_path_factory, data):
     else:
         out = np.zeros(tuple(n + 2 for n in want.shape), np.float32)
         view = out[tuple(slice(1, 1 + n) for n in want.shape)]
-    _fileio.read_chunks(str(root), [_fileio.ChunkRead("k", shape, grid, tuple(region), view, kind)])
+    _fileio.submit_read(str(root), _fileio.ChunkRead("k", shape, grid, tuple(region), view, kind)).result()
     assert view.tobytes() == want.tobytes()
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from xckpt.storage import CODECS, CODECS_1, array_metadata, local_root
 
 __all__ = [
-    "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "read_chunks", "submit_read",
+    "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "submit_read",
     "bytes_read", "check_meta", "check_shard", "parse_meta", "stored_meta", "chunk_file", "data_file",
 ]
 
@@ -705,27 +705,3 @@ def submit_read(root: str, job: ChunkRead) -> cf.Future[np.ndarray]:
 
     pool.submit(_read_index, path, count).add_done_callback(indexed)
     return result
-
-
-def read_chunks(root: str, jobs: Sequence[ChunkRead], done: Callable[[int, int], None] | None = None) -> None:
-    """Fill every ``job.out`` from its files under ``root``, checking every crc32c.
-
-    Reads run concurrently on the I/O threads; ``done(job_index, nbytes)`` is called in
-    this thread as each job completes. Raises :class:`ChunkFileError` (damaged data,
-    naming the file) or OSError (storage) after all reads stopped, with ``job_index``
-    set on it.
-    """
-    per_job = [submit_read(root, job) for job in jobs]
-    first_err: BaseException | None = None
-    for i, (job, fut) in enumerate(zip(jobs, per_job)):
-        try:
-            fut.result()
-        except (OSError, ChunkFileError) as e:
-            if first_err is None:
-                e.job_index = i  # type: ignore[attr-defined]
-                first_err = e
-            continue
-        if done is not None:
-            done(i, job.out.nbytes)
-    if first_err is not None:
-        raise first_err
