@@ -613,6 +613,20 @@ def _read_index(path: str, count: int) -> tuple[np.ndarray, int]:
     return np.frombuffer(buf, "<u8", count * 2).reshape(count, 2), size
 
 
+def index_entry(path: str, what: str, index: np.ndarray, flat: int, stored: int, size: int) -> tuple[int, int]:
+    """Entry ``flat`` of a shard's index, checked: present, ``stored`` bytes long (chunk and
+    crc32c) and inside the ``size``-byte file; ChunkFileError naming the chunk (``what``)."""
+    off, nb = int(index[flat, 0]), int(index[flat, 1])
+    if off == _MISSING and nb == _MISSING:
+        raise ChunkFileError(f"shard file {path}{what} is missing")
+    if nb != stored or off + nb > size:
+        raise ChunkFileError(
+            f"shard file {path}{what}: index gives bytes [{off}, {off + nb}) of a {size}-byte file, "
+            f"expected {stored} bytes"
+        )
+    return off, nb
+
+
 def _shard_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> list[tuple[Any, tuple[Any, ...]]]:
     """Reads of the chunks ``job`` needs from a shard: runs of adjacent whole chunks in one
     ``preadv`` each, other chunks one by one through scratch."""
@@ -623,15 +637,8 @@ def _shard_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> lis
     run_start = run_end = -1
     for idx, inner, dest in _touched(job):
         flat = int(np.ravel_multi_index(idx, counts)) if idx else 0
-        off, nb = int(index[flat, 0]), int(index[flat, 1])
         what = f" (zarr chunk {list(idx)})"
-        if off == _MISSING and nb == _MISSING:
-            raise ChunkFileError(f"shard file {path}{what} is missing")
-        if nb != full + 4 or off + nb > size:
-            raise ChunkFileError(
-                f"shard file {path}{what}: index gives bytes [{off}, {off + nb}) of a {size}-byte file, "
-                f"expected {full + 4} bytes"
-            )
+        off, nb = index_entry(path, what, index, flat, full + 4, size)
         out = job.out[dest] if dest else job.out
         if not _is_prefix(out, job.grid, inner):
             tasks.append((_shard_scratch, (path, what, off, full, job.grid, inner, out)))

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from xckpt._fileio import (
-    _MISSING,
     ChunkFileError,
     _check_crc,
     _count,
@@ -41,6 +40,7 @@ from xckpt._fileio import (
     _read_index,
     chunk_file,
     data_file,
+    index_entry,
 )
 
 __all__ = ["PackedArray", "open_packed", "plan_spans", "submit_span"]
@@ -121,14 +121,7 @@ def _stretches(arr: PackedArray, first: int, stop: int) -> list[tuple[str, int, 
     path = data_file(key_dir, 1)
     out: list[tuple[str, int, list[int]]] = []
     for i in range(first, stop):
-        off, nb = int(arr.index[i, 0]), int(arr.index[i, 1])  # type: ignore[index]
-        if off == _MISSING and nb == _MISSING:
-            raise ChunkFileError(f"shard file {path} (zarr chunk [{i}]) is missing")
-        if nb != full or off + nb > arr.file_size:
-            raise ChunkFileError(
-                f"shard file {path} (zarr chunk [{i}]): index gives bytes [{off}, {off + nb}) of a "
-                f"{arr.file_size}-byte file, expected {full} bytes"
-            )
+        off, _nb = index_entry(path, f" (zarr chunk [{i}])", arr.index, i, full, arr.file_size)  # type: ignore[arg-type]
         if out and out[-1][1] + full * len(out[-1][2]) == off:
             out[-1][2].append(i)
         else:

@@ -57,8 +57,8 @@ __all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 _RANK_KEY = re.compile(r"^ranks/[0-9]{1,7}\.json$")
 #: verify(): packed byte ranges closer than this are fetched in one read.
 _COALESCE_GAP = 1 << 20
-#: Packed reads: bytes one read spans at most (a tensor straddling its end stretches it),
-#: and, through tensorstore, bytes read ahead of the checks and copies out.
+#: Packed reads: the block of zarr chunks one span stays inside (a tensor crossing blocks
+#: is read in parts), and, through tensorstore, bytes read ahead of the checks and copies out.
 _PACKED_SPAN = 8 << 20
 _PACKED_INFLIGHT = 64 << 20
 #: verify(): bytes read per request, and bytes in flight at once.
