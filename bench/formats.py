@@ -287,10 +287,9 @@ class Load:
 
             mesh = self.jax.make_mesh((8,), ("x",))
             self.sharding = NamedSharding(mesh, P("x"))
+        import xckpt
         import xckpt.converters.safetensors
         import xckpt.converters.torch_dcp  # noqa: F401  (imported untimed, like every framework here)
-
-        import xckpt
 
         self.xckpt = xckpt
         fn = getattr(self, f"_prepare_{case}_{system.replace('.', '_')}")

@@ -6,7 +6,7 @@ the default input domain 2**63-1, rows a permutation of each rank's range, LFU
 counts), an fp32 weight of ``--dim`` columns. Saved at W = 2 and W = 4 (one
 Writer per simulated rank), then loaded at W' = 3 rank by rank:
 
-* value path: :func:`xckpt.value_load.read_group_rank` (what ``xckpt.torch.load``
+* value path: :func:`xckpt.values.load.read_group_rank` (what ``xckpt.torch.load``
   and the JAX adapter run), the correct result;
 * position-sliced: each rank reads rows ``[lo', hi')`` of every group tensor, the
   I/O a positional loader does (its result loses lookups; it is the baseline).
@@ -32,8 +32,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from _common import drop_caches, markdown_table, out_dir, remove  # noqa: E402
 
 import xckpt  # noqa: E402
-from xckpt.value_load import read_group_rank  # noqa: E402
-from xckpt.value_ranges import INT64_MAX, MCLayout, ceil_bounds  # noqa: E402
+from xckpt.values.load import read_group_rank  # noqa: E402
+from xckpt.values.ranges import INT64_MAX, MCLayout, ceil_bounds  # noqa: E402
 
 P = "m._managed_collision_collection._managed_collision_modules.t"
 RAW, ROWS, CNT, W_NAME = P + "._mch_sorted_raw_ids", P + "._mch_remapped_ids_mapping", P + "._mch_counts", "w"

@@ -22,9 +22,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from dist_utils import run_ranks
-from xckpt.converters import orbax_write
 
 import xckpt
+from xckpt.converters import orbax_write
 from xckpt.errors import ObjectError, XckptError
 
 # jax, orbax and torch are imported inside functions: spawned ranks import this module.
@@ -508,10 +508,9 @@ def test_dcp_object_key_that_is_a_tensor(tmp_path) -> None:
 
 
 def test_dcp_object_that_cannot_be_pickled(tmp_path) -> None:
-    from xckpt.converters import torch_dcp_write
-
     from xckpt._progress import _NoBar
     from xckpt.convert import WriteJob
+    from xckpt.converters import torch_dcp_write
 
     xckpt.save({"w": np.ones(3, np.float32)}, str(tmp_path / "src"))
     with xckpt.open(str(tmp_path / "src")) as src:

@@ -20,9 +20,9 @@ from dcp_cases import OBJECTS, expected, same_bits, tensors
 from dist_utils import run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from xckpt.converters import torch_dcp
 
 import xckpt
+from xckpt.converters import torch_dcp
 from xckpt.errors import (
     CorruptChunkError,
     IncompleteCheckpointError,

@@ -21,9 +21,9 @@ import pytest
 from dist_utils import free_port, run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from xckpt.converters import orbax as orbax_fmt
 
 import xckpt
+from xckpt.converters import orbax as orbax_fmt
 from xckpt.errors import CorruptChunkError, IncompleteCheckpointError, XckptError
 
 # jax and orbax are imported inside functions: the spawned torch ranks import this module.

@@ -20,10 +20,10 @@ import torch
 from dist_utils import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from xckpt.converters import safetensors as xst
 
 import xckpt
 import xckpt.torch as xt
+from xckpt.converters import safetensors as xst
 from xckpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,

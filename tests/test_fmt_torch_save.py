@@ -19,9 +19,9 @@ import pytest
 from dcp_cases import same_bits, to_numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from xckpt.converters import _torchzip, _unpickle, torch_save
 
 import xckpt
+from xckpt.converters import _torchzip, _unpickle, torch_save
 from xckpt.errors import XckptError
 
 torch = pytest.importorskip("torch")

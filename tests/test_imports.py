@@ -2,8 +2,8 @@
 
 The core is every module of the ``xckpt`` package outside the ``xckpt.torch`` and
 ``xckpt.jax`` adapters (layout, manifest, storage, reader, writer, the value-group
-modules, inspect, cli, source, formats, ...) and every format module under
-``xckpt.converters``; the list is discovered, so a new core module is covered
+modules, inspect, cli, source, formats, ...), every module of its families
+(``manifest/``, ``storage/``, ``values/``, ``converters/``); the list is discovered, so a new core module is covered
 the day it is added.
 """
 
@@ -14,15 +14,18 @@ import pkgutil
 import subprocess
 import sys
 
-import xckpt.converters
-
 import xckpt
 
 ADAPTERS = {"torch", "jax"}
-NAMED = {"layout", "manifest", "storage", "reader", "writer", "value_ranges", "inspect", "cli", "source", "formats"}
+NAMED = {
+    "layout", "manifest", "storage", "reader", "writer", "values", "values.ranges", "inspect", "cli", "source",
+    "sink", "formats",
+}
 CORE = ["xckpt"] + [
-    f"xckpt.{m.name}" for m in pkgutil.iter_modules(xckpt.__path__) if m.name not in ADAPTERS
-] + [f"xckpt.converters.{m.name}" for m in pkgutil.iter_modules(xckpt.converters.__path__)]
+    m.name
+    for m in pkgutil.walk_packages(xckpt.__path__, "xckpt.")
+    if m.name.split(".")[1] not in ADAPTERS
+]
 
 # One fresh interpreter imports the modules in turn and records which frameworks each
 # import brought in; the first module to pull one in is the one named (one process, not

@@ -410,7 +410,7 @@ def test_sharding_for_uneven_names_tensor_and_replicated_still_loads(tmp_path: o
 
 def file_bytes_read() -> int:
     """Chunk-file bytes read: by tensorstore (OCDBT, metadata) and directly (plain files)."""
-    from xckpt import _fileio
+    from xckpt.storage import _fileio
 
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
         if m["name"] == "/tensorstore/kvstore/file/bytes_read":

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 import xckpt
 import xckpt.reader
 import xckpt.storage
-from xckpt import _fileio, _packedio
 from xckpt.errors import CorruptChunkError
 from xckpt.layout import Box
+from xckpt.storage import _fileio, _packedio
 
 GRID = 4096  # packed zarr chunk length forced below: tensors straddle chunks and spans
 
@@ -38,7 +38,7 @@ def _tensors() -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def small_grid(monkeypatch):
-    monkeypatch.setattr(xckpt.storage, "PACKED_CHUNK_BYTES", GRID)
+    monkeypatch.setattr(xckpt.storage._kvstore, "PACKED_CHUNK_BYTES", GRID)
     monkeypatch.setattr(xckpt.reader, "_PACKED_SPAN", 2 * GRID)  # many spans, tensors across their ends
 
 

@@ -23,7 +23,7 @@ from xckpt.layout import Replicate, Shard
 
 def file_bytes_read() -> int:
     """Chunk-file bytes read: by tensorstore (OCDBT, metadata) and directly (plain files)."""
-    from xckpt import _fileio
+    from xckpt.storage import _fileio
 
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
         if m["name"] == "/tensorstore/kvstore/file/bytes_read":

@@ -25,7 +25,7 @@ from test_value_helpers import (
     named,
 )
 
-from xckpt.value_ranges import INT64_MAX, ceil_bounds
+from xckpt.values.ranges import INT64_MAX, ceil_bounds
 
 PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (3, 2), (2, 3), (4, 3), (1, 4)]
 N, DIM = 48, 4
@@ -177,7 +177,7 @@ def test_overflow_evicts_lowest_counts_and_reports(results: list[dict[str, Any]]
 def test_framework_free_arrays_equal_the_torch_load(run: tuple[str, list[dict[str, Any]]], w: int, w2: int) -> None:
     """What the JAX adapter builds its arrays from (read_group_rank) is what the torch path loaded."""
     import xckpt
-    from xckpt.value_load import read_group_rank
+    from xckpt.values.load import read_group_rank
 
     root, res = run
     ckpt = xckpt.open(os.path.join(root, f"p{w}{w2}"))

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from xckpt.value_ranges import INT64_MAX, MCLayout, ceil_bounds
+from xckpt.values.ranges import INT64_MAX, MCLayout, ceil_bounds
 
 PREFIX = "emb._managed_collision_collection._managed_collision_modules.t1"
 WEIGHT = "emb._embedding_module.embedding_bags.t1.weight"

@@ -41,8 +41,8 @@ from xckpt.torch.value_groups import (
     save_value_groups,
     split_value_groups,
 )
-from xckpt.value_load import read_group_rank
-from xckpt.value_ranges import (
+from xckpt.values.load import read_group_rank
+from xckpt.values.ranges import (
     INT64_MAX,
     GroupAnnotation,
     MCLayout,
@@ -57,7 +57,7 @@ from xckpt.value_ranges import (
     row_runs,
     value_chunks,
 )
-from xckpt.value_save import LocalRows, plan_mc_save
+from xckpt.values.save import LocalRows, plan_mc_save
 
 M = INT64_MAX
 

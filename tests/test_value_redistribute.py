@@ -24,7 +24,7 @@ from test_value_helpers import (
     named,
 )
 
-from xckpt.value_ranges import MCLayout, assemble_rank, ceil_bounds
+from xckpt.values.ranges import MCLayout, assemble_rank, ceil_bounds
 
 N, I_SIZE = 48, 5000
 

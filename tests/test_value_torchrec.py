@@ -37,7 +37,7 @@ def _module(policy: str) -> Any:
 def _rank_module(policy: str, world: int, rank: int) -> Any:
     import torch
 
-    from xckpt.value_ranges import ceil_bounds
+    from xckpt.values.ranges import ceil_bounds
 
     b = ceil_bounds(N, world)
     return _module(policy).rebuild_with_output_id_range((b[rank], b[rank + 1]), list(b), device=torch.device("cpu"))
@@ -56,7 +56,7 @@ def _mods_body(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import xckpt.torch as xt
-    from xckpt.value_ranges import MCLayout, ceil_bounds
+    from xckpt.values.ranges import MCLayout, ceil_bounds
 
     groups = {k: dist.new_group(ranks=list(range(k))) for k in range(1, world + 1)}
     out: dict[str, Any] = {}

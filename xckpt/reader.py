@@ -28,7 +28,6 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from xckpt import _fileio, _packedio
 from xckpt._progress import progress
 from xckpt.errors import (
     CheckpointNotFoundError,
@@ -49,7 +48,7 @@ from xckpt.manifest import (
     parse_claim,
 )
 from xckpt.source import ChunkRead, Source, whole_request
-from xckpt.storage import Location, Storage, corrupt, packed_grid, storage_error
+from xckpt.storage import Location, Storage, _fileio, _packedio, corrupt, packed_grid, storage_error
 
 __all__ = ["Checkpoint", "read_rank_manifests", "validate"]
 
@@ -208,7 +207,7 @@ class Checkpoint(Source):
         self._verified_arrays: dict[str, Any] = {}
         self._checked: set[str] = set()
         self._packed_size_cache: dict[str, int] | None = None
-        #: A local directory: "plain" ranks are read with direct file I/O (xckpt._fileio).
+        #: A local directory: "plain" ranks are read with direct file I/O (xckpt.storage._fileio).
         self._root = _fileio.local_root(self.storage.url)
         self._packed_stored: dict[str, tuple[int, int, str] | None] = {}
 
@@ -358,7 +357,7 @@ class Checkpoint(Source):
 
     def _packed_meta(self, key: str, rank: int) -> tuple[int, int, str] | None:
         """(bytes, zarr chunk length, storage kind) of a "plain"/"files" rank's packed array from
-        its zarr.json, read directly; None when its layout is not one :mod:`xckpt._fileio`
+        its zarr.json, read directly; None when its layout is not one :mod:`xckpt.storage._fileio`
         reads (tensorstore reads it then)."""
         if key not in self._packed_stored:
             try:
@@ -394,7 +393,7 @@ class Checkpoint(Source):
 
     def _packed_spans(self, jobs: list[ChunkRead], size: int, grid: int) -> list[tuple[int, int, list[Any]]]:
         """``jobs`` (packed chunks of one array) as spans of zarr chunks
-        (:func:`xckpt._packedio.plan_spans`): ``(first, stop, items)``, an item a job, or
+        (:func:`xckpt.storage._packedio.plan_spans`): ``(first, stop, items)``, an item a job, or
         for a tensor in several spans one :class:`_Piece` they share."""
         jobs.sort(key=lambda j: j[1].byte_offset)  # type: ignore[arg-type, return-value]
         ranges = []
@@ -419,7 +418,7 @@ class Checkpoint(Source):
     def _submit_packed(
         self, key: str, jobs: list[ChunkRead], meta: tuple[int, int, str]
     ) -> list[tuple[ChunkRead, Any]]:
-        """Start the direct reads of packed ``jobs`` (see :mod:`xckpt._packedio`): one task
+        """Start the direct reads of packed ``jobs`` (see :mod:`xckpt.storage._packedio`): one task
         per span, which checks and copies out its tensors on the read thread."""
         size, grid, kind = meta
         spans = self._packed_spans(jobs, size, grid)

@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from xckpt import _fileio
 from xckpt._async import submit, wait_pending
 from xckpt._progress import progress
 from xckpt.errors import (
@@ -76,7 +75,7 @@ from xckpt.manifest import (
     shared_shape,
     unchecked,
 )
-from xckpt.storage import Location, Storage, inner_chunk_shape, packed_grid, storage_error
+from xckpt.storage import Location, Storage, _fileio, inner_chunk_shape, packed_grid, storage_error
 
 __all__ = ["Writer", "save", "finalize", "derived_save_id", "ALL_HELD"]
 
@@ -158,7 +157,7 @@ class Writer:
         if storage is not None and storage not in STORAGE_KINDS:
             raise XckptError(f"storage must be one of {', '.join(map(repr, STORAGE_KINDS))}, got {storage!r}")
         self.storage = Storage(path, context)
-        #: A local directory: "plain" chunks are written with direct file I/O (xckpt._fileio).
+        #: A local directory: "plain" chunks are written with direct file I/O (xckpt.storage._fileio).
         self._root = _fileio.local_root(self.storage.url)
         if storage is None:
             storage = "files" if self._root is not None else "ocdbt"

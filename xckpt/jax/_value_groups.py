@@ -5,8 +5,8 @@ columns, the weight and row-aligned optimizer state) is not sliced by
 position. Its sharding's distinct dim-0 ranges are the new ranks' row ranges
 (they must tile the rows: W' = their number), and device d holding rows
 ``[lo, hi)`` gets exactly what torch rank r' (the index of that range) loads:
-:func:`xckpt.value_ranges.plan_rank_read` plans and
-:func:`xckpt.value_load.load_rank` reads both. Trailing dims may be sharded
+:func:`xckpt.values.ranges.plan_rank_read` plans and
+:func:`xckpt.values.load.load_rank` reads both. Trailing dims may be sharded
 too; they are sliced after the rows are assembled.
 
 The group's other tensors (``_output_segments_tensor``, ``_current_iter_tensor``)
@@ -23,11 +23,11 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from xckpt import value_ranges as V
 from xckpt.errors import UnsupportedPlacementError
 from xckpt.layout import Box, box_from_index
 from xckpt.source import Source
-from xckpt.value_load import RankArrays, load_rank
+from xckpt.values import ranges as V
+from xckpt.values.load import RankArrays, load_rank
 
 from ._tree import device_boxes
 

@@ -18,7 +18,7 @@ VERSION = 4
 #: Versions this xckpt reads (1: no checksum; 2: checksummed manifests; 3: storage "files";
 #: 4: packed rows).
 READ_VERSIONS = (1, 2, 3, 4)
-#: The first version whose "tensors" may hold packed rows (see :mod:`xckpt._rows`).
+#: The first version whose "tensors" may hold packed rows (see :mod:`xckpt.manifest._rows`).
 ROWS_VERSION = 4
 #: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
 STORAGE_KINDS = ("files", "plain", "ocdbt")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import ManifestError, ObjectError
+from xckpt.manifest._checks import DTYPES, dtype_name, numpy_dtype
 
 __all__ = ["MAX_OBJECT_DEPTH", "encode_value", "decode_value", "decode_checked"]
 
@@ -50,8 +51,6 @@ def encode_value(value: Any, name: str = "<object>", _depth: int = 0) -> Any:
             return value
         return {"$xckpt": "float", "v": repr(value)}
     if isinstance(value, np.generic):
-        from xckpt.manifest import dtype_name
-
         return {"$xckpt": "np", "dtype": dtype_name(value.dtype), "v": encode_value(value.item(), name, d)}
     if isinstance(value, (bytes, bytearray)):
         return {"$xckpt": "bytes", "b64": base64.b64encode(bytes(value)).decode()}
@@ -132,8 +131,6 @@ def _decode(value: Any, where: str, depth: int) -> Any:
         except ValueError:
             raise _bad_tag(where, tag, value) from None
     if tag == "np":
-        from xckpt.manifest import DTYPES, numpy_dtype
-
         dt = value.get("dtype")
         if type(dt) is not str or dt not in DTYPES:
             raise _bad_tag(where, tag, value)

@@ -3,15 +3,16 @@ packed in its rank's byte array -- the many-small-tensors case -- is written in 
 manifest's ``"tensors"`` as ``[dtype, shape, rank, byte_offset, crc32]`` instead of
 an entry object with a chunk object, and ``"packed"`` names each rank's byte array.
 Encoding, the ``"packed"`` member's checks, and parsing with every field checked.
-Used by :mod:`xckpt.manifest` (which defines the dataclasses built here)."""
+Used by :class:`~xckpt.manifest.Manifest`; builds the entries of :mod:`._entries`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from xckpt._checks import (
+from xckpt.errors import ManifestError
+from xckpt.manifest._checks import (
     _ITEMSIZES,
     DTYPES,
     MAX_ELEMENTS,
@@ -28,10 +29,8 @@ from xckpt._checks import (
     numpy_dtype,
     shared_shape,
 )
-from xckpt.errors import ManifestError
+from xckpt.manifest._entries import Chunk, TensorEntry
 
-if TYPE_CHECKING:
-    from xckpt.manifest import TensorEntry
 
 def _tensors_to_json(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, Any], dict[int, str]]:
     """The ``"tensors"`` member (rows where an entry fits one) and the ``"packed"`` keys by rank.
@@ -77,8 +76,6 @@ def _tensor_entries(
     packed rows here, every field checked (plain type and range tests per row, the
     dtype/shape/rank bounds once per distinct combination; error text only on failure).
     20,000 rows: about 0.03 s."""
-    from xckpt.manifest import Chunk, TensorEntry  # (defined there; imported at call time)
-
     out: dict[str, TensorEntry] = {}
     seen: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (dtype, shape, rank) -> checked (shape, offset, key, nbytes)
     new, put = _new, _set

@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from xckpt._checks import FORMAT, MAX_KEY_LEN, MAX_WORLD_SIZE, VERSION, _int, _str
 from xckpt.errors import ManifestError
+from xckpt.manifest._checks import FORMAT, MAX_KEY_LEN, MAX_WORLD_SIZE, VERSION, _int, _str
 
 
 def dumps_json(d: Any) -> bytes:

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import google_crc32c
 import numpy as np
 
-from xckpt.storage import CODECS, CODECS_1, array_metadata, local_root
+from xckpt.storage._kvstore import CODECS, CODECS_1, array_metadata, local_root
 
 __all__ = [
     "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "submit_read",

@@ -21,7 +21,7 @@ region or credentials are given: ``{"driver": "s3", "bucket": ..., "path": ...,
 - ``"files"`` (the default on a local disk, format version 3): one directory per
   stored box holding ``zarr.json`` and one shard file ``c.0.0`` with all its zarr
   chunks and their index (:func:`array_metadata`); read and written directly by
-  :mod:`xckpt._fileio` on a local disk, through tensorstore elsewhere;
+  :mod:`._fileio` on a local disk, through tensorstore elsewhere;
 - ``"plain"`` (versions 1 and 2): one file per zarr chunk, ``c/<i>/<j>`` (a directory
   per row of chunks: many more files and directories to create, fsync and open);
 - ``"ocdbt"`` (the default for object stores and ``memory://``): one OCDBT
@@ -326,7 +326,7 @@ class Storage:
     tensorstore is imported and the location's kvstore opened on first use: reading a
     local directory's manifests (:meth:`read_key`, :meth:`read_keys`, :meth:`list_prefix`)
     uses plain file reads, so a process that only loads a local checkpoint, whose chunks
-    :mod:`xckpt._fileio` reads, never imports tensorstore (0.11-0.16 s in every fresh
+    :mod:`._fileio` reads, never imports tensorstore (0.11-0.16 s in every fresh
     process, cold or warm: bench/io.py and bench/jax_load.py time loads in fresh processes).
     """
 

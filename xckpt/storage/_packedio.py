@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from xckpt._fileio import (
+from xckpt.storage._fileio import (
     ChunkFileError,
     _check_crc,
     _count,

@@ -4,7 +4,7 @@
 every rank of the process group calls it with its current tensors; entries go
 to the input owner of their raw id and the weight rows follow, with
 ``all_to_all_single``; each rank then applies the core's steps
-(:func:`xckpt.value_ranges.assemble_rank`), so the result equals
+(:func:`xckpt.values.ranges.assemble_rank`), so the result equals
 ``xckpt.torch.load`` of a checkpoint of the same state. Collectives, in order,
 on every rank: split sizes and entries (two ``all_to_all_single``), one outcome
 exchange (:func:`xckpt.torch._dist.share_outcome`; all ranks raise together),
@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from xckpt import value_ranges as V
 from xckpt.errors import ShapeMismatchError, ValueRangeError
 from xckpt.torch._dist import share_outcome
 from xckpt.torch.value_groups import (
@@ -31,6 +30,7 @@ from xckpt.torch.value_groups import (
     segment_bounds,
     to_numpy,
 )
+from xckpt.values import ranges as V
 
 __all__ = ["redistribute_by_value"]
 
@@ -63,7 +63,7 @@ def redistribute_by_value(
     go to the input owner of their raw id and weight rows (and the declared
     row-aligned tensors) follow, with ``all_to_all_single`` (split sizes
     exchanged first); each rank then applies the same steps as the read path
-    (:func:`xckpt.value_ranges.assemble_rank`), so the result equals
+    (:func:`xckpt.values.ranges.assemble_rank`), so the result equals
     ``xckpt.torch.load`` of a checkpoint of the same state.
 
     Args:

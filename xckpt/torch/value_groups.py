@@ -1,8 +1,8 @@
 """Value groups in the PyTorch adapter: tensors to numpy, collectives, torchrec introspection.
 
-The value-group logic is the core's (:mod:`xckpt.value_ranges`: the annotation
-model and read plans; :mod:`xckpt.value_save`: save plans;
-:mod:`xckpt.value_load`: the read driver). This module finds the groups of a
+The value-group logic is the core's (:mod:`xckpt.values.ranges`: the annotation
+model and read plans; :mod:`xckpt.values.save`: save plans;
+:mod:`xckpt.values.load`: the read driver). This module finds the groups of a
 state dict (declared, or torchrec MCH buffers by name), turns their tensors
 into numpy (local shard and row offset of plain tensors, ShardedTensors and
 DTensors), reads the target's row split off the torch targets, shares the
@@ -40,7 +40,7 @@ Moving a group held in memory is :func:`xckpt.torch.redistribute.redistribute_by
 Group tensors may be plain per-rank tensors (each rank's own rows), row-wise
 ``ShardedTensor``s (``DistributedModelParallel`` state dicts) or DTensors
 sharded on dim 0; the local shard and its offset are used. The on-disk layout
-and the decisions behind it are in :mod:`xckpt.value_ranges`.
+and the decisions behind it are in :mod:`xckpt.values.ranges`.
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from xckpt import value_ranges as V
-from xckpt import value_save as V_save
 from xckpt.errors import ShapeMismatchError, UnsupportedPlacementError, ValueRangeError
 from xckpt.source import Source
 from xckpt.torch._dist import share_outcome
 from xckpt.torch._dtypes import as_numpy
 from xckpt.torch._placement import dtensor_local, is_dtensor, is_sharded_tensor
-from xckpt.value_load import RankArrays, load_rank
+from xckpt.values import ranges as V
+from xckpt.values import save as V_save
+from xckpt.values.load import RankArrays, load_rank
 
 __all__ = [
     "ManagedCollision",
@@ -308,7 +308,7 @@ def save_value_groups(writer: Any, flat: dict[str, Any], plans: list[Any], rank:
     """Check and write this rank's part of every group (no collectives).
 
     Each group's annotation and save plan come from the core
-    (:mod:`xckpt.value_save`); this only turns the members into numpy.
+    (:mod:`xckpt.values.save`); this only turns the members into numpy.
 
     Raises:
         ValueRangeError: a used raw id or row lies outside this rank's ranges,
@@ -407,8 +407,8 @@ def load_value_groups(
 
     For each group whose key the caller asks for: the annotation is checked
     once, the target's row split read off the torch targets, and the core
-    plans (:func:`xckpt.value_ranges.plan_rank_read`) and reads
-    (:func:`xckpt.value_load.load_rank`) this rank's arrays. Nothing is filled
+    plans (:func:`xckpt.values.ranges.plan_rank_read`) and reads
+    (:func:`xckpt.values.load.load_rank`) this rank's arrays. Nothing is filled
     unless every rank computed its part: the outcome is exchanged first
     (:func:`xckpt.torch._dist.share_outcome`), so a bad checkpoint or (with
     ``strict_capacity``) an overflow raises :class:`ValueRangeError` on every rank.

@@ -3,15 +3,15 @@
 Call protocol (every loading rank, no collective; the torch and JAX adapters
 both call it, so both load the same arrays):
 
-1. :func:`xckpt.value_ranges.annotations` (or ``GroupAnnotation.from_manifest``)
+1. :func:`xckpt.values.ranges.annotations` (or ``GroupAnnotation.from_manifest``)
    parses and checks each group once;
-2. :func:`xckpt.value_ranges.plan_rank_read` plans the rank's read: the path
+2. :func:`xckpt.values.ranges.plan_rank_read` plans the rank's read: the path
    (value or position) and why, and the key chunks to read;
 3. :func:`load_rank` carries the plan out: reads those chunks of the key and its
    columns (checking every key against its chunk's range), assembles the rank's
-   slots (:func:`~xckpt.value_ranges.assemble_rank` or
-   :func:`~xckpt.value_ranges.position_rank`), reads the weight rows the new
-   rows come from in runs (:func:`~xckpt.value_ranges.row_runs`), rebuilds the
+   slots (:func:`~xckpt.values.ranges.assemble_rank` or
+   :func:`~xckpt.values.ranges.position_rank`), reads the weight rows the new
+   rows come from in runs (:func:`~xckpt.values.ranges.row_runs`), rebuilds the
    segments and takes the max current iteration.
 
 :func:`read_group_rank` does all three for one group. Nothing here mutates
@@ -30,7 +30,7 @@ from xckpt.errors import ValueRangeError
 from xckpt.layout import Box
 from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import Source
-from xckpt.value_ranges import (
+from xckpt.values.ranges import (
     BOX_COST,
     GENERIC_KIND,
     MC_KIND,
@@ -48,7 +48,7 @@ from xckpt.value_ranges import (
 
 __all__ = ["ReadStats", "RankArrays", "load_rank", "read_group_rank"]
 
-log = logging.getLogger("xckpt.value_ranges")
+log = logging.getLogger("xckpt.values")
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ def read_group_rank(
 ) -> RankArrays:
     """Every tensor of the group keyed by ``key`` as new rank ``rank`` of ``world`` holds it.
 
-    Parses and checks the group, plans the read (:func:`~xckpt.value_ranges.plan_rank_read`:
+    Parses and checks the group, plans the read (:func:`~xckpt.values.ranges.plan_rank_read`:
     the arguments are its) and carries it out (:func:`load_rank`).
     """
     tensors = {n: src.info(n) for n in src.names()}

@@ -12,8 +12,8 @@ Framework-free core of value-aware resharding, pure (no I/O, no collectives):
 * the read plan: :func:`plan_rank_read` says, for a rank at W', which chunks
   it reads, by which path (value or position) and why (a frozen value).
 
-Beside it, by job: :mod:`xckpt.value_save` plans what a saving rank writes
-under which annotation, :mod:`xckpt.value_load` is the read driver. The adapters only turn tensors
+Beside it, by job: :mod:`xckpt.values.save` plans what a saving rank writes
+under which annotation, :mod:`xckpt.values.load` is the read driver. The adapters only turn tensors
 into numpy, run collectives and introspect torchrec
 (:mod:`xckpt.torch.value_groups`, :mod:`xckpt.torch.redistribute`,
 :mod:`xckpt.jax._value_groups`).

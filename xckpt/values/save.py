@@ -1,12 +1,12 @@
 """Saving a value group: what each rank writes, under which annotation (pure plans).
 
 Call protocol (every saving rank, no collective): the adapter builds the
-group's :class:`~xckpt.value_ranges.GroupAnnotation` (the same on every rank),
+group's :class:`~xckpt.values.ranges.GroupAnnotation` (the same on every rank),
 turns the members this rank holds into :class:`LocalRows` (numpy), calls
 :func:`plan_mc_save` or :func:`plan_generic_save` (checks, sorting, chunking:
 a frozen :class:`GroupSavePlan` and the arrays it writes), then
 :func:`write_group` on the rank's :class:`xckpt.writer.Writer`. The on-disk
-layout this produces is described in :mod:`xckpt.value_ranges`.
+layout this produces is described in :mod:`xckpt.values.ranges`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from xckpt.errors import ValueRangeError
 from xckpt.manifest import dtype_name, numpy_dtype
-from xckpt.value_ranges import (
+from xckpt.values.ranges import (
     DEFAULT_CHUNK_ROWS,
     INT64_MAX,
     GroupAnnotation,

@@ -1,0 +1,82 @@
+"""The on-disk model of an xckpt checkpoint, with no I/O: frozen dataclasses <-> JSON.
+
+A manifest never holds framework types or pickles, only ints, strings, tuples and
+JSON values, and every claim it makes is checked against fixed bounds while it is
+read, before anything is sized from it. The family:
+
+* ``_checks``: format constants, bounds, the dtype table and field checks;
+* ``_entries``: :class:`TensorEntry` (with its :class:`Chunk` boxes), :class:`ObjectEntry`;
+* ``_rows``: packed rows, the compact form of a whole tensor packed in its rank's array;
+* ``_objects``: non-tensor values as tagged JSON (never pickle);
+* ``_signed``: the manifest's own checksum and the claim written before a save;
+* ``_document``: :class:`Manifest`, one rank's or the merged document, and merging.
+
+Code outside this folder imports from here.
+"""
+
+from __future__ import annotations
+
+from xckpt.manifest._checks import (
+    DTYPES,
+    FORMAT,
+    MAX_CHUNKS,
+    MAX_ELEMENTS,
+    MAX_EXTENT,
+    MAX_KEY_LEN,
+    MAX_NAME_LEN,
+    MAX_NDIM,
+    MAX_TENSOR_BYTES,
+    MAX_WORLD_SIZE,
+    READ_VERSIONS,
+    ROWS_VERSION,
+    STORAGE_KINDS,
+    VERSION,
+    ZEROS,
+    dtype_name,
+    numpy_dtype,
+    shared_shape,
+    unchecked,
+)
+from xckpt.manifest._document import Manifest, merge_manifests
+from xckpt.manifest._entries import Chunk, ObjectEntry, PlacementInfo, TensorEntry, ValueRange, paused_gc
+from xckpt.manifest._objects import MAX_OBJECT_DEPTH, decode_value, encode_value
+from xckpt.manifest._signed import CLAIM_PREFIX, Claim, claim_bytes, dumps_json, manifest_bytes, parse_claim
+
+__all__ = [
+    "CLAIM_PREFIX",
+    "DTYPES",
+    "FORMAT",
+    "MAX_CHUNKS",
+    "MAX_ELEMENTS",
+    "MAX_EXTENT",
+    "MAX_KEY_LEN",
+    "MAX_NAME_LEN",
+    "MAX_NDIM",
+    "MAX_OBJECT_DEPTH",
+    "MAX_TENSOR_BYTES",
+    "MAX_WORLD_SIZE",
+    "READ_VERSIONS",
+    "ROWS_VERSION",
+    "STORAGE_KINDS",
+    "VERSION",
+    "ZEROS",
+    "Chunk",
+    "Claim",
+    "Manifest",
+    "ObjectEntry",
+    "PlacementInfo",
+    "TensorEntry",
+    "ValueRange",
+    "claim_bytes",
+    "decode_value",
+    "dtype_name",
+    "dumps_json",
+    "encode_value",
+    "manifest_bytes",
+    "merge_manifests",
+    "numpy_dtype",
+    "parse_claim",
+    "paused_gc",
+    "shared_shape",
+    "unchecked",
+]

@@ -1,0 +1,270 @@
+"""The manifest document: one rank's (or the merged) tensors, objects and storage, as JSON.
+
+A manifest never holds framework types or pickles: only ints, strings, tuples
+and JSON values. :meth:`Manifest.from_json` validates everything a reader relies
+on (format and version, dtypes, shapes, chunk keys that stay inside the
+checkpoint, byte counts that agree with the boxes) before anything is allocated
+or opened, and raises :class:`~xckpt.errors.ManifestError` (or
+:class:`~xckpt.errors.FormatVersionError`) naming the checkpoint and tensor.
+
+Format (version 4), one JSON object::
+
+    {"format": "xckpt", "version": 4, "save_id": "...", "world_size": W,
+     "rank": r | null,                       # null in the merged xckpt.json
+     "storage": {"<rank>": "files" | "plain" | "ocdbt"},  # how data/<rank>/ is organised
+     "packed": {"<rank>": key},              # each rank's packed byte array (version 4)
+     "tensors": {name: {"dtype", "shape", "chunks": [chunk...],
+                        "placement"?: {...}, "value_range"?: {...}}
+                       | [dtype, shape, rank, byte_offset, crc32]},   # a packed row
+     "objects": [{"name", "kind": "json" | "bytes", "per_rank", "rank", ...}],
+     "metadata": {...},
+     "checksum": "sha256:<hex>"}           # last member, see below
+
+``checksum`` is the SHA-256 of the file's bytes with the checksum member removed
+(the bytes up to ``,"checksum"`` followed by ``}``): written last so a reader
+checks the raw bytes without re-serialising anything. A manifest whose bytes fail
+it, or a version-2 manifest without it, is a :class:`~xckpt.errors.ManifestError`
+(a flipped byte can rename a tensor or drop every object; JSON alone cannot tell).
+Version 1 (the same document without ``checksum``) is still read. ``tensors``,
+``objects`` and ``storage`` are required in every version. Version 3 adds the
+storage kind ``"files"``: plain zarr arrays whose chunk keys use the ``.`` separator
+(``c.0.0``: one directory per array, not one per row of chunks; see
+:mod:`xckpt.storage`); a version 2 reader would look for ``c/0/0`` and must refuse it.
+Version 4 adds packed rows: a tensor whose one chunk is the whole tensor, packed
+in its rank's byte array (``"packed"`` names the array's key per rank), is the
+array ``[dtype, shape, rank, byte_offset, crc32]`` instead of an entry object
+(a third of the bytes: manifests of many small tensors parse and write about 4x
+faster); a version 3 reader would reject the array, so the version says it.
+
+Limits come before allocation: every claim (number of dimensions, each extent, a
+tensor's elements and bytes, world size, chunks per tensor, key and name lengths,
+object nesting depth) is checked against the fixed bounds below while the JSON is
+validated, before anything is sized from it; the reader then checks claims against
+what storage holds before it allocates an output.
+
+A chunk is ``{"offset", "shape", "key", "rank", "nbytes"}`` plus, for a chunk
+packed into its rank's byte array, ``"form": "packed", "byte_offset", "crc32"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+
+from xckpt.errors import FormatVersionError, ManifestError
+from xckpt.manifest._checks import (
+    FORMAT,
+    MAX_KEY_LEN,
+    MAX_WORLD_SIZE,
+    READ_VERSIONS,
+    STORAGE_KINDS,
+    VERSION,
+    _int,
+    _str,
+)
+from xckpt.manifest._entries import Chunk, ObjectEntry, TensorEntry, paused_gc
+from xckpt.manifest._rows import _packed_keys, _tensor_entries, _tensors_to_json
+from xckpt.manifest._signed import _checksum_state, manifest_bytes
+
+__all__ = ["Manifest", "merge_manifests"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """One rank's manifest (``rank`` set) or the merged one (``rank is None``)."""
+
+    save_id: str
+    world_size: int
+    rank: int | None
+    tensors: Mapping[str, TensorEntry]
+    objects: tuple[ObjectEntry, ...] = ()
+    storage: Mapping[int, str] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        tensors, packed = _tensors_to_json(self.tensors)
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "storage": {str(r): s for r, s in sorted(self.storage.items())},
+            "packed": {str(r): k for r, k in sorted(packed.items())},
+            "tensors": tensors,
+            "objects": [o.to_json() for o in self.objects],
+            "metadata": dict(self.metadata),
+        }
+
+    def dumps(self) -> bytes:
+        """The manifest's bytes, checksum included."""
+        return manifest_bytes(self.to_json())
+
+    @classmethod
+    @paused_gc()
+    def loads(cls, data: bytes, where: str) -> Manifest:
+        """Check the checksum, parse and validate; ``where`` names the file in error messages.
+
+        Raises:
+            ManifestError: not JSON, a failed or missing checksum, a missing field, a
+                claim over the fixed bounds, or any malformed entry.
+            FormatVersionError: another format, or a version this xckpt does not read.
+        """
+        try:
+            d = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise ManifestError(
+                f"{where} is not valid JSON ({e}); the file is truncated or corrupt. Re-save the "
+                "checkpoint, or load an earlier one"
+            ) from None
+        state = _checksum_state(data)
+        if state is False:
+            raise ManifestError(
+                f"{where} fails its checksum: the file is corrupt (a changed byte can rename a tensor "
+                "or drop objects, so nothing of it is trusted). Restore it from a copy, or load an "
+                "earlier checkpoint"
+            )
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: a manifest must be a JSON object")
+        if state is None and (d.get("version") != 1 or "checksum" in d):
+            if d.get("format") == FORMAT and d.get("version") in READ_VERSIONS:
+                raise ManifestError(
+                    f"{where} lacks its checksum (version {d.get('version')} manifests end with "
+                    '"checksum"): the file is corrupt or was edited. Restore it from a copy, or '
+                    "load an earlier checkpoint"
+                )
+        return cls.from_json(d, where)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Manifest:
+        """Validate a parsed manifest document (the checksum is :meth:`loads`' business)."""
+        try:
+            return cls._from_json(d, where)
+        except ManifestError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+            # Every field is checked on its own; this is the backstop for shapes of JSON
+            # that no check foresaw, so a hostile manifest still ends in a ManifestError.
+            raise ManifestError(f"{where}: malformed manifest ({type(e).__name__}: {e})"[:400]) from None
+
+    @classmethod
+    def _from_json(cls, d: Any, where: str) -> Manifest:
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: a manifest must be a JSON object")
+        if d.get("format") != FORMAT:
+            raise FormatVersionError(
+                f"{where}: format is {d.get('format')!r}, not {FORMAT!r}; this is not an xckpt "
+                "manifest"[:300]
+            )
+        if d.get("version") not in READ_VERSIONS or type(d.get("version")) is not int:
+            raise FormatVersionError(
+                f"{where}: format version {d.get('version')!r} is not supported by this xckpt "
+                f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade xckpt to read it"[:400]
+            )
+        missing = [k for k in ("save_id", "world_size", "rank", "storage", "tensors", "objects") if k not in d]
+        if missing:
+            raise ManifestError(
+                f"{where} lacks the required field{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(repr, missing))}: the file is corrupt or was not written by xckpt"
+            )
+        world_size = _int(d.get("world_size"), "world_size", where, lo=1, hi=MAX_WORLD_SIZE + 1)
+        rank = d.get("rank")
+        if rank is not None:
+            rank = _int(rank, "rank", where)
+            if rank >= world_size:
+                raise ManifestError(f"{where}: rank {rank} is not below world_size {world_size}")
+        save_id = d.get("save_id")
+        if not isinstance(save_id, str) or not save_id or len(save_id) > MAX_KEY_LEN:
+            raise ManifestError(f"{where}: save_id must be a non-empty string of at most {MAX_KEY_LEN} characters")
+        tensors_raw = d["tensors"]
+        if not isinstance(tensors_raw, dict):
+            raise ManifestError(f"{where}: tensors must be an object")
+        objects_raw = d["objects"]
+        if not isinstance(objects_raw, list):
+            raise ManifestError(f"{where}: objects must be a list")
+        storage_raw = d["storage"]
+        if not isinstance(storage_raw, dict) or len(storage_raw) > world_size:
+            raise ManifestError(f"{where}: storage must be an object with at most one entry per rank")
+        metadata = d.get("metadata", {})
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise ManifestError(f"{where}: metadata must be an object")
+        storage = {}
+        for r, s in storage_raw.items():
+            if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in STORAGE_KINDS:
+                raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}"[:300])
+            storage[int(r)] = s
+        for n in tensors_raw:
+            _str(n, "a tensor name", where)
+        packed = _packed_keys(d.get("packed"), where, world_size, d["version"])
+        return cls(
+            save_id=save_id,
+            world_size=world_size,
+            rank=rank,
+            tensors=_tensor_entries(tensors_raw, packed, where, world_size),
+            objects=tuple(ObjectEntry.from_json(o, where) for o in objects_raw),
+            storage=storage,
+            metadata=metadata,
+        )
+
+    def with_rank(self, rank: int | None) -> Manifest:
+        return replace(self, rank=rank)
+
+
+@paused_gc()
+def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
+    """Merge rank manifests 0..W-1 into one (chunks concatenated in rank order).
+
+    Tensors must agree on dtype and shape across ranks; replicated objects must
+    agree in value (they are then stored once).
+    """
+    first = parts[0]
+    tensors: dict[str, TensorEntry] = {}
+    chunks: dict[str, list[Chunk]] = {}
+    objects: dict[tuple[str, int | None], ObjectEntry] = {}
+    storage: dict[int, str] = {}
+    metadata: dict[str, Any] = {}
+    for m in parts:
+        storage.update(m.storage)
+        metadata.update(m.metadata)
+        for name, t in m.tensors.items():
+            prev = tensors.get(name)
+            if prev is None:
+                tensors[name] = t
+                chunks[name] = list(t.chunks)
+                continue
+            if prev.dtype != t.dtype or prev.shape != t.shape:
+                raise ManifestError(
+                    f"{where}: tensor {name!r} is {prev.dtype}{list(prev.shape)} on one rank and "
+                    f"{t.dtype}{list(t.shape)} on rank {m.rank}; every rank must save the same "
+                    "global tensor"
+                )
+            if prev.placement is None and t.placement is not None:
+                tensors[name] = replace(prev, placement=t.placement)
+            if prev.value_range is None and t.value_range is not None:
+                tensors[name] = replace(tensors[name], value_range=t.value_range)
+            chunks[name].extend(t.chunks)
+        for o in m.objects:
+            k = (o.name, o.rank if o.per_rank else None)
+            prev_o = objects.get(k)
+            if prev_o is None:
+                objects[k] = o
+            elif o.kind == "json" and prev_o.kind == "json" and o.value != prev_o.value:
+                raise ManifestError(
+                    f"{where}: replicated object {o.name!r} differs between rank {prev_o.rank} "
+                    f"and rank {o.rank}; save it with per_rank=True if each rank has its own value"
+                )
+    merged = {n: replace(t, chunks=tuple(chunks[n])) for n, t in tensors.items()}
+    return Manifest(
+        save_id=first.save_id,
+        world_size=first.world_size,
+        rank=None,
+        tensors=merged,
+        objects=tuple(objects.values()),
+        storage=storage,
+        metadata=metadata,
+    )
