@@ -31,10 +31,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from xckpt.convert import WRITERS, VerifyMismatchError, convert, guess_format
 from xckpt.errors import XckptError
 from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
-from xckpt.layout import Shard
+from xckpt.layout import Shard, parse_placements
+from xckpt.plan import plan_load
 from xckpt.source import Source
 
 
@@ -250,8 +252,6 @@ exit codes: 0 converted, 1 the written output does not read back as the source
 
 
 def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from xckpt.convert import WRITERS
-
     s = sub.add_parser(
         "convert",
         help="convert a checkpoint of any format to xckpt, torch-dcp, orbax, safetensors or torch",
@@ -293,8 +293,6 @@ def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from xckpt.convert import VerifyMismatchError, convert, guess_format
-
     size: int | str | None = args.max_shard_size
     if isinstance(size, str) and size.strip().isdigit():
         size = int(size)
@@ -321,8 +319,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _plan(ck: Source, args: argparse.Namespace) -> int:
-    from xckpt.plan import parse_placements, plan_load
-
     if args.mesh:
         mesh = tuple(int(x) for x in args.mesh.split(","))
     elif args.world_size:

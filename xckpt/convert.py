@@ -60,6 +60,7 @@ from xckpt.errors import CheckpointExistsError, CorruptChunkError, XckptError
 from xckpt.layout import Box
 from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import Source, local_path
+from xckpt.views import Selected
 
 __all__ = ["convert", "WriteJob", "VerifyMismatchError", "WRITERS", "guess_format", "parse_size", "CONVERT_INFLIGHT_BYTES"]
 
@@ -379,63 +380,6 @@ def _ahead(reads: Sequence[Callable[[], T]]) -> Iterator[T]:
 # -- the source side ---------------------------------------------------------------
 
 
-class _Selected(Source):
-    """A view of ``inner`` holding only the selected tensors and objects."""
-
-    def __init__(self, inner: Source, names: Sequence[str], objects: Sequence[str]) -> None:
-        self._inner = inner
-        self.format, self.path = inner.format, inner.path
-        self._names = list(names)
-        self._name_set = set(names)
-        self._objs = list(objects)
-        self._obj_set = set(objects)
-
-    @property
-    def world_size(self) -> int:
-        return self._inner.world_size
-
-    @property
-    def save_id(self) -> str | None:
-        return self._inner.save_id
-
-    @property
-    def metadata(self) -> Mapping[str, Any]:
-        return self._inner.metadata
-
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._name_set
-
-    def info(self, name: str) -> TensorEntry:
-        if name not in self._name_set:
-            raise self._missing(name)
-        return self._inner.info(name)
-
-    def _read_chunks(self, jobs: Any, bar: Any) -> None:
-        self._inner._read_chunks(jobs, bar)
-
-    def object_names(self) -> list[str]:
-        return list(self._objs)
-
-    def objects(self, names: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        names = self._objs if names is None else list(names)
-        for n in names:
-            if n not in self._obj_set:
-                raise self._missing_object(n)
-        return self._inner.objects(names, **kwargs) if names else {}
-
-    def pickled_objects(self) -> set[str]:
-        return self._inner.pickled_objects() & self._obj_set
-
-    def per_rank_objects(self) -> set[str]:
-        return self._inner.per_rank_objects() & self._obj_set
-
-    def close(self) -> None:
-        self._inner.close()
-
-
 def _globs(v: str | Sequence[str] | None, what: str) -> list[str] | None:
     if v is None:
         return None
@@ -489,7 +433,7 @@ def _open(
     raw = xckpt.open(src, format=from_format, allow_pickle=allow_pickle)
     names = [n for n in raw.names() if _selected(n, inc, exc)]
     objs = [n for n in raw.object_names() if _selected(n, inc, exc)]
-    view: Source = _Selected(raw, names, objs)
+    view: Source = Selected(raw, names, objs)
     if rules is not None:
         from xckpt.rules import apply_rules
 

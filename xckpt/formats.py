@@ -17,16 +17,19 @@ checkpoints from any tensorstore location.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from xckpt.errors import CheckpointNotFoundError, XckptError
 from xckpt.manifest import paused_gc
+from xckpt.reader import Checkpoint
+from xckpt.rules import apply_rules
 from xckpt.source import Source, local_path, readable_objects
 
-__all__ = ["FORMATS", "open", "load", "detect"]
+__all__ = ["FORMATS", "open", "opened", "load", "detect"]
 
 #: Format name -> module implementing it, in detection order.
 FORMATS: dict[str, str] = {
@@ -122,8 +125,6 @@ def open(  # noqa: A001
     if fmt not in FORMATS:
         raise XckptError(f"unknown format {fmt!r}; known formats: {', '.join(FORMATS)}")
     if fmt == "xckpt":
-        from xckpt.reader import Checkpoint
-
         src: Source = Checkpoint(path, context=context)
     else:
         local = local_path(path)
@@ -138,13 +139,27 @@ def open(  # noqa: A001
 
 def _with_rules(src: Source, rules: Any) -> Source:
     """``src`` seen through ``rules``; a bad rule closes the source it was given."""
-    from xckpt.rules import apply_rules
-
     try:
         return apply_rules(src, rules)
     except BaseException:
         src.close()
         raise
+
+
+@contextlib.contextmanager
+def opened(path: Any, **options: Any) -> Iterator[Source]:
+    """:func:`open` as a context manager that closes what it opened.
+
+    A :class:`~xckpt.source.Source` given as ``path`` belongs to the caller and
+    stays open (a rules view over it is only dropped); anything opened here is
+    closed on exit, error or not. Every verb that takes a location uses this.
+    """
+    src = open(path, **options)
+    try:
+        yield src
+    finally:
+        if not isinstance(path, Source):
+            src.close()
 
 
 def load(

@@ -17,14 +17,45 @@ only when one is drawn:
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from xckpt.errors import XckptError
 from xckpt.layout import Box, chunk_sizes
+from xckpt.targets import Entries, target_boxes
 
-if TYPE_CHECKING:
-    from xckpt.plan import LoadPlan
-    from xckpt.source import Source
+
+class Source(Entries, Protocol):
+    """What the views read of a checkpoint: any :class:`xckpt.source.Source` fits."""
+
+    format: str
+    path: str
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def save_id(self) -> str | None: ...
+
+    def object_names(self) -> list[str]: ...
+
+
+class _RankRow(Protocol):
+    rank: int
+    bytes_to_read: int
+    bytes_kept: int
+
+
+class LoadPlan(Protocol):
+    """What :func:`plot_plan` reads of an :class:`xckpt.plan.LoadPlan`."""
+
+    target: str
+    stored_bytes: int
+
+    @property
+    def ranks(self) -> Sequence[_RankRow]: ...
+
+    def summary(self) -> str: ...
 
 __all__ = ["text_table", "html_table", "plot_layout", "plot_plan", "plot_value_ranges", "glyph"]
 
@@ -160,17 +191,14 @@ def _xy(box: Box) -> tuple[tuple[int, int], tuple[int, int]]:
 
 def _target_boxes(ck: Source, name: str, target: Any) -> tuple[str, dict[int, tuple[Box, ...]]]:
     """("rank" or "device", rank -> boxes of ``name``) for a torch or JAX target."""
-    from xckpt.plan import _is_torch_target, _jax_boxes, _torch_boxes
-
     if isinstance(target, tuple) and len(target) == 2:
         target = {name: target}
     elif not isinstance(target, dict):
         target = {name: target}
-    torch_target = _is_torch_target(target)
-    boxes = _torch_boxes(ck, target) if torch_target else _jax_boxes(ck, target)
+    kind, boxes = target_boxes(ck, target)
     if name not in boxes:
         raise XckptError(f"plot_layout: the target does not lay out tensor {name!r}")
-    return ("rank" if torch_target else "device"), boxes[name]
+    return ("rank" if kind == "torch" else "device"), boxes[name]
 
 
 def _ranks_label(who: str, ranks: list[int]) -> str:

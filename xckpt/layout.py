@@ -42,6 +42,7 @@ __all__ = [
     "plan_reads",
     "box_from_index",
     "parse_placement",
+    "parse_placements",
     "format_placement",
 ]
 
@@ -189,6 +190,23 @@ def parse_placement(text: str) -> Placement:
         f"cannot parse placement {text!r}; expected Shard(d), _StridedShard(d, sf=k), "
         "Replicate() or Partial(op)"
     )
+
+
+def parse_placements(text: str) -> tuple[Placement, ...]:
+    """``"Shard(0), Replicate()"`` -> placements (also ``_StridedShard(0, sf=2)``)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    out = tuple(parse_placement(p.strip()) for p in parts if p.strip())
+    if not out:
+        raise UnsupportedPlacementError(f"no placement in {text!r}; e.g. 'Shard(0)' or 'Shard(0), Replicate()'")
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -17,17 +17,18 @@ batches of at most ``host_budget`` bytes before building device arrays).
 
 from __future__ import annotations
 
-import fnmatch
-import math
-from collections.abc import Hashable, Mapping, Sequence
+import html
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from xckpt.errors import UnsupportedPlacementError, XckptError
-from xckpt.layout import Box, Placement, Replicate, Shard, StridedShard, mesh_boxes, plan_reads
+from xckpt.formats import opened
+from xckpt.inspect import plot_plan
+from xckpt.layout import plan_reads
 from xckpt.source import Source
+from xckpt.targets import target_boxes
 
-__all__ = ["RankPlan", "LoadPlan", "plan_load", "parse_placements"]
+__all__ = ["RankPlan", "LoadPlan", "plan_load"]
 
 #: JAX host bytes per read batch (xckpt.jax.load's default ``host_budget``).
 JAX_HOST_BUDGET = 2 << 30
@@ -137,13 +138,9 @@ class LoadPlan:
 
     def plot(self, ax: Any = None) -> Any:
         """Bytes per rank as bars, with what each keeps and the even share (matplotlib Axes)."""
-        from xckpt.inspect import plot_plan
-
         return plot_plan(self, ax)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        import html
-
         return {"text/plain": self.table(), "text/html": f"<pre>{html.escape(self.table())}</pre>"}
 
 
@@ -153,91 +150,6 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
-
-
-def parse_placements(text: str) -> tuple[Placement, ...]:
-    """``"Shard(0), Replicate()"`` -> placements (also ``_StridedShard(0, sf=2)``)."""
-    from xckpt.layout import parse_placement
-
-    parts, depth, cur = [], 0, ""
-    for ch in text:
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    parts.append(cur)
-    out = tuple(parse_placement(p.strip()) for p in parts if p.strip())
-    if not out:
-        raise UnsupportedPlacementError(f"no placement in {text!r}; e.g. 'Shard(0)' or 'Shard(0), Replicate()'")
-    return out
-
-
-def _fit(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
-    """Placements that shard a dim the tensor lacks replicate it instead (0-d tensors, biases)."""
-    out: list[Placement] = []
-    for p in placements:
-        if isinstance(p, (Shard, StridedShard)) and p.dim >= ndim:
-            out.append(Replicate())
-        else:
-            out.append(p)
-    return tuple(out)
-
-
-def _torch_boxes(src: Source, target: Mapping[str, Any]) -> dict[str, dict[int, tuple[Box, ...]]]:
-    """name -> rank -> boxes, for targets given as names/globs -> (mesh_shape, placements)."""
-    out: dict[str, dict[int, tuple[Box, ...]]] = {}
-    for name in src.names():
-        spec = target.get(name)
-        if spec is None:
-            spec = next((v for k, v in target.items() if fnmatch.fnmatchcase(name, k)), None)
-        if spec is None:
-            continue
-        try:
-            mesh_shape, placements = spec
-        except (TypeError, ValueError):
-            raise XckptError(
-                f"plan target for {name!r} must be (mesh_shape, placements), got {spec!r}"
-            ) from None
-        mesh_shape = tuple(int(n) for n in mesh_shape)
-        if isinstance(placements, str):
-            placements = parse_placements(placements)
-        if len(placements) != len(mesh_shape):
-            raise UnsupportedPlacementError(
-                f"plan target for {name!r}: {len(placements)} placements for a mesh of {len(mesh_shape)} axes"
-            )
-        shape = src.info(name).shape
-        by_coord = mesh_boxes(shape, mesh_shape, _fit(placements, len(shape)))
-        strides = [math.prod(mesh_shape[i + 1 :]) for i in range(len(mesh_shape))]
-        out[name] = {sum(c * s for c, s in zip(coord, strides)): boxes for coord, boxes in by_coord.items()}
-    return out
-
-
-def _jax_boxes(src: Source, target: Any) -> dict[str, dict[int, tuple[Box, ...]]]:
-    import jax
-
-    from xckpt.jax._tree import device_boxes, flatten
-
-    named, _ = flatten(target)
-    out: dict[str, dict[int, tuple[Box, ...]]] = {}
-    for name, leaf in named:
-        if isinstance(leaf, jax.sharding.Sharding):
-            sharding = leaf
-        elif getattr(leaf, "sharding", None) is not None:
-            sharding = leaf.sharding
-        else:
-            continue  # objects and host leaves are not device loads
-        shape = src.info(name).shape
-        per: dict[int, set[Box]] = {}
-        for dev, box in device_boxes(sharding, tuple(shape), name, addressable=False).items():
-            per.setdefault(dev.id, set()).add(box)
-        out[name] = {d: tuple(sorted(b, key=lambda x: x.offset)) for d, b in per.items()}
-    return out
-
-
-def _is_torch_target(target: Any) -> bool:
-    return isinstance(target, Mapping) and bool(target) and all(isinstance(v, (tuple, list)) for v in target.values())
 
 
 def plan_load(
@@ -264,11 +176,12 @@ def plan_load(
     Returns:
         A :class:`LoadPlan`.
     """
-    from xckpt.formats import open as open_source
+    with opened(path, format=format, rules=rules) as src:
+        return _plan(src, target, host_budget)
 
-    src = open_source(path, format=format, rules=rules)
-    kind = "torch" if _is_torch_target(target) else "jax"
-    boxes = _torch_boxes(src, target) if kind == "torch" else _jax_boxes(src, target)
+
+def _plan(src: Source, target: Any, host_budget: int) -> LoadPlan:
+    kind, boxes = target_boxes(src, target)
     ranks = sorted({r for per in boxes.values() for r in per})
     units: dict[int, dict[Hashable, int]] = {r: {} for r in ranks}
     kept = dict.fromkeys(ranks, 0)

@@ -72,6 +72,7 @@ from xckpt.errors import XckptError
 from xckpt.layout import Box, ReadRequest
 from xckpt.manifest import DTYPES, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source
+from xckpt.views import SourceView
 
 __all__ = ["RuleError", "Rule", "Part", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets"]
 __all__ += ["RULESETS_DIR"]
@@ -345,7 +346,7 @@ class _View:
 # The view
 
 
-class RuledSource(Source):
+class RuledSource(SourceView):
     """A :class:`Source` seen through rules: transformed names, shapes, dtypes and boxes.
 
     Built by :func:`apply_rules`. Every view chunk is one stored chunk of the
@@ -356,10 +357,8 @@ class RuledSource(Source):
     """
 
     def __init__(self, source: Source, rules: Sequence[Rule]) -> None:
-        self.source = source
+        super().__init__(source)
         self.rules = tuple(rules)
-        self.format = source.format
-        self.path = source.path
         self._views: dict[str, _View] = {}
         self._passed: set[str] = set()  # unmatched tensors: info/read go straight to the source
         # output name -> [(source name, rule or None, stack position or None)], for collisions
@@ -400,7 +399,7 @@ class RuledSource(Source):
                 if out not in pieces:
                     order.append(out)
                 pieces.setdefault(out, []).append((pos if pos is not None else 0, part, rule, entry))
-        self._objects: dict[str, str] = {}  # output object name -> source object name
+        self._objects = {}  # output object name -> source object name
         for name in source.object_names():
             out = self._object_name(name)
             if out is not None:
@@ -505,18 +504,6 @@ class RuledSource(Source):
 
     # -- metadata ---------------------------------------------------------------
 
-    @property
-    def world_size(self) -> int:
-        return self.source.world_size
-
-    @property
-    def save_id(self) -> str | None:
-        return self.source.save_id
-
-    @property
-    def metadata(self) -> Mapping[str, Any]:
-        return self.source.metadata
-
     def names(self) -> list[str]:
         """Tensor names after the rules, in the source's order (a stack where its first piece was)."""
         return list(self._names)
@@ -569,49 +556,12 @@ class RuledSource(Source):
         """The source's storage reads for ``box`` of an output chunk (plan_load's byte counts)."""
         v = self._views.get(name)
         if v is None:
-            return self.source.read_units(name, chunk, box, itemsize)  # type: ignore[attr-defined]
+            return self.source.read_units(name, chunk, box, itemsize)
         part = v.part(box)
         src_chunk = v.src_chunks[chunk.offset][1]
-        return self.source.read_units(  # type: ignore[attr-defined]
+        return self.source.read_units(
             part.src, src_chunk, part.to_source(box), v.src_dtype.itemsize
         )
-
-    # -- objects ----------------------------------------------------------------
-
-    def object_names(self) -> list[str]:
-        return list(self._objects)
-
-    def objects(
-        self, names: Sequence[str] | None = None, *, rank: int = 0, world_size: int | None = None,
-        per_rank: str = "error",
-    ) -> dict[str, Any]:
-        wanted = list(self._objects) if names is None else list(names)
-        for n in wanted:
-            if n not in self._objects:
-                raise self._missing_object(n)
-        if not wanted:
-            return {}
-        got = self.source.objects(
-            [self._objects[n] for n in wanted], rank=rank, world_size=world_size, per_rank=per_rank
-        )
-        return {n: got[self._objects[n]] for n in wanted}
-
-    def pickled_objects(self) -> set[str]:
-        inner = self.source.pickled_objects()
-        return {n for n, s in self._objects.items() if s in inner}
-
-    def per_rank_objects(self) -> set[str]:
-        inner = self.source.per_rank_objects()
-        return {n for n, s in self._objects.items() if s in inner}
-
-    # -- verification and lifetime ------------------------------------------------
-
-    def verify(self, *, show_progress: bool | None = None) -> list[str]:
-        """Verify the underlying source (its stored bytes carry the checksums)."""
-        return self.source.verify(show_progress=show_progress)
-
-    def close(self) -> None:
-        self.source.close()
 
 
 # ---------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from xckpt import inspect
 from xckpt._progress import progress
 from xckpt.errors import CorruptChunkError, DtypeMismatchError, MissingEntryError, ShapeMismatchError
 from xckpt.layout import Box, ReadRequest, box_from_index, plan_reads
@@ -314,20 +315,14 @@ class Source:
     # -- notebook view --------------------------------------------------------
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        from xckpt import inspect
-
         return {"text/plain": inspect.text_table(self), "text/html": inspect.html_table(self)}
 
     def plot_layout(self, name: str, ax: Any = None, **kwargs: Any) -> Any:
         """Chunk boxes of ``name`` coloured by writer (matplotlib Axes)."""
-        from xckpt import inspect
-
         return inspect.plot_layout(self, name, ax, **kwargs)
 
     def plot_value_ranges(self, name: str, ax: Any = None, **kwargs: Any) -> Any:
         """Key value ranges of ``name``'s chunks, for value-group tensors (matplotlib Axes)."""
-        from xckpt import inspect
-
         return inspect.plot_value_ranges(self, name, ax, **kwargs)
 
     def __repr__(self) -> str:

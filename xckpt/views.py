@@ -1,0 +1,128 @@
+"""Views over another source: one base that delegates everything.
+
+A view presents a wrapped :class:`~xckpt.source.Source` differently (renamed,
+reshaped, filtered) without copying a byte. :class:`SourceView` forwards every
+call of the read protocol to :attr:`SourceView.source` and maps object names
+through one table, so a view overrides only what it changes (as zarr's
+``WrapperStore`` does for stores): the rules view (:mod:`xckpt.rules`) its
+tensors, :class:`Selected` the names it keeps. Closing a view closes the source
+it wraps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from xckpt.layout import Box
+from xckpt.manifest import Chunk, TensorEntry
+from xckpt.source import ChunkRead, Source
+
+__all__ = ["SourceView", "Selected"]
+
+
+class SourceView(Source):
+    """``source`` unchanged; subclasses override what their view changes.
+
+    ``_objects`` maps each object name of the view to the wrapped source's name for
+    it; a subclass that renames or drops objects rewrites that table.
+    """
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.format = source.format
+        self.path = source.path
+        self._objects: dict[str, str] = {n: n for n in source.object_names()}
+
+    # -- metadata -----------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.source.world_size
+
+    @property
+    def save_id(self) -> str | None:
+        return self.source.save_id
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self.source.metadata
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.source
+
+    def info(self, name: str) -> TensorEntry:
+        return self.source.info(name)
+
+    # -- tensors ------------------------------------------------------------------
+
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
+        self.source._read_chunks(jobs, bar)
+
+    def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
+        return self.source.read_units(name, chunk, box, itemsize)
+
+    # -- objects ------------------------------------------------------------------
+
+    def object_names(self) -> list[str]:
+        return list(self._objects)
+
+    def objects(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int | None = None,
+        per_rank: str = "error",
+    ) -> dict[str, Any]:
+        wanted = list(self._objects) if names is None else list(names)
+        for n in wanted:
+            if n not in self._objects:
+                raise self._missing_object(n)
+        if not wanted:
+            return {}
+        got = self.source.objects(
+            [self._objects[n] for n in wanted], rank=rank, world_size=world_size, per_rank=per_rank
+        )
+        return {n: got[self._objects[n]] for n in wanted}
+
+    def pickled_objects(self) -> set[str]:
+        inner = self.source.pickled_objects()
+        return {n for n, s in self._objects.items() if s in inner}
+
+    def per_rank_objects(self) -> set[str]:
+        inner = self.source.per_rank_objects()
+        return {n for n, s in self._objects.items() if s in inner}
+
+    # -- verification and lifetime --------------------------------------------------
+
+    def verify(self, *, show_progress: bool | None = None) -> list[str]:
+        """Verify the wrapped source (its stored bytes carry the checksums)."""
+        return self.source.verify(show_progress=show_progress)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+class Selected(SourceView):
+    """``source`` holding only the tensors ``names`` and the objects ``objects``."""
+
+    def __init__(self, source: Source, names: Sequence[str], objects: Sequence[str]) -> None:
+        super().__init__(source)
+        self._names = list(names)
+        self._name_set = set(names)
+        self._objects = {n: n for n in objects}
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._name_set
+
+    def info(self, name: str) -> TensorEntry:
+        if name not in self._name_set:
+            raise self._missing(name)
+        return self.source.info(name)
