@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xckpt
+from xckpt.commit import read_rank_manifests, validate
 from xckpt.errors import (
     CorruptChunkError,
     IncompleteCheckpointError,
@@ -37,7 +38,6 @@ from xckpt.manifest import (
     manifest_bytes,
     merge_manifests,
 )
-from xckpt.reader import read_rank_manifests, validate
 from xckpt.storage import Storage
 
 SOAK = os.environ.get("XCKPT_SOAK", "") not in ("", "0")

@@ -19,8 +19,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 from xckpt import layout as L
 from xckpt.errors import LayoutError, ObjectError, UnsupportedPlacementError, XckptError
+from xckpt.layout import dim_runs
 from xckpt.torch._dtypes import as_numpy, dtype_name, torch_dtype
-from xckpt.torch._placement import dim_runs, pieces_from_indices, pieces_from_runs, torch_to_layout
+from xckpt.torch._placement import pieces_from_indices, pieces_from_runs, torch_to_layout
 from xckpt.torch._state_dict import PerRank, flatten
 
 EXAMPLES = settings(max_examples=200, deadline=None)

@@ -352,6 +352,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["XCKPT_PROGRESS"] = "0"
     try:
         return _run(args)
+    except BrokenPipeError:
+        # The reader of our output went away (``xckpt ls CKPT | head``): stop quietly, as
+        # `ls | head` does. stdout is pointed at /dev/null so the flush at exit cannot
+        # raise again; 141 is what a shell reports for a process ended by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
     finally:
         if args.no_progress:
             if saved is None:
@@ -371,8 +379,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.cmd == "diff":
             with open_source(args.a, **opts) as a, open_source(args.b, **opts) as b:
                 return _diff(a, b, values=args.values)
-        ck = open_source(args.path, **opts)
-        return {"ls": _ls, "show": _show, "verify": _verify, "plan": _plan}[args.cmd](ck, args)
+        with open_source(args.path, **opts) as ck:
+            return {"ls": _ls, "show": _show, "verify": _verify, "plan": _plan}[args.cmd](ck, args)
     except XckptError as e:
         print(f"xckpt {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ __all__ = [
     "chunk_sizes",
     "dim_indices",
     "indices_to_runs",
+    "dim_runs",
     "index_sets",
     "boxes_for_coordinate",
     "mesh_boxes",
@@ -298,6 +299,65 @@ def indices_to_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
+
+
+def _take(runs: list[range], start: int, size: int) -> list[range]:
+    """Elements ``[start, start + size)`` of the concatenated ranges ``runs`` (as ranges)."""
+    out, pos, stop = [], 0, start + size
+    for r in runs:
+        n = len(r)
+        lo, hi = max(start - pos, 0), min(stop - pos, n)
+        if lo < hi:
+            out.append(r[lo:hi])
+        pos += n
+        if pos >= stop:
+            break
+    return out
+
+
+def dim_runs(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[Placement],
+    order: Sequence[int] | None = None,
+    name: str = "<tensor>",
+) -> list[list[tuple[int, int]]]:
+    """:func:`dim_indices` as sorted maximal runs ``(start, length)`` per dim.
+
+    The same splits on ranges instead of index lists: the cost is per run, not
+    per row (``dim_indices`` + ``indices_to_runs`` over a 32000-row embedding
+    and 180 tensors took ~0.1-0.3 s of a 2-rank W1 load on 2 cores).
+    """
+    # dim_indices' checks (and their errors) on empty index sets: no per-row work.
+    dim_indices([0] * len(global_shape), mesh_shape, coord, placements, order=order, name=name)
+    idx: list[list[range]] = [[range(s)] for s in global_shape]
+    for m in order if order is not None else range(len(placements)):
+        p = placements[m]
+        if isinstance(p, Replicate):
+            continue
+        n, c = mesh_shape[m], coord[m]
+        cur = idx[p.dim]
+        length = sum(len(r) for r in cur)
+        if isinstance(p, StridedShard):
+            parts = [_take(cur, ps, psz) for ps, psz in chunk_sizes(length, p.split_factor)]
+        else:
+            parts = [cur]
+        new: list[range] = []
+        for part in parts:
+            start, size = chunk_sizes(sum(len(r) for r in part), n)[c]
+            new += _take(part, start, size)
+        idx[p.dim] = new
+    out = []
+    for ranges in idx:
+        merged: list[tuple[int, int]] = []
+        for r in sorted((r for r in ranges if len(r)), key=lambda r: r.start):
+            if merged and merged[-1][0] + merged[-1][1] == r.start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + len(r))
+            else:
+                merged.append((r.start, len(r)))
+        out.append(merged)
+    return out
 
 
 def _boxes_from_indices(per_dim: Sequence[Sequence[int]]) -> tuple[Box, ...]:

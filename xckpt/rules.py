@@ -64,7 +64,7 @@ import re
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
@@ -74,7 +74,7 @@ from xckpt.manifest import DTYPES, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source
 from xckpt.views import SourceView
 
-__all__ = ["RuleError", "Rule", "Part", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets"]
+__all__ = ["Rules", "RuleError", "Rule", "Part", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets"]
 __all__ += ["RULESETS_DIR"]
 
 #: Where the shipped rule sets live (installed as package data).
@@ -82,6 +82,11 @@ RULESETS_DIR = Path(__file__).with_name("rulesets")
 
 _KEYS = ("match", "rename", "transpose", "dtype", "drop", "stack", "unstack", "ndim", "comment")
 _TENSOR_ONLY = ("transpose", "dtype", "stack", "unstack")
+
+
+#: The ``rules=`` option of every verb: a list of rule dicts, ``{"rules": [...]}``, the
+#: path of a JSON or TOML file, the name of a shipped rule set, or None (no rules).
+Rules = Union[Sequence[Mapping[str, Any]], Mapping[str, Any], str, "os.PathLike[str]", None]
 
 
 class RuleError(XckptError, ValueError):
@@ -236,7 +241,7 @@ def _read_file(path: Path) -> Any:
         raise RuleError(f"rules file {str(path)!r} is not valid TOML: {e}") from None
 
 
-def load_rules(rules: Any) -> list[Rule]:
+def load_rules(rules: Rules | Sequence[Rule]) -> list[Rule]:
     """Parse and check rules: a list of dicts, ``{"rules": [...]}``, a file path or a shipped name.
 
     Raises:
@@ -632,7 +637,7 @@ def _collision(out: str, who: list[tuple[str, Rule | None, int | None]], objects
     )
 
 
-def apply_rules(src: Source, rules: Any) -> Source:
+def apply_rules(src: Source, rules: Rules | Sequence[Rule]) -> Source:
     """``src`` seen through ``rules``: a lazy view, checked against the source before any read.
 
     Args:

@@ -47,6 +47,7 @@ import numpy as np
 
 from xckpt._async import submit, wait_pending
 from xckpt._progress import progress
+from xckpt.commit import read_rank_manifests
 from xckpt.errors import (
     CheckpointExistsError,
     LayoutError,
@@ -618,8 +619,6 @@ def finalize(path: Location, world_size: int, save_id: str, context: Any = None)
     Validates the merged layout first, and removes rank manifests of a larger
     earlier save at the same location.
     """
-    from xckpt.reader import read_rank_manifests
-
     storage = Storage(path, context)
     merged = read_rank_manifests(storage, expect_world_size=world_size, expect_save_id=save_id)
     for key in storage.list_prefix("ranks/"):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import os
 import threading
 from typing import Any
 
@@ -38,10 +37,12 @@ import numpy as np
 from jax.sharding import Sharding
 
 from xckpt.errors import DtypeMismatchError, MissingEntryError, ShapeMismatchError, XckptError
-from xckpt.formats import open as open_source
+from xckpt.formats import opened
 from xckpt.layout import Box, box_from_index
 from xckpt.manifest import TensorEntry, paused_gc
+from xckpt.rules import Rules
 from xckpt.source import Source, readable_objects
+from xckpt.storage import Location
 
 from ._tree import device_boxes, flatten
 from ._value_groups import load_group_arrays, row_members
@@ -208,7 +209,7 @@ def _run_batch(ck: Source, batch: list[_ArrayJob], out: list[Any], show_progress
 
 @paused_gc()  # thousands of boxes, buffers and jobs, none in a cycle (see paused_gc)
 def load(
-    path: str | os.PathLike[str],
+    path: Location | Source,
     target: Any = None,
     *,
     per_rank: str = "error",
@@ -218,12 +219,14 @@ def load(
     context: Any = None,
     format: str | None = None,  # noqa: A002
     allow_pickle: bool = False,
-    rules: Any = None,
+    rules: Rules = None,
 ) -> Any:
     """Load a checkpoint into jax.Arrays laid out as ``target`` says.
 
     Args:
-        path: the checkpoint (directory or kvstore URL).
+        path: the checkpoint: a directory, kvstore URL or spec dict of any format
+            :func:`xckpt.open` reads, or an open :class:`xckpt.source.Source`
+            (which stays open; a source opened here is closed on return).
         target: a pytree, or a flat dict by name, whose leaves are
             ``jax.ShapeDtypeStruct`` with a sharding (shape and dtype are
             checked against the checkpoint), a ``jax.sharding.Sharding`` alone
@@ -240,8 +243,7 @@ def load(
         strict_capacity: for value groups (DESIGN.md section 4), raise
             ValueRangeError instead of evicting entries that do not fit.
         context: tensorstore context (default: xckpt's process-wide one).
-        format, allow_pickle, rules: as for :func:`xckpt.open`; ``path`` may be
-            any format it reads, or an open :class:`xckpt.source.Source`.
+        format, allow_pickle, rules: as for :func:`xckpt.open`.
 
     Returns:
         The same structure as ``target`` filled with jax.Arrays (numpy or
@@ -253,7 +255,19 @@ def load(
             saved shape or dtype.
         UnsupportedPlacementError: a sharding cannot lay out the saved shape.
     """
-    ck = open_source(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context)
+    with opened(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context) as ck:
+        return _load(ck, target, per_rank, host_budget, show_progress, strict_capacity, allow_pickle)
+
+
+def _load(
+    ck: Source,
+    target: Any,
+    per_rank: str,
+    host_budget: int,
+    show_progress: bool | None,
+    strict_capacity: bool,
+    allow_pickle: bool,
+) -> Any:
     if target is None:
         result: dict[str, Any] = dict(ck.read_all(show_progress=show_progress))
         result.update(

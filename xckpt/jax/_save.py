@@ -33,6 +33,7 @@ import concurrent.futures as cf
 import itertools
 import os
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -42,6 +43,7 @@ from xckpt._async import submit, wait_pending
 from xckpt.errors import ObjectError, UnsupportedPlacementError, XckptError
 from xckpt.layout import Box, choose_writer
 from xckpt.manifest import DTYPES, Manifest
+from xckpt.storage import Location
 from xckpt.writer import ALL_HELD, Writer, finalize
 
 from ._tree import device_boxes, flatten, placement_info
@@ -127,12 +129,12 @@ def _plan_jax_array(w: Writer, name: str, arr: jax.Array, me: int) -> list[tuple
 
 def save(
     tree: Any,
-    path: str | os.PathLike[str],
+    path: Location,
     *,
     save_id: str | int | None = None,
     overwrite: bool = False,
     storage: str | None = None,
-    metadata: dict[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
     show_progress: bool | None = None,
     async_save: bool = False,
 ) -> Manifest | cf.Future[Manifest]:
@@ -214,7 +216,7 @@ def save(
     except BaseException as e:
         w._failed(e)  # give this process's claim of the location back
         raise
-    path_s = path if isinstance(path, dict) else os.fspath(path)  # a kvstore spec dict stays one
+    path_s = path if isinstance(path, Mapping) else os.fspath(path)  # a kvstore spec dict stays one
     n = next(_seq)
 
     def write() -> Manifest:

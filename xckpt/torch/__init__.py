@@ -9,16 +9,16 @@ Value groups (value-partitioned state such as torchrec's managed-collision
 modules) are declared with ``ManagedCollision`` / ``managed_collision_groups``
 from :mod:`xckpt.torch.value_groups`; ``redistribute_by_value``
 (:mod:`xckpt.torch.redistribute`) moves one held in memory. Both are
-re-exported here lazily.
+re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from xckpt.torch._load import LoadResult, load, load_full
 from xckpt.torch._save import save
 from xckpt.torch._state_dict import PerRank
+from xckpt.torch.redistribute import redistribute_by_value
+from xckpt.torch.value_groups import ManagedCollision, ValueGroup, managed_collision_groups
 
 __all__ = [
     "save",
@@ -31,17 +31,3 @@ __all__ = [
     "managed_collision_groups",
     "redistribute_by_value",
 ]
-
-_LAZY = ("ManagedCollision", "ValueGroup", "managed_collision_groups", "redistribute_by_value")
-
-
-def __getattr__(name: str) -> Any:
-    if name == "redistribute_by_value":
-        from xckpt.torch.redistribute import redistribute_by_value
-
-        return redistribute_by_value
-    if name in _LAZY:
-        from xckpt.torch import value_groups
-
-        return getattr(value_groups, name)
-    raise AttributeError(f"module 'xckpt.torch' has no attribute {name!r}")

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import xckpt
 from xckpt import layout as L
 from xckpt.errors import (
     DtypeMismatchError,
@@ -26,12 +25,16 @@ from xckpt.errors import (
     UnsupportedPlacementError,
     XckptError,
 )
+from xckpt.formats import opened
 from xckpt.manifest import paused_gc
+from xckpt.rules import Rules
 from xckpt.source import Source
+from xckpt.storage import Location
 from xckpt.torch._dist import rank_world
 from xckpt.torch._dtypes import as_numpy, dtype_name, known_dtype_name, torch_dtype
 from xckpt.torch._placement import PLAIN_TENSORS, Piece, global_info, local_pieces
 from xckpt.torch._state_dict import PerRank, Slot, flatten
+from xckpt.torch.value_groups import load_value_groups
 
 __all__ = ["LoadResult", "load", "load_full"]
 
@@ -53,11 +56,6 @@ class LoadResult:
     unexpected: list[str] = field(default_factory=list)
     evicted: dict[str, int] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
-
-
-def _source(path: Any, **kwargs: Any) -> Source:
-    """``xckpt.open(path, **kwargs)``: an open source comes back as is (seen through rules)."""
-    return xckpt.open(path, **kwargs)
 
 
 def _check(ckpt: Any, name: str, target: Any) -> None:
@@ -132,8 +130,8 @@ class _Reads:
         self.items.append((name, piece.box, as_numpy(host)))
         self.copies.append((part, host))
 
-    def run(self, ckpt: Any) -> None:
-        ckpt.read_into(self.items)
+    def run(self, ckpt: Source, show_progress: bool | None = None) -> None:
+        ckpt.read_into(self.items, show_progress=show_progress)
         devices = set()
         for dst, host in self.copies:
             dst.copy_(host, non_blocking=True)
@@ -146,7 +144,7 @@ class _Reads:
 
 @paused_gc()  # tens of thousands of small objects, none in a cycle (see paused_gc)
 def load(
-    path: Any,
+    path: Location | Source,
     state_dict: Mapping[str, Any],
     *,
     process_group: Any = None,
@@ -154,7 +152,9 @@ def load(
     strict_capacity: bool = False,
     format: str | None = None,  # noqa: A002
     allow_pickle: bool = False,
-    rules: Any = None,
+    rules: Rules = None,
+    show_progress: bool | None = None,
+    context: Any = None,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from a checkpoint; put objects in place.
 
@@ -173,10 +173,12 @@ def load(
         strict: raise when the checkpoint lacks a name the caller asks for.
         strict_capacity: value groups: raise instead of evicting when a rank's
             capacity is exceeded.
-        format, allow_pickle, rules: as for :func:`xckpt.open`. Without
+        format, allow_pickle, rules, context: as for :func:`xckpt.open`. Without
             ``allow_pickle`` a pickled object (DCP's non-tensor values) is not
             read: its placeholder is left untouched and its name is reported in
-            :attr:`LoadResult.skipped`.
+            :attr:`LoadResult.skipped`. A source opened here is closed before
+            ``load`` returns; an open source passed in stays open.
+        show_progress: progress bar (default: when stderr is a TTY).
 
     Returns:
         :class:`LoadResult` with missing, unexpected, evicted and skipped.
@@ -186,10 +188,20 @@ def load(
         ShapeMismatchError, DtypeMismatchError: a target differs from the saved tensor.
         UnsupportedPlacementError: a target DTensor has a ``Partial`` placement.
     """
-    from xckpt.torch.value_groups import load_value_groups
+    with opened(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context) as ckpt:
+        return _load(ckpt, state_dict, process_group, strict, strict_capacity, allow_pickle, show_progress)
 
+
+def _load(
+    ckpt: Source,
+    state_dict: Mapping[str, Any],
+    process_group: Any,
+    strict: bool,
+    strict_capacity: bool,
+    allow_pickle: bool,
+    show_progress: bool | None,
+) -> LoadResult:
     rank, world, group_rank = rank_world(process_group)
-    ckpt = _source(path, format=format, allow_pickle=allow_pickle, rules=rules)
     flat, slots = flatten(state_dict)
     handled: set[str] = set()
     evicted: dict[str, int] = {}
@@ -243,10 +255,10 @@ def load(
                 skipped.append(name)
                 continue
             later.append((name, _object_value(ckpt, name, target, world, rank)))
-    reads.run(ckpt)
+    reads.run(ckpt, show_progress)
     whole = [n for n, v in later if v is None and n in saved_tensors]
     if whole:
-        full = load_full(ckpt, whole)
+        full = _load_full(ckpt, whole, torch.device("cpu"), show_progress)
         later = [(n, full[n] if n in full else v) for n, v in later]
     for name, value in later:
         _set(slots[name], name, value)
@@ -255,13 +267,15 @@ def load(
 
 @paused_gc()
 def load_full(
-    path: Any,
+    path: Location | Source,
     names: Sequence[str] | None = None,
     device: str | torch.device = "cpu",
     *,
     format: str | None = None,  # noqa: A002
     allow_pickle: bool = False,
-    rules: Any = None,
+    rules: Rules = None,
+    show_progress: bool | None = None,
+    context: Any = None,
 ) -> dict[str, Any]:
     """Whole tensors (and objects) for one process, by flat name.
 
@@ -269,19 +283,27 @@ def load_full(
         path: the checkpoint location, any format (or an open :class:`xckpt.source.Source`).
         names: which entries (default: every tensor and object).
         device: where the tensors go (CUDA: read into pinned memory, then copied).
-        format, allow_pickle, rules: as for :func:`xckpt.open`.
+        format, allow_pickle, rules, context: as for :func:`xckpt.open` (a source
+            opened here is closed before ``load_full`` returns).
+        show_progress: progress bar (default: when stderr is a TTY).
 
     Returns:
         ``{name: torch.Tensor or object}``; a per-rank object comes back as the
         list of every rank's value.
     """
-    ckpt = _source(path, format=format, allow_pickle=allow_pickle, rules=rules)
-    saved_objects = ckpt.object_names()
-    if names is None:
-        names = ckpt.names() + saved_objects
     dev = torch.device(device)
     if dev.type == "meta":
         raise UnsupportedPlacementError("load_full cannot load into the meta device")
+    with opened(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context) as ckpt:
+        return _load_full(ckpt, names, dev, show_progress)
+
+
+def _load_full(
+    ckpt: Source, names: Sequence[str] | None, dev: torch.device, show_progress: bool | None
+) -> dict[str, Any]:
+    saved_objects = ckpt.object_names()
+    if names is None:
+        names = ckpt.names() + saved_objects
     out: dict[str, Any] = {}
     reads = _Reads()
     objects = []
@@ -302,7 +324,7 @@ def load_full(
             )
     if objects:
         out.update(ckpt.objects(objects, per_rank="list"))
-    reads.run(ckpt)
+    reads.run(ckpt, show_progress)
     if dev.type != "cpu":
         out = {n: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for n, v in out.items()}
         if dev.type == "cuda":

@@ -37,7 +37,6 @@ __all__ = [
     "torch_to_layout",
     "pieces_from_indices",
     "pieces_from_runs",
-    "dim_runs",
     "mesh_group_ranks",
     "dtensor_local",
     "sharded_tensor_local",
@@ -125,65 +124,6 @@ def pieces_from_runs(runs: Sequence[Sequence[tuple[int, int]]], tensor: Any) -> 
     ]
 
 
-def _take(runs: list[range], start: int, size: int) -> list[range]:
-    """Elements ``[start, start + size)`` of the concatenated ranges ``runs`` (as ranges)."""
-    out, pos, stop = [], 0, start + size
-    for r in runs:
-        n = len(r)
-        lo, hi = max(start - pos, 0), min(stop - pos, n)
-        if lo < hi:
-            out.append(r[lo:hi])
-        pos += n
-        if pos >= stop:
-            break
-    return out
-
-
-def dim_runs(
-    global_shape: Sequence[int],
-    mesh_shape: Sequence[int],
-    coord: Sequence[int],
-    placements: Sequence[L.Placement],
-    order: Sequence[int] | None = None,
-    name: str = "<tensor>",
-) -> list[list[tuple[int, int]]]:
-    """:func:`xckpt.layout.dim_indices` as sorted maximal runs ``(start, length)`` per dim.
-
-    The same splits on ranges instead of index lists: the cost is per run, not
-    per row (``dim_indices`` + ``indices_to_runs`` over a 32000-row embedding
-    and 180 tensors took ~0.1-0.3 s of a 2-rank W1 load on 2 cores).
-    """
-    # dim_indices' checks (and their errors) on empty index sets: no per-row work.
-    L.dim_indices([0] * len(global_shape), mesh_shape, coord, placements, order=order, name=name)
-    idx: list[list[range]] = [[range(s)] for s in global_shape]
-    for m in order if order is not None else range(len(placements)):
-        p = placements[m]
-        if isinstance(p, L.Replicate):
-            continue
-        n, c = mesh_shape[m], coord[m]
-        cur = idx[p.dim]
-        length = sum(len(r) for r in cur)
-        if isinstance(p, L.StridedShard):
-            parts = [_take(cur, ps, psz) for ps, psz in L.chunk_sizes(length, p.split_factor)]
-        else:
-            parts = [cur]
-        new: list[range] = []
-        for part in parts:
-            start, size = L.chunk_sizes(sum(len(r) for r in part), n)[c]
-            new += _take(part, start, size)
-        idx[p.dim] = new
-    out = []
-    for ranges in idx:
-        merged: list[tuple[int, int]] = []
-        for r in sorted((r for r in ranges if len(r)), key=lambda r: r.start):
-            if merged and merged[-1][0] + merged[-1][1] == r.start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + len(r))
-            else:
-                merged.append((r.start, len(r)))
-        out.append(merged)
-    return out
-
-
 @dataclass(frozen=True)
 class Local:
     """What a rank holds of one tensor.
@@ -262,8 +202,8 @@ def dtensor_local(dt: Any, name: str, group_rank: Any, meshes: dict[int, Any] | 
     order = L.fsdp_order(placements)
     if order is not None:
         plain = [L.Shard(p.dim) if isinstance(p, L.StridedShard) else p for p in placements]
-        candidates.append(("fsdp2", dim_runs(gshape, mesh_shape, coord, plain, order=order, name=name)))
-    candidates.append(("placements", dim_runs(gshape, mesh_shape, coord, placements, name=name)))
+        candidates.append(("fsdp2", L.dim_runs(gshape, mesh_shape, coord, plain, order=order, name=name)))
+    candidates.append(("placements", L.dim_runs(gshape, mesh_shape, coord, placements, name=name)))
     fit = [(k, runs) for k, runs in candidates if _runs_shape(runs) == lshape]
     if not fit:
         expect = " or ".join(f"{_runs_shape(runs)} ({k})" for k, runs in candidates)

@@ -44,11 +44,14 @@ import torch
 from xckpt import layout as L
 from xckpt._async import submit, wait_pending
 from xckpt.errors import XckptError
-from xckpt.manifest import Manifest, paused_gc
+from xckpt.manifest import Manifest, numpy_dtype, paused_gc
+from xckpt.storage import Location
 from xckpt.torch._dist import distributed, rank_world, share_outcome
 from xckpt.torch._dtypes import as_numpy, dtype_name
 from xckpt.torch._placement import PLAIN_TENSORS, global_info, local_pieces, placement_info
 from xckpt.torch._state_dict import PerRank, flatten
+from xckpt.torch.value_groups import save_value_groups, split_value_groups
+from xckpt.writer import ALL_HELD, Writer, finalize
 
 __all__ = ["save"]
 
@@ -152,7 +155,7 @@ def _side_group(dist: Any, pg: Any) -> Any:
 @paused_gc()  # tens of thousands of small objects, none in a cycle (see paused_gc)
 def save(
     state_dict: Mapping[str, Any],
-    path: str | os.PathLike[str],
+    path: Location,
     *,
     process_group: Any = None,
     rank_local: bool = False,
@@ -161,6 +164,8 @@ def save(
     save_id: str | int | None = None,
     overwrite: bool = False,
     show_progress: bool | None = None,
+    storage: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Manifest | cf.Future[Manifest]:
     """Save this rank's state dict; every rank of the group calls it.
 
@@ -169,7 +174,7 @@ def save(
             DTensors (any mesh and placements except ``Partial``), legacy
             ``ShardedTensor``s, numpy arrays, and objects (JSON values, bytes;
             :class:`PerRank` for per-rank values). Nested names join with ".".
-        path: directory or kvstore URL of the checkpoint.
+        path: a directory, kvstore URL or kvstore spec dict (as :func:`xckpt.save`).
         process_group: the group whose ranks save together (default: world).
         rank_local: no rank talks to another; each writes its data and its manifest.
         async_save: return a future once device tensors are copied to host;
@@ -180,6 +185,8 @@ def save(
             derived from the location in rank-local mode).
         overwrite: replace an existing checkpoint at ``path``.
         show_progress: progress bar (default: when stderr is a TTY).
+        storage, metadata: as for :class:`xckpt.Writer` (how ``data/<rank>/`` is
+            organised; JSON metadata recorded in the manifest).
 
     Returns:
         This rank's manifest, or with ``async_save`` a
@@ -192,9 +199,6 @@ def save(
         ObjectError: a value cannot be stored.
         CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
     """
-    from xckpt.torch.value_groups import save_value_groups, split_value_groups
-    from xckpt.writer import ALL_HELD, Writer, finalize
-
     wait_pending()
     rank, world, group_rank = rank_world(process_group)
     dist = distributed()
@@ -243,6 +247,7 @@ def save(
         jobs, objects = _plan(flat, set(owned), rank, world, group_rank)
         writer = Writer(
             loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite, progress=show_progress,
+            storage=storage, metadata=metadata,
             inflight_bytes=ALL_HELD,  # every host array below is held until the save ends
         )
         events = []
@@ -293,6 +298,4 @@ def save(
 
 
 def _np_dtype(name: str) -> Any:
-    from xckpt.manifest import numpy_dtype
-
     return numpy_dtype(name)
