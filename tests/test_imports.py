@@ -9,10 +9,12 @@ the day it is added.
 
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import xckpt
 
@@ -56,3 +58,41 @@ def test_no_core_module_imports_a_framework() -> None:
     pulled = json.loads(out.stdout.strip().splitlines()[-1])
     assert list(pulled) == CORE
     assert {m: f for m, f in pulled.items() if f} == {}
+
+
+def _package_files() -> list[Path]:
+    return sorted(Path(xckpt.__file__).parent.rglob("*.py"))
+
+
+def _deferred_xckpt_imports(path: Path) -> list[str]:
+    """``import xckpt...`` statements inside functions (not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    found: list[str] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if in_function and isinstance(child, ast.ImportFrom):
+                if child.level or (child.module or "").split(".")[0] == "xckpt":
+                    found.append(f"{path.name}:{child.lineno} from {'.' * child.level}{child.module} import ...")
+            elif in_function and isinstance(child, ast.Import):
+                found.extend(f"{path.name}:{child.lineno} import {a.name}" for a in child.names
+                             if a.name.split(".")[0] == "xckpt")
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+def test_no_xckpt_import_is_deferred_into_a_function() -> None:
+    """Layers hold by imports at the top of each module: a lower layer that needs something
+    from above gets it as a parameter or a protocol, never through an import deferred into
+    a function (only frameworks -- torch, jax, matplotlib -- are imported lazily)."""
+    found = [hit for p in _package_files() for hit in _deferred_xckpt_imports(p)]
+    assert found == []
+
+
+def test_no_module_is_over_800_lines() -> None:
+    long = {str(p.relative_to(Path(xckpt.__file__).parent)): n for p in _package_files()
+            if (n := len(p.read_text().splitlines())) > 800}
+    assert long == {}
