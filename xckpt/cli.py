@@ -77,7 +77,8 @@ def _show(ck: Source, args: argparse.Namespace) -> int:
     if t.value_range is not None:
         print("value_range:", json.dumps(t.value_range.to_json()))
     for c in t.chunks[: args.limit]:
-        where = c.key if c.form == "array" else f"{c.key}[{c.byte_offset}:{c.byte_offset + c.nbytes}]"
+        at = c.byte_offset or 0
+        where = c.key if c.form == "array" else f"{c.key}[{at}:{at + c.nbytes}]"
         print(f"  {c.box}  rank {c.rank}  {_human(c.nbytes)}  {where}")
     if len(t.chunks) > args.limit:
         print(f"  ... {len(t.chunks) - args.limit} more chunks (--limit to see them)")

@@ -83,7 +83,8 @@ def read_rank_manifests(
         bits = []
         n_missing = world - len(present) - len(pending)
         if n_missing:
-            missing, r = [], 0
+            missing: list[int] = []
+            r = 0
             while len(missing) < min(n_missing, 20):
                 if r not in present and r not in claims:
                     missing.append(r)

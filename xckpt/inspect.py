@@ -28,8 +28,11 @@ from xckpt.targets import Entries, target_boxes
 class Source(Entries, Protocol):
     """What the views read of a checkpoint: any :class:`xckpt.source.Source` fits."""
 
-    format: str
-    path: str
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
 
     @property
     def world_size(self) -> int: ...
@@ -41,16 +44,24 @@ class Source(Entries, Protocol):
 
 
 class _RankRow(Protocol):
-    rank: int
-    bytes_to_read: int
-    bytes_kept: int
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def bytes_to_read(self) -> int: ...
+
+    @property
+    def bytes_kept(self) -> int: ...
 
 
 class LoadPlan(Protocol):
     """What :func:`plot_plan` reads of an :class:`xckpt.plan.LoadPlan`."""
 
-    target: str
-    stored_bytes: int
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def stored_bytes(self) -> int: ...
 
     @property
     def ranks(self) -> Sequence[_RankRow]: ...

@@ -74,7 +74,7 @@ class Box:
             b = object.__new__(cls)
             object.__setattr__(b, "__dict__", {"offset": (0,) * len(shape), "shape": shape})
             return b
-        return cls((0,) * len(shape), shape)
+        return cls((0,) * len(shape), tuple(shape))
 
     @property
     def ndim(self) -> int:
@@ -334,8 +334,8 @@ def dim_runs(
     idx: list[list[range]] = [[range(s)] for s in global_shape]
     for m in order if order is not None else range(len(placements)):
         p = placements[m]
-        if isinstance(p, Replicate):
-            continue
+        if not isinstance(p, (Shard, StridedShard)):
+            continue  # Replicate (Partial was refused by dim_indices above)
         n, c = mesh_shape[m], coord[m]
         cur = idx[p.dim]
         length = sum(len(r) for r in cur)
@@ -425,7 +425,7 @@ def fsdp_order(placements: Sequence[Placement]) -> list[int] | None:
             later = [
                 k
                 for k in range(m + 1, len(placements))
-                if isinstance(placements[k], Shard) and placements[k].dim == p.dim
+                if isinstance(pk := placements[k], Shard) and pk.dim == p.dim
             ]
             if not later:
                 return None

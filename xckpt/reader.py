@@ -54,6 +54,15 @@ _VERIFY_SLAB = 32 << 20
 _VERIFY_INFLIGHT = 256 << 20
 
 
+def _packed_at(c: Chunk) -> int:
+    """A packed chunk's byte offset in its rank's packed array (recorded for every packed
+    chunk: the manifest is refused on read without it)."""
+    off = c.byte_offset
+    if off is None:
+        raise ManifestError(f"packed chunk {c.key!r} at {c.offset} has no byte_offset; the manifest is corrupt")
+    return off
+
+
 def _fills_whole(job: ChunkRead) -> bool:
     """Whether a packed ``job`` fills all of a C-contiguous output with its whole chunk."""
     _name, c, req, out = job
@@ -136,8 +145,7 @@ class Checkpoint(Source):
             else:
                 job = job if job.req is not None else job._replace(req=whole_request(job.chunk))
                 (direct if self._direct(job.chunk.rank) else through_ts).append(job)
-        root: str = self._root  # type: ignore[assignment]  (direct reads: a local directory)
-        files = [(job, _fileio.submit_read(root, self._file_read(job))) for job in direct]
+        files = [(job, _fileio.submit_read(self._dir, self._file_read(job))) for job in direct] if direct else []
         spans: list[tuple[ChunkRead, Any]] = []
         err: BaseException | None = None
         try:
@@ -171,9 +179,9 @@ class Checkpoint(Source):
         """A packed chunk is one read of its bytes; an array chunk reads every inner zarr
         chunk the box touches, each stored whole (edge chunks padded) with a 4-byte crc32c."""
         if chunk.form == "packed":
-            grid = packed_grid(self._packed_sizes()[chunk.key])
-            first, last = chunk.byte_offset // grid, (chunk.byte_offset + chunk.nbytes - 1) // grid  # type: ignore[operator]
-            return {(chunk.key, i): grid + 4 for i in range(first, last + 1)}
+            span = packed_grid(self._packed_sizes()[chunk.key])
+            first, last = _packed_at(chunk) // span, (_packed_at(chunk) + chunk.nbytes - 1) // span
+            return {(chunk.key, i): span + 4 for i in range(first, last + 1)}
         grid = chunk.grid or chunk.shape
         cell = math.prod(grid) * itemsize + 4
         ranges = [
@@ -189,7 +197,7 @@ class Checkpoint(Source):
             for t in self.manifest.tensors.values():
                 for c in t.chunks:
                     if c.form == "packed":
-                        sizes[c.key] = max(sizes.get(c.key, 0), c.byte_offset + c.nbytes)  # type: ignore[operator]
+                        sizes[c.key] = max(sizes.get(c.key, 0), _packed_at(c) + c.nbytes)
             self._packed_size_cache = sizes
         return self._packed_size_cache
 
@@ -208,6 +216,13 @@ class Checkpoint(Source):
 
     def _kind(self, rank: int) -> str:
         return self.manifest.storage.get(rank, "ocdbt")
+
+    @property
+    def _dir(self) -> str:
+        """The checkpoint's local directory: direct file reads happen only where it has one."""
+        if self._root is None:
+            raise XckptError(f"checkpoint {self.path!r} is not a local directory: its files cannot be read directly")
+        return self._root
 
     def _direct(self, rank: int) -> bool:
         """Whether rank ``rank``'s chunks are files this process reads itself."""
@@ -238,6 +253,7 @@ class Checkpoint(Source):
         opened = [(job, self._open(job[0], job[1])) for job in jobs]
         writes = []
         for (name, c, req, out), fut in opened:
+            req = req or whole_request(c)
             try:
                 src = fut.result()[req.chunk_slices]
             except ValueError as e:
@@ -257,7 +273,7 @@ class Checkpoint(Source):
         reads (tensorstore reads it then)."""
         if key not in self._packed_stored:
             try:
-                meta = _fileio.stored_meta(self._root, key)  # type: ignore[arg-type]
+                meta = _fileio.stored_meta(self._dir, key)
             except (_fileio.ChunkFileError, OSError) as e:
                 self._raise_read_error(e, f"packed chunks of rank {rank} ({key})")
             shape = meta.get("shape")
@@ -273,7 +289,7 @@ class Checkpoint(Source):
                 )
             layout = _fileio.parse_meta(meta)
             ok = layout is not None and layout[1] == "uint8" and len(layout[2]) == 1
-            self._packed_stored[key] = (layout[2][0], layout[3][0], layout[0]) if ok else None  # type: ignore[index]
+            self._packed_stored[key] = (layout[2][0], layout[3][0], layout[0]) if layout is not None and ok else None
         return self._packed_stored[key]
 
     def _packed_store(self, key: str, rank: int) -> Any:
@@ -291,11 +307,11 @@ class Checkpoint(Source):
         """``jobs`` (packed chunks of one array) as spans of zarr chunks
         (:func:`xckpt.storage._packedio.plan_spans`): ``(first, stop, items)``, an item a job, or
         for a tensor in several spans one :class:`_Piece` they share."""
-        jobs.sort(key=lambda j: j[1].byte_offset)  # type: ignore[arg-type, return-value]
+        jobs.sort(key=lambda j: _packed_at(j[1]))
         ranges = []
         for job in jobs:
             c = job[1]
-            start, end = c.byte_offset, c.byte_offset + c.nbytes  # type: ignore[operator]
+            start, end = _packed_at(c), _packed_at(c) + c.nbytes
             if end > size:
                 raise CorruptChunkError(
                     f"{self._where(job[0], c)}: bytes [{start}, {end}) lie past the end of the packed "
@@ -319,7 +335,7 @@ class Checkpoint(Source):
         size, grid, kind = meta
         spans = self._packed_spans(jobs, size, grid)
         try:
-            arr = _packedio.open_packed(self._root, key, size, grid, kind)  # type: ignore[arg-type]
+            arr = _packedio.open_packed(self._dir, key, size, grid, kind)
         except (_fileio.ChunkFileError, OSError) as e:
             self._raise_read_error(e, f"packed chunks of rank {jobs[0][1].rank} ({key})")
         unpack = functools.partial
@@ -363,9 +379,9 @@ class Checkpoint(Source):
         for item in items:
             if type(item) is _Piece:
                 c = item.job[1]
-                start = c.byte_offset
-                lo, hi = max(start, base), min(start + c.nbytes, end)  # type: ignore[operator]
-                item.whole[lo - start : hi - start] = mv[lo - base : hi - base]  # type: ignore[operator]
+                start = _packed_at(c)
+                lo, hi = max(start, base), min(start + c.nbytes, end)
+                item.whole[lo - start : hi - start] = mv[lo - base : hi - base]
                 with item.lock:
                     item.left -= 1
                     if item.left:
@@ -428,10 +444,10 @@ class Checkpoint(Source):
                         meta = self._packed_meta(c.key, c.rank) if self._direct(c.rank) else None
                         size = meta[0] if meta is not None else self._packed_store(c.key, c.rank).shape[0]
                         sizes[c.key] = size
-                    if c.byte_offset + c.nbytes > size:  # type: ignore[operator]
+                    if _packed_at(c) + c.nbytes > size:
                         raise CorruptChunkError(
                             f"{self._where(name, c)}: the manifest claims bytes [{c.byte_offset}, "
-                            f"{c.byte_offset + c.nbytes}) of the packed array, which holds {size} bytes; "  # type: ignore[operator]
+                            f"{_packed_at(c) + c.nbytes}) of the packed array, which holds {size} bytes; "
                             "the manifest does not belong to this data (restore the checkpoint from a copy)"
                         )
                 elif self._direct(c.rank):
@@ -453,9 +469,9 @@ class Checkpoint(Source):
         kind, grid = self._kind(c.rank), c.grid or c.shape
         try:
             if kind == "files":
-                _fileio.check_shard(self._root, c.key, self.info(name).np_dtype.itemsize, c.shape, grid)  # type: ignore[arg-type]
+                _fileio.check_shard(self._dir, c.key, self.info(name).np_dtype.itemsize, c.shape, grid)
             else:
-                _fileio.check_meta(self._root, c.key, kind, self.info(name).dtype, c.shape, grid)  # type: ignore[arg-type]
+                _fileio.check_meta(self._dir, c.key, kind, self.info(name).dtype, c.shape, grid)
         except _fileio.ChunkFileError as e:
             raise corrupt(f"{self._where(name, c)}: the stored array does not match the manifest", e) from None
         except OSError as e:
@@ -548,10 +564,10 @@ class Checkpoint(Source):
                 problems.setdefault((name, c.offset), f"{self._where(name, c)}: {e}")
             return []
         size = store.shape[0]
-        items = sorted(items, key=lambda nc: nc[1].byte_offset)  # type: ignore[arg-type, return-value]
+        items = sorted(items, key=lambda nc: _packed_at(nc[1]))
         out: list[_Slab] = []
         for name, c in items:
-            start, end = c.byte_offset, c.byte_offset + c.nbytes  # type: ignore[operator]
+            start, end = _packed_at(c), _packed_at(c) + c.nbytes
             if end > size:
                 problems.setdefault(
                     (name, c.offset),
@@ -560,7 +576,8 @@ class Checkpoint(Source):
                 )
                 continue
             last = out[-1] if out else None
-            if last is not None and start - last.hi <= _COALESCE_GAP and end - last.lo <= _VERIFY_SLAB:
+            if last is not None and last.span is not None and start - last.hi <= _COALESCE_GAP \
+                    and end - last.lo <= _VERIFY_SLAB:
                 last.hi = max(last.hi, end)
                 last.nbytes = last.hi - last.lo
                 last.span.append((name, c))
@@ -668,14 +685,14 @@ class _Slab:
             grid = c.grid or c.shape
             try:
                 _fileio.check_meta(
-                    ck._root, c.key, ck._kind(c.rank), ck.info(self.name).dtype, c.shape, grid  # type: ignore[arg-type]
+                    ck._dir, c.key, ck._kind(c.rank), ck.info(self.name).dtype, c.shape, grid
                 )
             except (_fileio.ChunkFileError, OSError) as e:
                 return ValueError(str(e))
             region = (slice(self.lo, self.hi), *(slice(0, s) for s in c.shape[1:])) if c.shape else ()
             out = np.empty(tuple(r.stop - r.start for r in region), ck.info(self.name).np_dtype)
             read = _fileio.ChunkRead(c.key, c.shape, grid, region, out, ck._kind(c.rank))
-            return _fileio.submit_read(ck._root, read)  # type: ignore[arg-type]
+            return _fileio.submit_read(ck._dir, read)
         try:
             arr = ck._open_checked(self.name, self.chunk).result()
         except ValueError as e:
@@ -695,7 +712,7 @@ class _Slab:
             # A damaged zarr chunk under the span: find the chunks it holds, one by one.
             for n, pc in self.span:
                 try:
-                    raw = self.store[pc.byte_offset : pc.byte_offset + pc.nbytes].read().result()  # type: ignore[operator]
+                    raw = self.store[_packed_at(pc) : _packed_at(pc) + pc.nbytes].read().result()
                 except ValueError as e2:
                     problems.setdefault((n, pc.offset), str(corrupt(f"{ck._where(n, pc)} (packed)", e2)))
                     continue
@@ -703,7 +720,7 @@ class _Slab:
                     problems.setdefault((n, pc.offset), f"{ck._where(n, pc)}: packed bytes fail their crc32 check")
             return
         for n, pc in self.span or ():
-            raw = buf[pc.byte_offset - self.lo : pc.byte_offset - self.lo + pc.nbytes]  # type: ignore[operator]
+            raw = buf[_packed_at(pc) - self.lo : _packed_at(pc) - self.lo + pc.nbytes]
             if zlib.crc32(raw) != pc.crc32:
                 problems.setdefault(
                     (n, pc.offset),

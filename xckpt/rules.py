@@ -120,8 +120,8 @@ class Rule:
 
     def tensor_ops(self) -> list[str]:
         """The keys that act on axes or dtypes (meaningless for objects)."""
-        ops = [("transpose", self.transpose), ("dtype", self.dtype), ("stack", self.stack)]
-        ops.append(("unstack", self.unstack))
+        ops: list[tuple[str, object]] = [("transpose", self.transpose), ("dtype", self.dtype)]
+        ops += [("stack", self.stack), ("unstack", self.unstack)]
         return [k for k, v in ops if v is not None]
 
 
@@ -406,10 +406,10 @@ class RuledSource(SourceView):
                 pieces.setdefault(out, []).append((pos if pos is not None else 0, part, rule, entry))
         self._objects = {}  # output object name -> source object name
         for name in source.object_names():
-            out = self._object_name(name)
-            if out is not None:
-                claims.setdefault(out, []).append((name, None, None))
-                self._objects[out] = name
+            renamed = self._object_name(name)
+            if renamed is not None:
+                claims.setdefault(renamed, []).append((name, None, None))
+                self._objects[renamed] = name
         for out, who in claims.items():
             if len(who) > 1 and not all(pos is not None for _, _, pos in who):
                 raise RuleError(_collision(out, who, set(self._objects.values())))
@@ -494,8 +494,8 @@ class RuledSource(SourceView):
                 box = part.to_output(c.box)
                 if box is None:
                     continue
-                kw = {"key": c.key, "rank": c.rank, "nbytes": box.volume * itemsize}
-                chunks.append(Chunk(offset=box.offset, shape=box.shape, grid=part.map_grid(c.grid), **kw))
+                chunks.append(Chunk(offset=box.offset, shape=box.shape, grid=part.map_grid(c.grid), key=c.key,
+                                    rank=c.rank, nbytes=box.volume * itemsize))
                 src_chunks[box.offset] = (ci, c)
         p0 = ps[0][1]
         shape = _piece_shape(first, p0)

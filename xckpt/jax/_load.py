@@ -185,7 +185,7 @@ def _populate(arenas: list[np.ndarray], stop: threading.Event) -> None:
 
 def _run_batch(ck: Source, batch: list[_ArrayJob], out: list[Any], show_progress: bool | None) -> None:
     bufs: dict[str, dict[Box, np.ndarray]] = {}
-    items = []
+    items: list[tuple[str, Box, np.ndarray]] = []
     arenas = []
     for job in batch:
         per, arena = _box_buffers(job)

@@ -109,7 +109,7 @@ def _torch_dims(placement: PlacementInfo, ndim: int, what: str) -> list[list[int
         if not isinstance(p, StridedShard):
             raise UnsupportedPlacementError(f"{what}: unknown placement {p!r}")
         later = [
-            k for k in range(m + 1, len(pls)) if isinstance(pls[k], Shard) and pls[k].dim == p.dim
+            k for k in range(m + 1, len(pls)) if isinstance(pk := pls[k], Shard) and pk.dim == p.dim
         ]
         sf = math.prod(placement.mesh_shape[k] for k in later)
         if not later or sf != p.split_factor:
@@ -202,7 +202,7 @@ def sharding_for(
     sizes = dict(zip((str(a) for a in mesh.axis_names), mesh.devices.shape))
     entries: list[Any] = []
     for d, ms in enumerate(dims):
-        names = [axes[m] for m in ms if axes[m] is not None]
+        names = [a for m in ms if (a := axes[m]) is not None]
         if shape is not None and names:
             n = math.prod(sizes[a] for a in names)
             if shape[d] % n:

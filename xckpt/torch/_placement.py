@@ -170,7 +170,8 @@ class _MeshInfo:
         self.names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
         coord = mesh.get_coordinate()
         self.coord = None if coord is None else tuple(int(c) for c in coord)
-        self.granks = None if coord is None else mesh_group_ranks(mesh, group_rank, name)
+        # the group rank of every mesh coordinate (none needed where this rank is not in the mesh)
+        self.granks: np.ndarray = np.zeros((0,), np.int64) if coord is None else mesh_group_ranks(mesh, group_rank, name)
 
 
 def dtensor_local(dt: Any, name: str, group_rank: Any, meshes: dict[int, Any] | None = None) -> Local:

@@ -207,9 +207,9 @@ def save(
     loc_path = path if isinstance(path, Mapping) else os.fspath(path)  # a kvstore spec dict stays one
 
     if coordinated and save_id is None:
-        box = [secrets.token_hex(8) if rank == 0 else None]
-        dist.broadcast_object_list(box, group=pg, group_src=0)
-        save_id = f"s-{box[0]}"
+        token = [secrets.token_hex(8) if rank == 0 else None]
+        dist.broadcast_object_list(token, group=pg, group_src=0)
+        save_id = f"s-{token[0]}"
     side = _side_group(dist, pg) if coordinated and async_save else pg
 
     def fail_all(err: BaseException | None) -> None:
@@ -226,17 +226,17 @@ def save(
     def finish() -> None:
         if not coordinated:
             return
-        box: list[Any] = [None]
+        outcome: list[Any] = [None]
         if rank == 0:
             try:
                 finalize(loc_path, world, str(save_id))
             except Exception as e:  # reported to every rank below, then re-raised here
-                box[0] = f"{type(e).__name__}: {e}"
-                dist.broadcast_object_list(box, group=side, group_src=0)
+                outcome[0] = f"{type(e).__name__}: {e}"
+                dist.broadcast_object_list(outcome, group=side, group_src=0)
                 raise
-        dist.broadcast_object_list(box, group=side, group_src=0)
-        if box[0] is not None:
-            raise XckptError(f"save to {loc_path!r}: rank 0 could not finalize it: {box[0]}")
+        dist.broadcast_object_list(outcome, group=side, group_src=0)
+        if outcome[0] is not None:
+            raise XckptError(f"save to {loc_path!r}: rank 0 could not finalize it: {outcome[0]}")
 
     # Foreground: plan, open the writer, take host copies (async).
     writer = None
@@ -260,7 +260,7 @@ def save(
         for ev in events:
             ev.synchronize()
         vg_writer = _CopyingWriter(writer) if async_save else writer
-        save_value_groups(vg_writer, flat, plans, rank, world)  # type: ignore[arg-type]
+        save_value_groups(vg_writer, flat, plans, rank, world)
     except BaseException as e:
         if writer is not None:
             writer._failed(e)  # give this rank's claim of the location back

@@ -510,7 +510,7 @@ def managed_collision_groups(
         aligned = []
         if weight is not None and weight in osd:
             for k, v in osd[weight].items():
-                shape = v.metadata().size if is_sharded_tensor(v) else getattr(v, "shape", ())
+                shape: Sequence[int] = v.metadata().size if is_sharded_tensor(v) else getattr(v, "shape", ())
                 if len(shape) and int(shape[0]) == n:
                     aligned.append(f"{optim_key}.state.{weight}.{k}")
         mk = f"{model_key}." if model_key else ""
