@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.xckpt-installed
 
-.PHONY: venv demo test lint bench bench-formats clean soak notebooks
+.PHONY: venv demo test lint docs bench bench-formats clean soak notebooks
 
 venv: $(STAMP)
 
@@ -30,11 +30,20 @@ demo: venv
 	$(BIN)/python examples/demo_jax.py $(DEMO_DIR)/torch
 	$(BIN)/python examples/demo_formats.py $(DEMO_DIR)/formats
 
+# ruff; the layers contract (import-linter, pyproject [tool.importlinter]); mypy on
+# the package (pyproject [tool.mypy]).
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 test: venv lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The user guide and API reference as a site (mkdocs-material + mkdocstrings); `make
+# test` builds it with --strict through tests/test_docs.py. `mkdocs serve` to browse.
+docs: venv
+	$(BIN)/mkdocs build --strict -d build/site
 
 # Regenerate notebooks/*.ipynb from notebooks/build.py, executed, with their outputs.
 notebooks: venv

@@ -35,18 +35,10 @@ from xckpt.convert import WRITERS, VerifyMismatchError, convert, guess_format
 from xckpt.errors import XckptError
 from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
+from xckpt.inspect import human_bytes
 from xckpt.layout import Shard, parse_placements
 from xckpt.plan import plan_load
 from xckpt.source import Source
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def _ls(ck: Source, args: argparse.Namespace) -> int:
@@ -55,13 +47,13 @@ def _ls(ck: Source, args: argparse.Namespace) -> int:
     for name in ck.names():
         t = ck.info(name)
         total += t.nbytes
-        rows.append((name, t.dtype, str(list(t.shape)), str(len(t.chunks)), _human(t.nbytes)))
+        rows.append((name, t.dtype, str(list(t.shape)), str(len(t.chunks)), human_bytes(t.nbytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     objs = ck.object_names()
     print(
-        f"\n{ck.format} checkpoint: {len(ck.names())} tensors ({_human(total)}), {len(objs)} objects, "
+        f"\n{ck.format} checkpoint: {len(ck.names())} tensors ({human_bytes(total)}), {len(objs)} objects, "
         f"world size {ck.world_size}" + (f", save {ck.save_id}" if ck.save_id else "")
     )
     if objs:
@@ -71,7 +63,7 @@ def _ls(ck: Source, args: argparse.Namespace) -> int:
 
 def _show(ck: Source, args: argparse.Namespace) -> int:
     t = ck.info(args.name)
-    print(f"{t.name}: {t.dtype}{list(t.shape)}, {len(t.chunks)} chunks, {_human(t.nbytes)}")
+    print(f"{t.name}: {t.dtype}{list(t.shape)}, {len(t.chunks)} chunks, {human_bytes(t.nbytes)}")
     if t.placement is not None:
         print("placement:", json.dumps(t.placement.to_json()))
     if t.value_range is not None:
@@ -79,7 +71,7 @@ def _show(ck: Source, args: argparse.Namespace) -> int:
     for c in t.chunks[: args.limit]:
         at = c.byte_offset or 0
         where = c.key if c.form == "array" else f"{c.key}[{at}:{at + c.nbytes}]"
-        print(f"  {c.box}  rank {c.rank}  {_human(c.nbytes)}  {where}")
+        print(f"  {c.box}  rank {c.rank}  {human_bytes(c.nbytes)}  {where}")
     if len(t.chunks) > args.limit:
         print(f"  ... {len(t.chunks) - args.limit} more chunks (--limit to see them)")
     return 0

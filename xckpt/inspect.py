@@ -68,7 +68,7 @@ class LoadPlan(Protocol):
 
     def summary(self) -> str: ...
 
-__all__ = ["text_table", "html_table", "plot_layout", "plot_plan", "plot_value_ranges", "glyph"]
+__all__ = ["human_bytes", "text_table", "html_table", "plot_layout", "plot_plan", "plot_value_ranges", "glyph"]
 
 #: Rows shown before the table says it is truncated.
 MAX_ROWS = 200
@@ -85,9 +85,10 @@ _PALETTE = (
 )  # fmt: skip
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: byte counts as tables, plans and the CLI print them."""
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+        if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
@@ -97,10 +98,10 @@ def _per_writer(t: Any) -> str:
     by: dict[int, int] = {}
     for c in t.chunks:
         by[c.rank] = by.get(c.rank, 0) + c.nbytes
-    parts = [f"r{r} {_human(b)}" for r, b in sorted(by.items())[:WRITERS_SHOWN]]
+    parts = [f"r{r} {human_bytes(b)}" for r, b in sorted(by.items())[:WRITERS_SHOWN]]
     if len(by) > WRITERS_SHOWN:
         rest = sum(b for _, b in sorted(by.items())[WRITERS_SHOWN:])
-        parts.append(f"+{len(by) - WRITERS_SHOWN} more {_human(rest)}")
+        parts.append(f"+{len(by) - WRITERS_SHOWN} more {human_bytes(rest)}")
     return ", ".join(parts) or "-"
 
 
@@ -143,7 +144,7 @@ def _summary(ck: Source) -> str:
     total = sum(ck.info(n).nbytes for n in names)
     save = f", save {ck.save_id}" if ck.save_id else ""
     return (
-        f"{ck.format} checkpoint {ck.path}: {len(names)} tensors ({_human(total)}), "
+        f"{ck.format} checkpoint {ck.path}: {len(names)} tensors ({human_bytes(total)}), "
         f"{len(ck.object_names())} objects, {ck.world_size} writers{save}"
     )
 
@@ -172,7 +173,7 @@ def html_table(ck: Source, max_rows: int = MAX_ROWS) -> str:
     e = html.escape
     body = "".join(
         f"<tr><td>{e(n)}</td><td>{e(t.dtype)}</td><td>{e(str(list(t.shape)))}</td>"
-        f"<td>{len(t.chunks)} ({e(glyph(t))})</td><td>{_svg(t)}</td><td>{e(_human(t.nbytes))}</td>"
+        f"<td>{len(t.chunks)} ({e(glyph(t))})</td><td>{_svg(t)}</td><td>{e(human_bytes(t.nbytes))}</td>"
         f"<td>{e(_per_writer(t))}</td></tr>"
         for n, t in rows[:max_rows]
     )

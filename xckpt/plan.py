@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xckpt.formats import opened
-from xckpt.inspect import plot_plan
+from xckpt.inspect import human_bytes, plot_plan
 from xckpt.layout import plan_reads
 from xckpt.source import Source
 from xckpt.targets import target_boxes
@@ -95,10 +95,10 @@ class LoadPlan:
         """One line: total, the busiest rank, over-read."""
         m = self.max_rank if self.ranks else None
         who = "device" if self.target == "jax" else "rank"
-        busiest = f"; max {who} {m.rank} reads {_human(m.bytes_to_read)}" if m else ""
+        busiest = f"; max {who} {m.rank} reads {human_bytes(m.bytes_to_read)}" if m else ""
         return (
             f"{len(self.ranks)} {'devices' if self.target == 'jax' else 'ranks'} read "
-            f"{_human(self.total_bytes_to_read)} of {_human(self.stored_bytes)} stored "
+            f"{human_bytes(self.total_bytes_to_read)} of {human_bytes(self.stored_bytes)} stored "
             f"({len(self.tensors)} tensors){busiest}; over-read {self.over_read:.2f}x"
         )
 
@@ -108,11 +108,11 @@ class LoadPlan:
         rows = [head] + [
             (
                 str(r.rank),
-                _human(r.bytes_to_read),
+                human_bytes(r.bytes_to_read),
                 str(r.reads),
-                _human(r.bytes_kept),
+                human_bytes(r.bytes_kept),
                 f"{r.over_read:.2f}x",
-                _human(r.peak_host_bytes),
+                human_bytes(r.peak_host_bytes),
             )
             for r in self.ranks
         ]
@@ -142,14 +142,6 @@ class LoadPlan:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         return {"text/plain": self.table(), "text/html": f"<pre>{html.escape(self.table())}</pre>"}
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def plan_load(
