@@ -364,7 +364,9 @@ def plot_value_ranges(ck: Source, name: str, ax: Any = None, *, world_size: int 
     writers = sorted({c.rank for c in ranged})
     colors = _colors(max(writers) + 1)
     for i, c in enumerate(ranged):
-        lo, hi = c.value_range  # type: ignore[misc]
+        if c.value_range is None:
+            continue
+        lo, hi = c.value_range
         ax.barh(i, hi - lo, left=lo, color=colors[c.rank], edgecolor="black", height=0.6)
     ax.set_yticks(range(len(ranged)), [f"rows {c.offset[0]}:{c.offset[0] + c.shape[0]}" for c in ranged])
     handles = [Patch(facecolor=colors[r], edgecolor="black", label=f"saved by rank {r}") for r in writers]

@@ -322,7 +322,8 @@ class Part:
         if grid is None:
             return None
         off = [self.take[1] if self.take and d == self.take[0] else 0 for d in range(len(grid))]
-        return self.to_output(Box(tuple(off), grid)).shape  # type: ignore[union-attr]
+        out = self.to_output(Box(tuple(off), grid))
+        return None if out is None else out.shape  # (the grid's box always holds the taken index)
 
     def source_view(self, arr: np.ndarray) -> np.ndarray:
         """A view of ``arr`` (output box) with the source box's axes: reads land straight in ``arr``."""
@@ -476,7 +477,7 @@ class RuledSource(SourceView):
                     f"{rule0.label}: stacking {len(ps)} tensors into {out!r} ({[p[3].name for p in ps][:6]}) "
                     f"finds {what}; positions must be exactly 0..{len(ps) - 1}"
                 )
-            axes = {p[1].put[0] for p in ps}  # type: ignore[index]
+            axes = {p[1].put[0] if p[1].put is not None else None for p in ps}
             for _, part, rule, e in ps[1:]:
                 same = _describe(e, part, rule) == _describe(first, ps[0][1], rule0)
                 if not same or len(axes) > 1:

@@ -63,6 +63,6 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
         t = t.resolve_neg()
     n = _NAMES.get(t.dtype)
     bits = _BITS.get(n) if n is not None else None
-    if bits is None:
+    if n is None or bits is None:
         return t.numpy()
-    return t.view(bits).numpy().view(numpy_dtype(n))  # type: ignore[arg-type]
+    return t.view(bits).numpy().view(numpy_dtype(n))
