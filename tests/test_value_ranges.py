@@ -47,10 +47,10 @@ from xckpt.values.ranges import (
     GroupAnnotation,
     MCLayout,
     Members,
-    annotations,
     assemble_rank,
     ceil_bounds,
     check_keys,
+    group_annotations,
     plan_rank_read,
     position_equivalent,
     position_rank,
@@ -302,7 +302,7 @@ def test_annotation_round_trips_through_the_manifest(tmp_path: os.PathLike) -> N
     states = [make_rank_state(N, 2, r, I_SMALL, seed=2) for r in range(2)]
     save_sim(str(tmp_path), [named(s) for s in states], [_decl(I_SMALL, chunk_rows=5)])
     ckpt = xckpt.open(str(tmp_path))
-    (got,) = annotations(ckpt).values()
+    (got,) = group_annotations(ckpt).values()
     members = Members(rows=ROWS, metadata=(COUNTS,), weight=WEIGHT, row_aligned=(MOM,), segments=SEG, current_iter=ITER)
     want = GroupAnnotation.managed_collision(
         PREFIX, RAW, members, input_size=I_SMALL, row_bounds=ceil_bounds(N, 2), rank_by=(COUNTS,)
@@ -322,7 +322,7 @@ def test_read_plan_says_which_path_and_why(tmp_path: os.PathLike, w2: int, force
     states = [make_rank_state(N, 2, r, I_SMALL, seed=4) for r in range(2)]
     save_sim(str(tmp_path), [named(s) for s in states], [_decl(I_SMALL, chunk_rows=5)])
     ckpt = xckpt.open(str(tmp_path))
-    ann = annotations(ckpt)[RAW]
+    ann = group_annotations(ckpt)[RAW]
     plans = [plan_rank_read(ann, ckpt.info(RAW), r, w2, force_path=force) for r in range(w2)]
     assert plans == [plan_rank_read(ann, ckpt.info(RAW), r, w2, force_path=force) for r in range(w2)]  # pure
     for p in plans:

@@ -596,10 +596,31 @@ class Checkpoint(Source):
             seen.setdefault(o.name)
         return list(seen)
 
-    def _object_value(self, o: ObjectEntry) -> Any:
+    def per_rank_objects(self) -> set[str]:
+        return {o.name for o in self.manifest.objects if o.per_rank}
+
+    # Source.objects applies the policy (names, per-rank, world size); these read values.
+
+    def _object_value(self, name: str, rank: int | None) -> Any:
+        entries = self._object_entries(name)
+        if rank is None:
+            return self._entry_value(entries[0])
+        o = {o.rank: o for o in entries}.get(rank)
+        if o is None:
+            raise ObjectError(
+                f"checkpoint {self.path!r}: per-rank object {name!r} has no value for rank {rank}"
+            )
+        return self._entry_value(o)
+
+    def _per_rank_values(self, name: str) -> list[Any]:
+        by_rank = {o.rank: o for o in self._object_entries(name)}
+        return [self._entry_value(by_rank[r]) for r in sorted(by_rank)]
+
+    def _entry_value(self, o: ObjectEntry) -> Any:
         if o.kind == "json":
             return decode_value(o.value, f"checkpoint {self.path!r}, object {o.name!r}")
-        data = self.storage.read_bytes(o.key, self.manifest.storage.get(o.rank, "ocdbt"))  # type: ignore[arg-type]
+        kind = self.manifest.storage.get(o.rank, "ocdbt")
+        data = None if o.key is None else self.storage.read_bytes(o.key, kind)
         if data is None or len(data) != o.nbytes or zlib.crc32(data) != o.crc32:
             raise CorruptChunkError(
                 f"checkpoint {self.path!r}, object {o.name!r} ({o.key}): bytes are missing or fail "
@@ -607,58 +628,11 @@ class Checkpoint(Source):
             )
         return data
 
-    def per_rank_objects(self) -> set[str]:
-        return {o.name for o in self.manifest.objects if o.per_rank}
-
-    def objects(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int | None = None,
-        per_rank: str = "error",
-    ) -> dict[str, Any]:
-        """Non-tensor values by name (all, or ``names``).
-
-        Replicated objects come back as saved. A per-rank object comes back as
-        ``rank``'s value when ``world_size`` (default: the saved one) equals the
-        saved world size; otherwise ``per_rank="list"`` returns every rank's
-        value in rank order, and the default raises :class:`ObjectError`.
-        """
-        if per_rank not in ("error", "list"):
-            raise ValueError("per_rank must be 'error' or 'list'")
-        world = self.world_size if world_size is None else world_size
-        out: dict[str, Any] = {}
-        for name in self.object_names() if names is None else names:
-            entries = self._object_entries(name)
-            if not entries:
-                raise self._missing_object(name)
-            if not entries[0].per_rank:
-                out[name] = self._object_value(entries[0])
-                continue
-            by_rank = {o.rank: o for o in entries}
-            if per_rank == "list":
-                out[name] = [self._object_value(by_rank[r]) for r in sorted(by_rank)]
-            elif world == self.world_size:
-                if rank not in by_rank:
-                    raise ObjectError(
-                        f"checkpoint {self.path!r}: per-rank object {name!r} has no value for rank {rank}"
-                    )
-                out[name] = self._object_value(by_rank[rank])
-            else:
-                raise ObjectError(
-                    f"checkpoint {self.path!r}: object {name!r} was saved per rank by "
-                    f"{self.world_size} ranks and is loaded at world size {world}; there is no "
-                    "rank-for-rank match. Ask for every rank's value with per_rank='list' and "
-                    "choose"
-                )
-        return out
-
     def _verify_objects(self) -> list[str]:
         problems = []
         for o in self.manifest.objects:
             try:
-                self._object_value(o)
+                self._entry_value(o)
             except CorruptChunkError as e:
                 problems.append(str(e))
         return problems

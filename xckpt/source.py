@@ -26,9 +26,14 @@ Call contract (who calls what, what an implementation may assume):
    Bytes that fail a checksum or cannot be decoded raise
    :class:`~xckpt.errors.CorruptChunkError` naming the checkpoint and tensor.
 3. Objects (non-tensor values) are listed by :meth:`object_names` and read by
-   :meth:`objects`. A format whose objects are pickles reads them only when
-   opened with ``allow_pickle=True`` and otherwise raises
-   :class:`~xckpt.errors.ObjectError` naming the object and the flag.
+   :meth:`objects`, whose policy lives here once: unknown names raise
+   :class:`~xckpt.errors.MissingEntryError`; objects listed by
+   :meth:`pickled_objects` are read only when the source was opened with
+   ``allow_pickle=True`` and otherwise raise :class:`~xckpt.errors.ObjectError`
+   naming the object and the flag; objects listed by :meth:`per_rank_objects`
+   come back by rank, or as every rank's list. An implementation provides only
+   ``_object_value(name, rank)`` and, with per-rank objects,
+   ``_per_rank_values(name)``; ``objects`` calls them after those checks.
 4. :meth:`verify` reads every chunk and object and returns the problems found.
 5. :meth:`read_units` tells ``plan_load`` which storage reads a box costs, so a
    plan's byte counts match what ``_read_chunks`` really reads.
@@ -49,7 +54,13 @@ import numpy as np
 
 from xckpt import inspect
 from xckpt._progress import progress
-from xckpt.errors import CorruptChunkError, DtypeMismatchError, MissingEntryError, ShapeMismatchError
+from xckpt.errors import (
+    CorruptChunkError,
+    DtypeMismatchError,
+    MissingEntryError,
+    ObjectError,
+    ShapeMismatchError,
+)
 from xckpt.layout import Box, ReadRequest, box_from_index, plan_reads
 from xckpt.manifest import Chunk, TensorEntry, paused_gc
 
@@ -79,7 +90,11 @@ class Source:
 
     Subclasses set :attr:`format`, :attr:`path` and ``_entries`` (or override
     :meth:`names`, :meth:`info` and ``in``) and implement :meth:`_read_chunks`;
-    objects, metadata and ``verify`` have defaults that fit formats without objects.
+    a format with objects lists them (:meth:`object_names`, and
+    :meth:`pickled_objects` / :meth:`per_rank_objects` where they apply) and
+    implements :meth:`_object_value` (and :meth:`_per_rank_values`), leaving
+    :meth:`objects` to the base. Metadata and ``verify`` have defaults that fit
+    formats without objects.
     """
 
     #: The format's name: ``xckpt``, ``torch-dcp``, ``orbax``, ``safetensors``, ``torch``.
@@ -218,7 +233,8 @@ class Source:
         # directly (unless a subclass has its own info()), dtypes resolved once, jobs
         # built as plain tuples.
         get = self._entries.get if type(self).info is Source.info else None
-        empty, new, dtypes = np.empty, tuple.__new__, {}
+        empty, new = np.empty, tuple.__new__
+        dtypes: dict[str, np.dtype] = {}
         for n in names:
             t = get(n) if get is not None else self.info(n)
             if t is None:
@@ -241,6 +257,9 @@ class Source:
 
     # -- objects --------------------------------------------------------------
 
+    #: Whether pickled objects may be read (the ``allow_pickle=`` the source was opened with).
+    allow_pickle: bool = False
+
     def object_names(self) -> list[str]:
         """Names of non-tensor values."""
         return []
@@ -255,14 +274,50 @@ class Source:
     ) -> dict[str, Any]:
         """Non-tensor values by name (all, or ``names``).
 
-        A per-rank object comes back as ``rank``'s value when ``world_size``
-        (default: the saved one) equals the saved world size; otherwise
-        ``per_rank="list"`` returns every rank's value in rank order and the
-        default raises :class:`~xckpt.errors.ObjectError`.
+        Replicated objects come back as saved. A per-rank object comes back as
+        ``rank``'s value when ``world_size`` (default: the saved one) equals the
+        saved world size; otherwise ``per_rank="list"`` returns every rank's
+        value in rank order and the default raises :class:`~xckpt.errors.ObjectError`.
+
+        This policy is the same for every format; a format implements only
+        :meth:`_object_value` (and :meth:`_per_rank_values` where it has per-rank
+        objects), and lists its objects with :meth:`object_names`,
+        :meth:`pickled_objects` and :meth:`per_rank_objects`.
+
+        Raises:
+            ValueError: ``per_rank`` is neither ``"error"`` nor ``"list"``.
+            MissingEntryError: a name is not an object of the checkpoint (checked
+                for every name before anything is read).
+            ObjectError: a pickled object asked for without ``allow_pickle=True``
+                (checked before anything is read), a per-rank object at another
+                world size, or a rank that saved no value.
         """
-        if names:
-            raise self._missing_object(names[0])
-        return {}
+        if per_rank not in ("error", "list"):
+            raise ValueError("per_rank must be 'error' or 'list'")
+        wanted = self.object_names() if names is None else list(names)
+        for n in wanted:
+            if not self._has_object(n):
+                raise self._missing_object(n)
+        if not wanted:
+            return {}
+        if not self.allow_pickle:
+            pickled = self.pickled_objects()
+            refused = [n for n in wanted if n in pickled]
+            if refused:
+                raise self._pickle_refused(refused)
+        world = self.world_size if world_size is None else world_size
+        per = self.per_rank_objects()
+        out: dict[str, Any] = {}
+        for n in wanted:
+            if n not in per:
+                out[n] = self._object_value(n, None)
+            elif per_rank == "list":
+                out[n] = self._per_rank_values(n)
+            elif world == self.world_size:
+                out[n] = self._object_value(n, rank)
+            else:
+                raise self._per_rank_mismatch(n, world)
+        return out
 
     def pickled_objects(self) -> set[str]:
         """Names of objects stored as pickles: read only with ``allow_pickle=True``."""
@@ -272,10 +327,44 @@ class Source:
         """Names of objects saved per rank (each rank its own value)."""
         return set()
 
+    def _has_object(self, name: str) -> bool:
+        """Whether ``name`` is an object; a format holding its objects by name looks it up."""
+        return name in self.object_names()
+
+    def _object_value(self, name: str, rank: int | None) -> Any:
+        """The value of object ``name``, known to exist and allowed to be read.
+
+        ``rank`` is None for a replicated object, else the rank whose value of a
+        per-rank object is wanted (an :class:`~xckpt.errors.ObjectError` if that
+        rank saved none). Called by :meth:`objects` only.
+        """
+        raise NotImplementedError
+
+    def _per_rank_values(self, name: str) -> list[Any]:
+        """Every saved rank's value of per-rank object ``name``, in rank order."""
+        raise NotImplementedError
+
     def _missing_object(self, name: str) -> MissingEntryError:
         return MissingEntryError(
             f"checkpoint {self.path!r} has no object {name!r}; this {self.format} checkpoint's objects are "
             f"{self.object_names()[:10]}"
+        )
+
+    def _pickle_refused(self, names: Sequence[str]) -> ObjectError:
+        """The error for asking without ``allow_pickle`` for pickled objects ``names``."""
+        return ObjectError(
+            f"checkpoint {self.path!r}: object {names[0]!r}"
+            + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+            + " is a pickle and pickles can run code; read it only from a trusted checkpoint, by "
+            "opening with allow_pickle=True"
+        )
+
+    def _per_rank_mismatch(self, name: str, world: int) -> ObjectError:
+        """The error for per-rank object ``name`` asked for at world size ``world``."""
+        return ObjectError(
+            f"checkpoint {self.path!r}: object {name!r} was saved per rank by {self.world_size} ranks "
+            f"and is loaded at world size {world}; there is no rank-for-rank match. Ask for every "
+            "rank's value with per_rank='list' and choose"
         )
 
     # -- verification ---------------------------------------------------------

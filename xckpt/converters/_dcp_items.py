@@ -19,7 +19,7 @@ import numpy as np
 from xckpt.errors import CorruptChunkError, ObjectError, XckptError
 from xckpt.manifest import Chunk, numpy_dtype
 
-from ._torchzip import ZIP_MAGIC, Archive, FileBytes, read_box, read_boxes
+from ._torchzip import ZIP_MAGIC, Archive, FileBytes, StoredBytes, read_box, read_boxes
 from ._unpickle import StorageRef, TensorRef, TorchDtype, unrestricted_load
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class ChunkReader:
 
     def __init__(self, src: DcpSource) -> None:
         self.src = src
-        self._parsed: dict[tuple[str, tuple[int, ...]], tuple[Any, TensorRef, int]] = {}
+        self._parsed: dict[tuple[str, tuple[int, ...]], tuple[StoredBytes, TensorRef, int]] = {}
         self._st: dict[tuple[str, int], tuple[dict[str, Any], int]] = {}
         self._differs: dict[str, bool] = {}
         self._lock = threading.Lock()
@@ -112,7 +112,7 @@ class ChunkReader:
         if got is not None and isinstance(got[0], Archive):
             got[0].drop_blob()
 
-    def _parse(self, name: str, chunk: Chunk, it: _Item) -> tuple[Any, TensorRef, int]:
+    def _parse(self, name: str, chunk: Chunk, it: _Item) -> tuple[StoredBytes, TensorRef, int]:
         where = self._where(name, chunk)
         if it.transforms:
             raise transform_error(where, it.transforms)
@@ -131,7 +131,9 @@ class ChunkReader:
             return archive, t, archive.storage_range(t, name)[0]
         return self._safetensors(name, chunk, it, f, where)
 
-    def _safetensors(self, name: str, chunk: Chunk, it: _Item, f: FileBytes, where: str) -> tuple[Any, TensorRef, int]:
+    def _safetensors(
+        self, name: str, chunk: Chunk, it: _Item, f: FileBytes, where: str
+    ) -> tuple[StoredBytes, TensorRef, int]:
         # serialization_format=SAFETENSORS: the item's offset is the start of one safetensors blob.
         key = (it.rel, it.offset)
         got = self._st.get(key)
@@ -154,12 +156,12 @@ class ChunkReader:
         header, base = got
         e = header.get(name)
         entry = self.src.info(name)
-        ok = isinstance(e, dict) and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
-        if not ok:
+        if not (isinstance(e, dict) and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2):
             raise CorruptChunkError(f"{where}: the safetensors blob in {it.rel} has no tensor {name!r}")
         b, end = e["data_offsets"]
         shape = tuple(e.get("shape") or ())
-        dtype = _ST_DTYPES.get(e.get("dtype"))
+        st_dtype = e.get("dtype")
+        dtype = _ST_DTYPES.get(st_dtype) if isinstance(st_dtype, str) else None
         itemsize = numpy_dtype(entry.dtype).itemsize
         if (
             dtype != entry.dtype
@@ -283,7 +285,7 @@ def group_objects(
         p = paths.get(fqn)
         return p if p is not None and ".".join(map(str, p)) == fqn else (fqn,)
 
-    prefixes = set()
+    prefixes: set[tuple[Any, ...]] = set()
     for t in tensors:
         p = path_of(t)
         prefixes.update(p[:i] for i in range(1, len(p) + 1))

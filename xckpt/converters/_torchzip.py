@@ -24,7 +24,7 @@ import math
 import os
 import struct
 import threading
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -32,7 +32,16 @@ from xckpt.errors import CorruptChunkError, XckptError
 
 from ._unpickle import TORCH_SAVE_GLOBALS, StorageRef, TensorRef, restricted_load
 
-__all__ = ["FileBytes", "Archive", "read_box", "read_boxes", "LEGACY_MAGIC", "ZIP_MAGIC", "first_record_name"]
+__all__ = [
+    "FileBytes",
+    "Archive",
+    "StoredBytes",
+    "read_box",
+    "read_boxes",
+    "LEGACY_MAGIC",
+    "ZIP_MAGIC",
+    "first_record_name",
+]
 
 ZIP_MAGIC = b"PK\x03\x04"
 #: torch.save's pre-1.6 format: a protocol-2 pickle whose first value is this magic number.
@@ -349,8 +358,20 @@ def _swap(raw: np.ndarray, itemsize: int, complex_: bool) -> np.ndarray:
     return raw.view(f"<u{unit}").byteswap().view(np.uint8)
 
 
+class StoredBytes(Protocol):
+    """What :func:`read_box` reads a storage from by absolute offset: an :class:`Archive`, a
+    plain file's bytes (DCP's safetensors items) or a span held in memory."""
+
+    @property
+    def big_endian(self) -> bool: ...
+
+    def pread(self, offset: int, n: int) -> bytes | memoryview: ...
+
+    def readinto(self, offset: int, buf: memoryview) -> None: ...
+
+
 def read_box(
-    archive: Archive,
+    archive: StoredBytes,
     t: TensorRef,
     start: int,
     slices: tuple[slice, ...],
@@ -432,7 +453,9 @@ def _span(t: TensorRef, slices: tuple[slice, ...], itemsize: int) -> tuple[int, 
     return first, (last - first + 1) * itemsize
 
 
-def read_boxes(reader: Any, t: TensorRef, start: int, items: list[tuple[tuple[slice, ...], np.ndarray]]) -> None:
+def read_boxes(
+    reader: StoredBytes, t: TensorRef, start: int, items: list[tuple[tuple[slice, ...], np.ndarray]]
+) -> None:
     """Several boxes of one tensor, each ``out[...] = tensor[slices]``.
 
     When the boxes' byte spans add up to more than the tensor's whole span (column

@@ -145,6 +145,7 @@ class TorchDtype(_Frozen):
     """A torch dtype named in a pickle (``torch.float32`` -> ``TorchDtype("float32")``)."""
 
     __slots__ = ("name",)
+    name: str
 
     def __init__(self, name: str) -> None:
         object.__setattr__(self, "name", name)
@@ -173,6 +174,7 @@ class TorchEnum(_Frozen):
     """A torch layout, memory format or enum value (only its name is kept)."""
 
     __slots__ = ("name",)
+    name: str
 
     def __init__(self, name: str) -> None:
         object.__setattr__(self, "name", name)
@@ -191,6 +193,7 @@ class _StorageType(_Frozen):
     """A storage class named in a persistent id (``torch.FloatStorage``, ``UntypedStorage``)."""
 
     __slots__ = ("dtype",)
+    dtype: str | None
 
     def __init__(self, dtype: str | None) -> None:
         object.__setattr__(self, "dtype", dtype)

@@ -57,6 +57,7 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from itertools import product
+from types import EllipsisType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -75,7 +76,7 @@ FORMAT = "orbax"
 _ITEM_MARKS = ("_METADATA", "_sharding", "array_metadatas", "manifest.ocdbt", "_strings.json")
 _STEP_RE = re.compile(r"^(?:.*_)?(\d+)$")
 _ZARR_META = {".zarray": "zarr", "zarr.json": "zarr3"}
-_EMPTY = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": ()}
+_EMPTY: dict[str, Any] = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": ()}
 _JSON_ITEM_FILE = "metadata"  # JsonCheckpointHandler's default file name
 #: Chunks an array may claim beyond those stored (an old orbax skipped fill-value chunks).
 _MAX_SPARSE_CHUNKS = 1 << 24
@@ -136,8 +137,12 @@ def _is_step(path: str) -> bool:
 
 def _manager_steps(path: str) -> list[str]:
     """Numbered step directories (a CheckpointManager's root), in step order."""
-    steps = [s for s in _subdirs(path) if _STEP_RE.match(s) and _is_step(os.path.join(path, s))]
-    return sorted(steps, key=lambda s: int(_STEP_RE.match(s).group(1)))  # type: ignore[union-attr]
+    steps = [
+        (int(m.group(1)), s)
+        for s in _subdirs(path)
+        if (m := _STEP_RE.match(s)) and _is_step(os.path.join(path, s))
+    ]
+    return [s for _, s in sorted(steps, key=lambda p: p[0])]
 
 
 def detect(path: str) -> bool:
@@ -213,6 +218,8 @@ def _grid(meta: Mapping[str, Any], driver: str, shape: tuple[int, ...], where: s
 
 def _key_scheme(meta: Mapping[str, Any], driver: str, where: str) -> tuple[str, str]:
     """How chunk keys are spelled: (``"v2"`` ("0.1"; "0" when 0-d) or ``"default"`` ("c/0/1"), separator)."""
+    kind: object
+    sep: object
     if driver == "zarr":
         kind, sep = "v2", meta.get("dimension_separator", ".")
         sep = "." if sep is None else sep
@@ -221,7 +228,8 @@ def _key_scheme(meta: Mapping[str, Any], driver: str, where: str) -> tuple[str, 
         kind = enc.get("name") if isinstance(enc, dict) else None
         conf = enc.get("configuration") if isinstance(enc, dict) else None
         sep = (conf if isinstance(conf, dict) else {}).get("separator", "." if kind == "v2" else "/")
-    if kind not in ("v2", "default") or sep not in (".", "/"):
+    known = kind in ("v2", "default") and sep in (".", "/")
+    if not (isinstance(kind, str) and isinstance(sep, str) and known):
         raise ManifestError(f"{where}: unknown zarr chunk key encoding {kind!r} / separator {sep!r:.20}")
     return kind, sep
 
@@ -591,7 +599,8 @@ class OrbaxCheckpoint(Source):
                 src = self._store(name, self._arrays[name]).result()[idx]
             except ValueError as e:
                 raise corrupt(where, e) from None
-            view = out[(*req.target_slices, Ellipsis)]  # a view even for 0-d tensors
+            sel: tuple[slice | EllipsisType, ...] = (*req.target_slices, Ellipsis)
+            view = out[sel]  # a view even for 0-d tensors
             dst = self._ts.array(view, copy=False, write=True, context=self._context)
             # tensorstore decodes straight into the caller's buffer: no extra copy.
             writes.append((where, req.box.volume * out.itemsize, dst.write(src)))
@@ -605,33 +614,24 @@ class OrbaxCheckpoint(Source):
     def object_names(self) -> list[str]:
         return list(self._objects)
 
-    def objects(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int | None = None,
-        per_rank: str = "error",
-    ) -> dict[str, Any]:
-        """Objects by name: python scalars read from their 0-d arrays, strings, JSON values."""
-        out = {}
-        for n in self.object_names() if names is None else names:
-            if n not in self._objects:
-                raise self._missing_object(n)
-            kind, v = self._objects[n]
-            if kind == "scalar":
-                try:
-                    v = self._store(n, v).result().read().result().item()
-                except ValueError as e:
-                    raise corrupt(v.where, e) from None
-            out[n] = copy.deepcopy(v) if isinstance(v, (dict, list)) else v  # callers may mutate
-        return out
+    def _has_object(self, name: str) -> bool:
+        return name in self._objects
+
+    def _object_value(self, name: str, rank: int | None) -> Any:
+        """Python scalars read from their 0-d arrays, strings, JSON values (a copy: callers may mutate)."""
+        kind, v = self._objects[name]
+        if kind == "scalar":
+            try:
+                v = self._store(name, v).result().read().result().item()
+            except ValueError as e:
+                raise corrupt(v.where, e) from None
+        return copy.deepcopy(v) if isinstance(v, (dict, list)) else v
 
     def _verify_objects(self) -> list[str]:
         problems = []
         for n in (n for n, (kind, _) in self._objects.items() if kind == "scalar"):
             try:
-                self.objects([n])
+                self._object_value(n, None)
             except CorruptChunkError as e:
                 problems.append(str(e))
         return problems

@@ -246,6 +246,12 @@ class _File:
             raise
         self.fd = fd
 
+    def descriptor(self, source: str, name: str) -> int:
+        """The open descriptor, for reading tensor ``name``; XckptError once ``source`` is closed."""
+        if self.fd is None:
+            raise XckptError(f"checkpoint {source!r} is closed; open it again to read {name!r}")
+        return self.fd
+
 
 def _close_all(files: list[_File]) -> None:
     for f in files:
@@ -294,9 +300,7 @@ class SafetensorsSource(Source):
 
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
         for name, _c, _r, _o in jobs:
-            f = self._tensors[name][0]
-            if f.fd is None:
-                raise XckptError(f"checkpoint {self.path!r} is closed; open it again to read {name!r}")
+            self._tensors[name][0].descriptor(self.path, name)  # closed: an error before any read
         total = sum(j.chunk.nbytes if j.req is None else j.req.box.volume * j.out.itemsize for j in jobs)
         if len(jobs) > 1 and total > _PARALLEL_BYTES:
             with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
@@ -320,13 +324,20 @@ class SafetensorsSource(Source):
             box = req.box.shape
             dst = out[req.target_slices]
         buf = dst if dst.flags.c_contiguous else np.empty(box, dtype=out.dtype)
-        self._fill(name, f, t, start, box, buf)
+        self._fill(name, f, f.descriptor(self.path, name), t, start, box, buf)
         if buf is not dst:
             dst[...] = buf
         return buf.nbytes
 
     def _fill(
-        self, name: str, f: _File, t: TensorInfo, start: tuple[int, ...], box: tuple[int, ...], buf: np.ndarray
+        self,
+        name: str,
+        f: _File,
+        fd: int,
+        t: TensorInfo,
+        start: tuple[int, ...],
+        box: tuple[int, ...],
+        buf: np.ndarray,
     ) -> None:
         """Read box ``start``/``box`` of tensor ``t`` into the C-contiguous ``buf``.
 
@@ -350,7 +361,7 @@ class SafetensorsSource(Source):
                 offs = (offs[:, None] + np.arange(box[i], dtype=np.int64) * strides[i]).reshape(-1)
             rows = buf.reshape(runs, -1).view(np.uint8)
             for r, off in enumerate((t.begin + (offs + base) * isz).tolist()):
-                self._pread(name, f, t, rows[r], off)
+                self._pread(name, f, fd, t, rows[r], off)
             return
         last = sum((b - 1) * st for b, st in zip(box[1:], strides[1:])) + 1  # elements of one dim-0 slab
         per = max(1, MAP_WINDOW // (strides[0] * isz))
@@ -360,9 +371,9 @@ class SafetensorsSource(Source):
             end = first + ((n0 - 1) * strides[0] + last) * isz
             at = first - first % mmap.ALLOCATIONGRANULARITY
             try:
-                m = mmap.mmap(f.fd, end - at, prot=mmap.PROT_READ, offset=at)  # type: ignore[arg-type]
+                m = mmap.mmap(fd, end - at, prot=mmap.PROT_READ, offset=at)
             except (OSError, ValueError) as e:  # ValueError: the file is now shorter than the window
-                raise self._short(name, f, t, e) from None
+                raise self._short(name, f, fd, t, e) from None
             try:
                 view = np.ndarray(
                     (n0, *box[1:]), dtype=buf.dtype, buffer=m, offset=first - at, strides=[s * isz for s in strides]
@@ -374,26 +385,26 @@ class SafetensorsSource(Source):
         with self._lock:
             self.bytes_read += buf.nbytes
 
-    def _short(self, name: str, f: _File, t: TensorInfo, why: object) -> CorruptChunkError:
+    def _short(self, name: str, f: _File, fd: int, t: TensorInfo, why: object) -> CorruptChunkError:
         return CorruptChunkError(
-            f"checkpoint {self.path!r}, tensor {name!r}: {f.name} now holds {os.fstat(f.fd).st_size} bytes, "  # type: ignore[arg-type]
+            f"checkpoint {self.path!r}, tensor {name!r}: {f.name} now holds {os.fstat(fd).st_size} bytes, "
             f"but its header puts the tensor at bytes [{t.begin}, {t.end}) ({why}); the file is truncated or "
             "was changed after it was opened: re-download or re-save it"
         )
 
-    def _pread(self, name: str, f: _File, t: TensorInfo, dst: np.ndarray, off: int) -> None:
+    def _pread(self, name: str, f: _File, fd: int, t: TensorInfo, dst: np.ndarray, off: int) -> None:
         view = memoryview(dst)
         got = 0
         while got < len(view):
             try:
-                n = os.preadv(f.fd, [view[got:]], off + got)  # type: ignore[arg-type]
+                n = os.preadv(fd, [view[got:]], off + got)
             except OSError as e:
                 raise CorruptChunkError(
                     f"checkpoint {self.path!r}, tensor {name!r}: reading {f.name} at byte {off + got} "
                     f"failed ({e.strerror})"
                 ) from None
             if n == 0:
-                raise self._short(name, f, t, f"nothing at byte {off + got}")
+                raise self._short(name, f, fd, t, f"nothing at byte {off + got}")
             got += n
         with self._lock:
             self.bytes_read += got

@@ -253,8 +253,8 @@ class DcpSource(Source):
         self._check_ranges()
         self._entries: dict[str, TensorEntry] = {}
         self._items: dict[tuple[str, tuple[int, ...]], _Item] = {}
-        for fqn, (dtype, size, chunks) in parsed.tensors.items():
-            self._entries[fqn] = self._entry(fqn, dtype, size, chunks)
+        for fqn, (dtype, shape, chunks) in parsed.tensors.items():
+            self._entries[fqn] = self._entry(fqn, dtype, shape, chunks)
         self._groups = items.group_objects(parsed.objects, parsed.paths, set(self._entries), path)
         self._reader = items.ChunkReader(self)
 
@@ -384,45 +384,31 @@ class DcpSource(Source):
             return set()
         return {n for n in self._groups if self._reader.differs(self._groups[n])}
 
-    def objects(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int | None = None,
-        per_rank: str = "error",
-    ) -> dict[str, Any]:
-        if per_rank not in ("error", "list"):
-            raise ValueError("per_rank must be 'error' or 'list'")
-        wanted = self.object_names() if names is None else list(names)
-        for n in wanted:
-            if n not in self._groups:
-                raise self._missing_object(n)
-        if not self.allow_pickle and wanted:
-            raise ObjectError(
-                f"torch DCP checkpoint {self.path!r}: object {wanted[0]!r}"
-                + (f" (and {len(wanted) - 1} more)" if len(wanted) > 1 else "")
-                + " is a pickle (DCP saves non-tensor values with torch.save) and pickles can run code; "
-                "read it only from a trusted checkpoint, by opening with allow_pickle=True"
-            )
-        world = self.world_size if world_size is None else world_size
-        per = self.per_rank_objects()
-        out: dict[str, Any] = {}
-        for n in wanted:
-            group = self._groups[n]
-            if n not in per:
-                out[n] = self._reader.object_value(n, group, None)
-            elif per_rank == "list":
-                out[n] = [self._reader.object_value(n, group, r) for r in self._reader.ranks_of(group)]
-            elif world == self.world_size:
-                out[n] = self._reader.object_value(n, group, rank)
-            else:
-                raise ObjectError(
-                    f"torch DCP checkpoint {self.path!r}: object {n!r} differs between the ranks that "
-                    f"saved it ({self.world_size}) and is loaded at world size {world}; ask for every "
-                    "rank's value with per_rank='list' and choose"
-                )
-        return out
+    def _has_object(self, name: str) -> bool:
+        return name in self._groups
+
+    def _object_value(self, name: str, rank: int | None) -> Any:
+        return self._reader.object_value(name, self._groups[name], rank)
+
+    def _per_rank_values(self, name: str) -> list[Any]:
+        group = self._groups[name]
+        return [self._reader.object_value(name, group, r) for r in self._reader.ranks_of(group)]
+
+    def _pickle_refused(self, names: Sequence[str]) -> ObjectError:
+        return ObjectError(
+            f"torch DCP checkpoint {self.path!r}: object {names[0]!r}"
+            + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+            + " is a pickle (DCP saves non-tensor values with torch.save) and pickles can run code; "
+            "read it only from a trusted checkpoint, by opening with allow_pickle=True"
+        )
+
+    def _per_rank_mismatch(self, name: str, world: int) -> ObjectError:
+        # DCP records no "per rank": an object is per rank when the ranks' values differ.
+        return ObjectError(
+            f"torch DCP checkpoint {self.path!r}: object {name!r} differs between the ranks that "
+            f"saved it ({self.world_size}) and is loaded at world size {world}; ask for every "
+            "rank's value with per_rank='list' and choose"
+        )
 
     def _verify_objects(self) -> list[str]:
         return self._reader.verify_objects(self._groups)

@@ -221,20 +221,11 @@ class TorchSaveSource(Source):
     def object_names(self) -> list[str]:
         return list(self._objects)
 
-    def objects(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int | None = None,
-        per_rank: str = "error",
-    ) -> dict[str, Any]:
-        out = {}
-        for n in self.object_names() if names is None else names:
-            if n not in self._objects:
-                raise self._missing_object(n)
-            out[n] = self._objects[n]
-        return out
+    def _has_object(self, name: str) -> bool:
+        return name in self._objects
+
+    def _object_value(self, name: str, rank: int | None) -> Any:
+        return self._objects[name]
 
     def close(self) -> None:
         self._file.close()

@@ -38,7 +38,7 @@ log = logging.getLogger("xckpt.jax")
 def row_members(ck: Source) -> dict[str, V.GroupAnnotation]:
     """{tensor name: its group} for every row tensor of every value group (each checked once)."""
     out: dict[str, V.GroupAnnotation] = {}
-    for ann in V.annotations(ck).values():
+    for ann in V.group_annotations(ck).values():
         for n in ann.row_members():
             out[n] = ann
     return out

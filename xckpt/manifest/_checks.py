@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -100,10 +100,10 @@ def _key_ok(key: str) -> bool:
     return bool(_KEY_RE.match(key)) and not any(part in ("", ".", "..") for part in key.split("/"))
 
 
-def _check_key(key: str, where: str) -> str:
+def _check_key(key: object, where: str) -> str:
     if type(key) is not str or len(key) > MAX_KEY_LEN or not _key_ok(key):
         if type(key) is str and len(key) > MAX_KEY_LEN:
-            key = key[:64] + f"... ({len(key)} characters)"  # type: ignore[assignment]
+            key = key[:64] + f"... ({len(key)} characters)"
         raise ManifestError(
             f"{where}: chunk key {key!r} is not a relative key under data/<rank>/; refusing a "
             "key that could leave the checkpoint"
@@ -155,9 +155,10 @@ def _shape(v: Any, what: str, where: str) -> tuple[int, ...]:
 
 _new = object.__new__
 _set = object.__setattr__
+_T = TypeVar("_T")
 
 
-def unchecked(cls: Any, fields: dict[str, Any]) -> Any:
+def unchecked(cls: type[_T], fields: dict[str, Any]) -> _T:
     """An instance of the frozen dataclass ``cls`` from a dict naming every field, in
     field order (no checks, no copy: ``fields`` becomes the instance's ``__dict__``)."""
     obj = _new(cls)

@@ -184,30 +184,36 @@ class Chunk:
             if form not in ("array", "packed"):
                 raise ManifestError(f"{where}: unknown chunk form {form!r}")
             vr = d.get("value_range")
-            grid = d.get("grid")
-            c = cls(
-                offset=offset,
-                shape=shape,
-                key=_check_key(d["key"], where),
-                rank=_int(d["rank"], "rank", where, hi=MAX_WORLD_SIZE),
-                nbytes=_int(d["nbytes"], "nbytes", where, hi=MAX_TENSOR_BYTES),
-                form=form,
-                byte_offset=None
-                if form == "array"
-                else _int(d["byte_offset"], "byte_offset", where, hi=MAX_TENSOR_BYTES),
-                crc32=None if form == "array" else _int(d["crc32"], "crc32", where, hi=1 << 32),
-                grid=(None if grid is None else _shape(grid, "grid", where)) if form == "array" else None,
-                value_range=None if vr is None else _ints(vr, "value_range", where),  # type: ignore[arg-type]
+            raw_grid = d.get("grid")
+            key = _check_key(d["key"], where)
+            rank = _int(d["rank"], "rank", where, hi=MAX_WORLD_SIZE)
+            nbytes = _int(d["nbytes"], "nbytes", where, hi=MAX_TENSOR_BYTES)
+            byte_offset = (
+                None if form == "array" else _int(d["byte_offset"], "byte_offset", where, hi=MAX_TENSOR_BYTES)
             )
+            crc32 = None if form == "array" else _int(d["crc32"], "crc32", where, hi=1 << 32)
+            grid = (None if raw_grid is None else _shape(raw_grid, "grid", where)) if form == "array" else None
+            value_range = None if vr is None else _ints(vr, "value_range", where)
         except KeyError as e:
             raise ManifestError(f"{where}: chunk lacks field {e.args[0]!r}") from None
         if len(offset) != len(shape) or any(x < 0 for x in offset + shape):
             raise ManifestError(f"{where}: chunk offset {offset} / shape {shape} is invalid")
-        if c.grid is not None and (len(c.grid) != len(shape) or any(g < 1 for g in c.grid)):
-            raise ManifestError(f"{where}: chunk grid {c.grid} does not fit shape {shape}")
-        if c.value_range is not None and len(c.value_range) != 2:
+        if grid is not None and (len(grid) != len(shape) or any(g < 1 for g in grid)):
+            raise ManifestError(f"{where}: chunk grid {grid} does not fit shape {shape}")
+        if value_range is not None and len(value_range) != 2:
             raise ManifestError(f"{where}: value_range must be [lo, hi)")
-        return c
+        return cls(
+            offset=offset,
+            shape=shape,
+            key=key,
+            rank=rank,
+            nbytes=nbytes,
+            form=form,
+            byte_offset=byte_offset,
+            crc32=crc32,
+            grid=grid,
+            value_range=value_range,
+        )
 
     @classmethod
     def from_json_unchecked(cls, d: Any, where: str) -> Chunk:
@@ -330,7 +336,7 @@ class ValueRange:
             group=d["group"],
             role=role,
             kind=kind,
-            domain=domain,  # type: ignore[arg-type]
+            domain=domain,
             empty_marker=em,
             attrs=attrs,
         )
@@ -460,7 +466,7 @@ class TensorEntry:
             w = f"{where}, tensor {name!r}"
             pl = None if pl is None else PlacementInfo.from_json(pl, w)
             vr = None if vr is None else ValueRange.from_json(vr, w)
-        return _build(  # type: ignore[no-any-return]
+        return _build(
             cls,
             {"name": name, "dtype": dtype, "shape": shape, "chunks": chunks, "placement": pl, "value_range": vr},
         )
@@ -518,7 +524,7 @@ class ObjectEntry:
                 kind=kind,
                 rank=_int(d.get("rank"), "rank", w, hi=MAX_WORLD_SIZE),
                 per_rank=per_rank,
-                key=_check_key(d.get("key"), w),  # type: ignore[arg-type]
+                key=_check_key(d.get("key"), w),
                 nbytes=_int(d.get("nbytes"), "nbytes", w, hi=MAX_TENSOR_BYTES),
                 crc32=_int(d.get("crc32"), "crc32", w, hi=1 << 32),
             )

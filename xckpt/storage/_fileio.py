@@ -528,7 +528,7 @@ def _is_prefix(out: np.ndarray, grid: Sequence[int], inner: tuple[slice, ...]) -
     )
 
 
-def _check_crc(path: str, what: str, head: np.ndarray, tail: np.ndarray, stored: bytes) -> None:
+def _check_crc(path: str, what: str, head: np.ndarray, tail: np.ndarray, stored: np.ndarray) -> None:
     crc = _CRC(head)
     if tail.size:
         crc = _EXTEND(crc, tail)

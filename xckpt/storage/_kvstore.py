@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno as errno_mod
+import functools
 import json
 import math
 import os
@@ -369,9 +370,9 @@ class Storage:
 
     # -- small keys ---------------------------------------------------------
 
-    def _read_local(self, key: str) -> bytes | None:
+    def _read_local(self, root: str, key: str) -> bytes | None:
         try:
-            with open(os.path.join(self.root, key), "rb") as f:  # type: ignore[arg-type]
+            with open(os.path.join(root, key), "rb") as f:
                 return f.read()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
@@ -381,7 +382,7 @@ class Storage:
     def read_key(self, key: str) -> bytes | None:
         """The value of ``key``, or None when it does not exist."""
         if self.root is not None:
-            return self._read_local(key)
+            return self._read_local(self.root, key)
         r = self._result(self._kv.read(key), f"reading {key}")
         if r.state != "value":
             return None
@@ -414,12 +415,13 @@ class Storage:
 
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Read many keys concurrently."""
-        if self.root is not None:
+        root = self.root
+        if root is not None:
             if len(keys) <= 4:
-                return [self._read_local(k) for k in keys]
+                return [self._read_local(root, k) for k in keys]
             # Many rank manifests: concurrent, as the kvstore reads them (cold, each waits on the disk).
             with cf.ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="xckpt-manifests") as ex:
-                return list(ex.map(self._read_local, keys))
+                return list(ex.map(functools.partial(self._read_local, root), keys))
         futs = [self._kv.read(k) for k in keys]
         out: list[bytes | None] = []
         for k, f in zip(keys, futs):
@@ -446,20 +448,20 @@ class Storage:
     def list_prefix(self, prefix: str) -> list[str]:
         """Every key that starts with ``prefix``, sorted."""
         if self.root is not None and prefix.endswith("/"):
-            return self._list_local(prefix)
+            return self._list_local(self.root, prefix)
         keys = self._result(
             self._kv.list(self._ts.KvStore.KeyRange(prefix, _prefix_end(prefix))), f"listing {prefix}"
         )
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
-    def _list_local(self, prefix: str) -> list[str]:
+    def _list_local(self, root: str, prefix: str) -> list[str]:
         """The files under directory ``prefix`` of a local location, as tensorstore's file
         kvstore lists them (its ``.__lock`` files left out)."""
-        top = os.path.join(self.root, prefix)  # type: ignore[arg-type]
+        top = os.path.join(root, prefix)
         keys: list[str] = []
         try:
             for d, _dirs, files in os.walk(top, onerror=_raise):
-                rel = os.path.relpath(d, self.root).replace(os.sep, "/")  # type: ignore[arg-type]
+                rel = os.path.relpath(d, root).replace(os.sep, "/")
                 keys += [f"{rel}/{f}" for f in files if not f.endswith(".__lock")]
         except (FileNotFoundError, NotADirectoryError):
             return []

@@ -45,6 +45,8 @@ from xckpt.storage._fileio import (
 
 __all__ = ["PackedArray", "open_packed", "plan_spans", "submit_span"]
 
+_NO_INDEX = np.empty((0, 2), np.uint64)  # the index of an array that is not "files"
+
 
 def plan_spans(ranges: Sequence[tuple[int, int]], grid: int, span_bytes: int) -> list[tuple[int, int, list[int]]]:
     """Spans of zarr chunks (``grid`` bytes each) that read the byte ``ranges`` (sorted by
@@ -74,14 +76,14 @@ def plan_spans(ranges: Sequence[tuple[int, int]], grid: int, span_bytes: int) ->
 
 class PackedArray:
     """A packed array's location and layout: ``size`` bytes in zarr chunks of ``grid``
-    bytes, stored as ``kind``; for "files", its shard's index and file size. Its span
-    buffers live as long as it does (one read)."""
+    bytes, stored as ``kind``; for "files", its shard's index and file size (an empty
+    index otherwise). Its span buffers live as long as it does (one read)."""
 
     __slots__ = ("root", "key", "size", "grid", "kind", "index", "file_size", "buffers")
 
     def __init__(self, root: str, key: str, size: int, grid: int, kind: str) -> None:
         self.root, self.key, self.size, self.grid, self.kind = root, key, size, grid, kind
-        self.index: np.ndarray | None = None
+        self.index: np.ndarray = _NO_INDEX
         self.file_size = 0
         self.buffers: queue.SimpleQueue[tuple[np.ndarray, np.ndarray]] = queue.SimpleQueue()
 
@@ -121,7 +123,7 @@ def _stretches(arr: PackedArray, first: int, stop: int) -> list[tuple[str, int, 
     path = data_file(key_dir, 1)
     out: list[tuple[str, int, list[int]]] = []
     for i in range(first, stop):
-        off, _nb = index_entry(path, f" (zarr chunk [{i}])", arr.index, i, full, arr.file_size)  # type: ignore[arg-type]
+        off, _nb = index_entry(path, f" (zarr chunk [{i}])", arr.index, i, full, arr.file_size)
         if out and out[-1][1] + full * len(out[-1][2]) == off:
             out[-1][2].append(i)
         else:

@@ -3,7 +3,7 @@
 Call protocol (every loading rank, no collective; the torch and JAX adapters
 both call it, so both load the same arrays):
 
-1. :func:`xckpt.values.ranges.annotations` (or ``GroupAnnotation.from_manifest``)
+1. :func:`xckpt.values.ranges.group_annotations` (or ``GroupAnnotation.from_manifest``)
    parses and checks each group once;
 2. :func:`xckpt.values.ranges.plan_rank_read` plans the rank's read: the path
    (value or position) and why, and the key chunks to read;

@@ -92,6 +92,7 @@ import numpy as np
 
 from xckpt.errors import ShapeMismatchError, ValueRangeError
 from xckpt.manifest import Chunk, TensorEntry, ValueRange
+from xckpt.source import Source
 
 __all__ = [
     "INT64_MAX",
@@ -116,7 +117,7 @@ __all__ = [
     "Members",
     "GroupAnnotation",
     "group_keys",
-    "annotations",
+    "group_annotations",
     "annotation_error",
     "RankReadPlan",
     "plan_rank_read",
@@ -557,8 +558,11 @@ def group_keys(tensors: Mapping[str, TensorEntry]) -> list[str]:
     return [n for n, t in tensors.items() if t.value_range is not None and t.value_range.role == "key"]
 
 
-def annotations(src: Any) -> dict[str, GroupAnnotation]:
-    """Every value group of a :class:`xckpt.source.Source`, by key name, each validated."""
+def group_annotations(src: Source) -> dict[str, GroupAnnotation]:
+    """Every value group of ``src``, by key name, each validated.
+
+    (Not named ``annotations``: that name is the module's ``from __future__`` import.)
+    """
     tensors = {n: src.info(n) for n in src.names()}
     return {k: GroupAnnotation.from_manifest(tensors, k, str(src.path)) for k in group_keys(tensors)}
 
@@ -632,8 +636,8 @@ def _check_chunks(tensors: Mapping[str, TensorEntry], g: GroupAnnotation, where:
         if vr is None or vr.group != g.group:
             raise annotation_error(where, name, f"it is not annotated as a member of group {g.group!r}")
     for name in g.columns():
-        c = tensors[name]
-        if c.shape[0] != t.shape[0] or sorted((x.offset, x.shape, x.value_range) for x in c.chunks) != boxes:
+        col = tensors[name]
+        if col.shape[0] != t.shape[0] or sorted((x.offset, x.shape, x.value_range) for x in col.chunks) != boxes:
             raise annotation_error(where, name, f"its chunks differ from those of the key {g.key!r}")
     n_ranks = len(g.input_bounds) - 1
     bounds = g.row_bounds
