@@ -26,8 +26,9 @@ import xckpt
 from xckpt.errors import CheckpointExistsError, CorruptChunkError, XckptError
 
 convert_mod = sys.modules["xckpt.convert"]
-from xckpt.convert import VerifyMismatchError, WriteJob, parse_size  # noqa: E402
+from xckpt.convert import VerifyMismatchError, parse_size  # noqa: E402
 from xckpt.manifest import encode_value  # noqa: E402
+from xckpt.sink import WriteJob  # noqa: E402
 
 # name -> (shape, dtype, placement on the 2-rank mesh: "S0", "S1", "R")
 DIST = {
@@ -505,13 +506,13 @@ def test_verify_catches_a_corrupted_xckpt_write(sources, tmp_path, monkeypatch):
     # after the writer is caught, and nothing reaches dst.
     from xckpt.converters import xckpt_write
 
-    real = xckpt_write.write
+    real = xckpt_write.XckptSink.write
 
-    def damaged(job):
-        real(job)
+    def damaged(self, job):
+        real(self, job)
         _corrupt_one_chunk(job.dst)
 
-    monkeypatch.setattr(xckpt_write, "write", damaged)
+    monkeypatch.setattr(xckpt_write.XckptSink, "write", damaged)
     with pytest.raises(VerifyMismatchError, match=r"to xckpt does not read back as written: .*nothing was written"):
         xckpt.convert(sources["xckpt2"][0], str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []
@@ -661,21 +662,22 @@ def test_cli_exit_codes(sources, tmp_path):
 
 
 def test_cli_exit_1_when_verify_fails(sources, tmp_path):
-    # A corrupting writer in a child process: the registry entry points at a wrapper module.
+    # A corrupting sink in a child process: the formats table's entry holds a wrapper.
     (tmp_path / "badwriter.py").write_text(
         "import numpy as np\n"
         "from xckpt.converters import safetensors_write as sw\n"
-        "def write(job):\n"
-        "    real = job.rows\n"
-        "    def rows(name):\n"
-        "        for p in real(name):\n"
-        "            p = p.copy(); p.reshape(-1).view(np.uint8)[0] ^= 1; yield p\n"
-        "    object.__setattr__(job, 'rows', rows)\n"
-        "    sw.write(job)\n"
+        "class BadSink(sw.SafetensorsSink):\n"
+        "    def write(self, job):\n"
+        "        real = job.rows\n"
+        "        def rows(name):\n"
+        "            for p in real(name):\n"
+        "                p = p.copy(); p.reshape(-1).view(np.uint8)[0] ^= 1; yield p\n"
+        "        object.__setattr__(job, 'rows', rows)\n"
+        "        super().write(job)\n"
     )
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import xckpt.convert as _;"
-        "m = sys.modules['xckpt.convert']; m.WRITERS['safetensors'] = 'badwriter:write';"
+        "import sys, dataclasses; sys.path.insert(0, sys.argv[1]); import badwriter; import xckpt.formats as f;"
+        "f.FORMATS['safetensors'] = dataclasses.replace(f.FORMATS['safetensors'], sink=badwriter.BadSink());"
         "from xckpt.cli import main; sys.exit(main(['convert', sys.argv[2], sys.argv[3]]))"
     )
     r = subprocess.run(

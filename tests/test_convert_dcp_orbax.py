@@ -456,7 +456,7 @@ def test_orbax_irregular_boxes_small_chunks_and_dropped_objects(tmp_path, monkey
 
 
 def test_orbax_interrupted_with_commits_in_flight_leaves_nothing(tmp_path, monkeypatch) -> None:
-    from xckpt.convert import WriteJob
+    from xckpt.sink import WriteJob
 
     _irregular_source(str(tmp_path / "irr"))
     monkeypatch.setattr(orbax_write, "MAX_CHUNK_BYTES", 64)
@@ -509,11 +509,15 @@ def test_dcp_object_key_that_is_a_tensor(tmp_path) -> None:
 
 def test_dcp_object_that_cannot_be_pickled(tmp_path) -> None:
     from xckpt._progress import _NoBar
-    from xckpt.convert import WriteJob
     from xckpt.converters import torch_dcp_write
+    from xckpt.sink import WriteJob
 
     xckpt.save({"w": np.ones(3, np.float32)}, str(tmp_path / "src"))
     with xckpt.open(str(tmp_path / "src")) as src:
         job = WriteJob(src, str(tmp_path / "out"), ("w",), {"fn": lambda: 0}, None, _NoBar())
+        sink = torch_dcp_write.DcpSink()
         with pytest.raises(ObjectError, match=r"object 'fn' cannot be pickled .*exclude it"):
-            torch_dcp_write.write(job)
+            sink.check(job)  # before anything is written
+        assert not os.path.exists(tmp_path / "out")
+        with pytest.raises(ObjectError, match=r"object 'fn' cannot be pickled .*exclude it"):
+            sink.write(job)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from xckpt.convert import WRITERS, VerifyMismatchError, convert, guess_format
+from xckpt.convert import VerifyMismatchError, convert, guess_format
 from xckpt.errors import XckptError
 from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
@@ -255,7 +255,7 @@ def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument("src", help="checkpoint to read (any format; detected unless --from)")
     s.add_argument("dst", help="local output path (must not exist unless --overwrite)")
     s.add_argument("--from", dest="from_format", choices=list(FORMATS), help="read SRC as this format")
-    s.add_argument("--to", dest="to_format", choices=list(WRITERS), help="output format (default: from DST)")
+    s.add_argument("--to", dest="to_format", choices=list(FORMATS), help="output format (default: from DST)")
     s.add_argument(
         "--rules",
         metavar="FILE",

@@ -2,19 +2,20 @@
 
 ``xckpt.convert(src, dst)`` opens ``src`` as a :class:`~xckpt.source.Source`
 (any format, rules applied as a view), decides what to write (names after
-``include``/``exclude``, objects), and hands a :class:`WriteJob` to the writer
-of the output format. The writer reads chunk by chunk through the job and lays
-bytes out under a fresh temporary path; the driver then re-reads every written
-box through ``xckpt.open(tmp, format=<out>)`` (``verify``: crc32c of each source
-box, taken as it was read, against the re-read bytes; for xckpt output the reader's
-own crc32c check of every stored chunk) and renames the result into place. Nothing
-at ``dst`` is touched before that rename.
+``include``/``exclude``, objects), and drives the output format's
+:class:`~xckpt.sink.Sink` (from :data:`xckpt.formats.FORMATS`) through its call
+protocol: ``check`` the :class:`~xckpt.sink.WriteJob`, ``write`` it under a fresh
+temporary path (the sink reads chunk by chunk through the job), then re-read
+every written box through the format's own source (``verify``: crc32c of each
+source box, taken as it was read, against the re-read bytes; for xckpt output the
+reader's own crc32c check of every stored chunk) and rename the result into
+place. Nothing at ``dst`` is touched before that rename.
 
-Speed: source chunks are read into two recycled buffers (the next one in the
-background while a writer writes the current one), so no page is faulted in and
-zeroed per chunk; only the xckpt writer, which holds chunks until it flushes them,
-gets fresh ones. No allocator setting is changed (an earlier fixed glibc mmap
-threshold cost CPU on every fresh buffer, process-wide).
+Speed: source chunks are read into two recycled buffers (:mod:`xckpt._stream`;
+the next one in the background while a sink writes the current one), so no page
+is faulted in and zeroed per chunk; only the xckpt sink, which holds chunks until
+it flushes them, gets fresh ones. No allocator setting is changed (an earlier
+fixed glibc mmap threshold cost CPU on every fresh buffer, process-wide).
 
 Decisions where the design is silent (also in the report):
 
@@ -40,43 +41,30 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import importlib
 import os
 import re
 import secrets
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-import google_crc32c
 import numpy as np
 
+from xckpt import formats
 from xckpt._progress import progress
+from xckpt._stream import Buffers, aligned, crc32c, read_ahead
 from xckpt.errors import CheckpointExistsError, CorruptChunkError, XckptError
+from xckpt.formats import Format
 from xckpt.layout import Box
-from xckpt.manifest import Chunk, TensorEntry
+from xckpt.manifest import TensorEntry
+from xckpt.rules import apply_rules
+from xckpt.sink import BoxKey, WriteJob
 from xckpt.source import Source, local_path
 from xckpt.views import Selected
 
-__all__ = ["convert", "WriteJob", "VerifyMismatchError", "WRITERS", "guess_format", "parse_size", "CONVERT_INFLIGHT_BYTES"]
+__all__ = ["convert", "VerifyMismatchError", "guess_format", "parse_size", "DEFAULT_SHARD_SIZE"]
 
-T = TypeVar("T")
-
-#: Output format -> "module:function" of its writer (imported when used).
-WRITERS: dict[str, str] = {
-    "xckpt": "xckpt.converters.xckpt_write:write",
-    "safetensors": "xckpt.converters.safetensors_write:write",
-    "torch": "xckpt.converters.torch_save_write:write",
-    "torch-dcp": "xckpt.converters.torch_dcp_write:write",
-    "orbax": "xckpt.converters.orbax_write:write",
-}
-
-#: Bytes the xckpt writer may hold in flight during a conversion.
-CONVERT_INFLIGHT_BYTES = 32 << 20
 #: huggingface_hub's default shard size.
 DEFAULT_SHARD_SIZE = 5 * 10**9
 
@@ -124,257 +112,13 @@ class VerifyMismatchError(CorruptChunkError):
 
 
 def guess_format(dst: str) -> str:
-    """The output format ``dst``'s name suggests: safetensors, torch, or xckpt."""
+    """The output format ``dst``'s name suggests: the first format of the table whose suffix
+    ends it (``.safetensors``: safetensors; ``.pt``, ``.pth``, ``.bin``: torch), else xckpt."""
     low = dst.rstrip("/").lower()
-    if low.endswith(".safetensors"):
-        return "safetensors"
-    if low.endswith((".pt", ".pth", ".bin")):
-        return "torch"
+    for fmt in formats.FORMATS.values():
+        if fmt.suffixes and low.endswith(fmt.suffixes):
+            return fmt.name
     return "xckpt"
-
-
-def _crc(arr: np.ndarray, crc: int = 0) -> int:
-    """crc32c of ``arr``'s row-major bytes (hardware crc32c, several GB/s), continuing ``crc``."""
-    if not arr.size:
-        return crc
-    a = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
-    raw = a.reshape(-1).view(np.uint8)
-    raw.flags.writeable = False  # google_crc32c takes read-only buffers (a view: arr stays writable)
-    return google_crc32c.extend(crc, raw)
-
-
-@dataclass(frozen=True)
-class WriteJob:
-    """What a format writer receives: everything is decided; it only lays bytes out.
-
-    Attributes:
-        src: the opened source (rules applied, names filtered).
-        dst: a fresh local path (file or directory) that does not exist yet; the
-            driver created its parent and renames it into place afterwards.
-        names: tensors to write, in source order.
-        objects: objects to write (pickled ones already resolved or dropped).
-        max_shard_size: bytes per shard of a safetensors Hugging Face directory (set by
-            the driver only for one; None: the safetensors writer writes one file).
-        bar: progress bar; writers call ``bar.update(nbytes)`` as tensor bytes land.
-        per_rank_objects: names in ``objects`` saved per rank; their value is the
-            list of every rank's value, in rank order.
-        record: record a crc32c per source box as it is read, for verify (the driver
-            turns it off without verify, and for xckpt output, which checks its own).
-    """
-
-    src: Source
-    dst: str
-    names: tuple[str, ...]
-    objects: Mapping[str, Any]
-    max_shard_size: int | None
-    bar: Any
-    per_rank_objects: frozenset[str] = frozenset()
-    record: bool = True
-    _buffers: _Buffers = field(default_factory=lambda: _Buffers(), repr=False, compare=False)
-    _crcs: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = field(
-        default_factory=dict, repr=False, compare=False
-    )
-    _partial: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = field(
-        default_factory=dict, repr=False, compare=False
-    )
-
-    def info(self, name: str) -> TensorEntry:
-        """dtype, shape and chunk boxes of ``name`` in the source."""
-        return self.src.info(name)
-
-    def _record(self, name: str, box: Box, arr: np.ndarray) -> None:
-        if self.record:
-            self._crcs[(name, tuple(box.offset), tuple(box.shape))] = _crc(arr)
-
-    def read_chunk(self, name: str, chunk: Chunk, *, reuse: bool = False) -> np.ndarray:
-        """One stored chunk of ``name``; records its crc32c for verify.
-
-        The buffer is fresh, or with ``reuse`` one of two recycled ones (see :meth:`chunks`).
-        """
-        t = self.src.info(name)
-        out = self._buffers.take(chunk.shape, t.np_dtype) if reuse else np.empty(chunk.shape, dtype=t.np_dtype)
-        if out.size:
-            self.src.read_into([(name, chunk.box, out)], show_progress=False)
-        self._record(name, chunk.box, out)
-        return out
-
-    def chunks(
-        self, name: str, *, rank: int | None = None, reuse: bool = False
-    ) -> Iterator[tuple[Chunk, np.ndarray]]:
-        """Each stored chunk of ``name`` (of writer ``rank``, or all), in order.
-
-        ``chunk.box`` is where it lies in the tensor, ``chunk.rank`` its source
-        writer. Each buffer is fresh (a writer may keep it until it is written), or
-        with ``reuse`` valid only until the next chunk is asked for: a writer that is
-        done with each chunk by then (it wrote it synchronously) saves the kernel
-        zeroing fresh pages for every chunk. The next chunk is read in the background
-        meanwhile (two in memory).
-        """
-        chunks = [c for c in self.src.info(name).chunks if rank is None or c.rank == rank]
-        yield from _ahead([functools.partial(self._chunk_pair, name, c, reuse) for c in chunks])
-        if reuse:
-            self._buffers.trim()
-
-    def bands(
-        self, name: str, *, max_bytes: int, multiple: int = 1
-    ) -> Iterator[tuple[Chunk, tuple[int, ...], np.ndarray]]:
-        """Each stored chunk of ``name`` in bands of whole rows: ``(chunk, band offset, band)``.
-
-        A band holds a multiple of ``multiple`` rows (at least that many) and about
-        ``max_bytes``; a chunk no larger than that comes whole. Bands are read one at a
-        time into recycled buffers, each valid only until the next is asked for, the
-        next read in the background meanwhile: memory stays near two bands whatever
-        the source's chunks. The crc32c recorded for verify is the whole chunk's.
-        """
-        t = self.src.info(name)
-        reads = []
-        for c in t.chunks:
-            if not c.box.volume:
-                continue
-            nbytes = c.box.volume * t.np_dtype.itemsize
-            if len(c.shape) == 0 or nbytes <= max_bytes:
-                reads.append(functools.partial(self._band, name, c, c.box, True))
-                continue
-            row = nbytes // c.shape[0]
-            rows = max(multiple, (max_bytes // row) // multiple * multiple)
-            for a in range(0, c.shape[0], rows):
-                b = min(c.shape[0], a + rows)
-                box = Box((c.offset[0] + a, *c.offset[1:]), (b - a, *c.shape[1:]))
-                reads.append(functools.partial(self._band, name, c, box, b == c.shape[0]))
-        yield from _ahead(reads)
-        self._buffers.trim()
-
-    def _band(self, name: str, chunk: Chunk, box: Box, last: bool) -> tuple[Chunk, tuple[int, ...], np.ndarray]:
-        out = self._buffers.take(box.shape, self.src.info(name).np_dtype)
-        if out.size:
-            self.src.read_into([(name, box, out)], show_progress=False)
-        if self.record:  # bands of a chunk are read in order: its crc32c continues band by band
-            key = (name, tuple(chunk.offset), tuple(chunk.shape))
-            crc = _crc(out, self._partial.pop(key, 0))
-            if last:
-                self._crcs[key] = crc
-            else:
-                self._partial[key] = crc
-        return chunk, tuple(box.offset), out
-
-    def _chunk_pair(self, name: str, chunk: Chunk, reuse: bool) -> tuple[Chunk, np.ndarray]:
-        return chunk, self.read_chunk(name, chunk, reuse=reuse)
-
-    def tensor(self, name: str, *, reuse: bool = False) -> np.ndarray:
-        """The whole tensor (for outputs that cannot hold chunks); crc32c per source box.
-
-        Fresh, or with ``reuse`` valid only until the next read through this job.
-        """
-        t = self.src.info(name)
-        out = self._buffers.take(t.shape, t.np_dtype) if reuse else np.empty(t.shape, dtype=t.np_dtype)
-        if out.size:
-            self.src.read_into([(name, t.box, out)], show_progress=False)
-        for c in t.chunks:
-            self._record(name, c.box, out[c.box.slices()])
-        return out
-
-    def rows(self, name: str) -> Iterator[np.ndarray]:
-        """The tensor's row-major bytes as C-contiguous pieces, in order.
-
-        Pieces are bands of whole rows (dimension 0) that no source chunk
-        crosses: a row-sharded tensor streams one chunk at a time, a
-        column-sharded one comes as one piece. Records a crc32c per source box;
-        the next piece is read in the background while the caller writes one.
-        A piece is valid only until the next is asked for (its buffer is reused).
-        """
-        t = self.src.info(name)
-        chunks = [c for c in t.chunks if c.box.volume]
-        if t.nbytes == 0:
-            return
-        if len(t.shape) == 0 or len(chunks) == 1:
-            yield self.tensor(name, reuse=True)
-            self._buffers.trim()
-            return
-        bands: list[list[Any]] = []  # [start, end, chunks]
-        for c in sorted(chunks, key=lambda c: c.offset[0]):
-            lo, hi = c.offset[0], c.offset[0] + c.shape[0]
-            if bands and lo < bands[-1][1]:
-                bands[-1][1] = max(bands[-1][1], hi)
-                bands[-1][2].append(c)
-            else:
-                bands.append([lo, hi, [c]])
-        reads: list[Callable[[], np.ndarray]] = []
-        for lo, hi, members in bands:
-            if len(members) == 1 and members[0].shape[1:] == t.shape[1:]:
-                reads.append(functools.partial(self.read_chunk, name, members[0], reuse=True))
-            else:
-                box = Box((lo,) + (0,) * (len(t.shape) - 1), (hi - lo,) + tuple(t.shape[1:]))
-                reads.append(functools.partial(self._read_band, name, box, members))
-        yield from _ahead(reads)
-        self._buffers.trim()
-
-    def _read_band(self, name: str, box: Box, members: list[Chunk]) -> np.ndarray:
-        buf = self._buffers.take(box.shape, self.src.info(name).np_dtype)
-        self.src.read_into([(name, box, buf)], show_progress=False)
-        for c in members:
-            self._record(name, c.box, buf[c.box.slices(box)])
-        return buf
-
-
-#: An arena larger than this is not kept for pieces under a quarter of its size, nor between tensors.
-_KEEP = 32 << 20
-
-
-class _Buffers:
-    """Two byte arenas used in turn, each grown to the largest piece read into it.
-
-    Reading piece k+1 (in the background) while the caller writes piece k needs two
-    buffers; piece k+2 goes where piece k was, which the caller is done with by then.
-    Recycling them spares the page faults and kernel zeroing of a fresh buffer per
-    piece (a quarter of a conversion's CPU time, measured with perf).
-    """
-
-    def __init__(self) -> None:
-        self._arenas: list[np.ndarray | None] = [None, None]
-        self._turn = 0
-
-    def take(self, shape: Sequence[int], dtype: np.dtype[Any]) -> np.ndarray:
-        """A C-contiguous array of ``shape`` and ``dtype`` in the next arena."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        i, self._turn = self._turn, 1 - self._turn
-        arena = self._arenas[i]
-        if arena is None or arena.nbytes < nbytes or (arena.nbytes > _KEEP and arena.nbytes > 4 * nbytes):
-            # Too small, or a rare large piece's arena that would stay resident for small ones.
-            self._arenas[i] = None  # freed before the new one is allocated
-            arena = self._arenas[i] = np.empty(max(nbytes, 64), dtype=np.uint8)
-        return arena[:nbytes].view(dtype).reshape(shape)
-
-    def trim(self) -> None:
-        """Drop arenas larger than ``_KEEP`` (the caller is done with every piece)."""
-        self._arenas = [a if a is not None and a.nbytes <= _KEEP else None for a in self._arenas]
-
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _ahead(reads: Sequence[Callable[[], T]]) -> Iterator[T]:
-    """The results of ``reads`` in order, the next one read in the background while the
-    caller writes the current one: reading and writing overlap, one piece ahead."""
-    global _POOL
-    if not reads:
-        return
-    if len(reads) == 1:
-        yield reads[0]()
-        return
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(1, thread_name_prefix="xckpt-convert-read")
-    fut = _POOL.submit(reads[0])
-    try:
-        for nxt in reads[1:]:
-            res = fut.result()
-            fut = _POOL.submit(nxt)
-            yield res
-            del res
-        yield fut.result()
-    finally:
-        if not fut.done():
-            fut.cancel()
-            futures_wait([fut])  # never leave a read running on a source being closed
 
 
 # -- the source side ---------------------------------------------------------------
@@ -398,45 +142,36 @@ def _selected(name: str, include: list[str] | None, exclude: list[str] | None) -
 
 
 def _check_from_format(src: Any, from_format: str) -> None:
-    from xckpt import formats
-
-    if from_format not in formats.FORMATS:
+    fmt = formats.FORMATS.get(from_format)
+    if fmt is None:
         raise XckptError(f"unknown source format {from_format!r}; known formats: {', '.join(formats.FORMATS)}")
     local = local_path(src)
     if local is None:
         if from_format != "xckpt":
             raise XckptError(f"{src!r}: {from_format} checkpoints are read from local paths")
         return
-    if from_format == "xckpt":
-        fits = os.path.isdir(local) and formats._has_xckpt(local)
-    else:
-        fits = bool(formats._module(from_format).detect(local))
-    if not fits:
+    if not fmt.detect(local):
         try:
             found = f"it was detected as {formats.detect(local)}"
         except XckptError:
-            found = f"it holds {formats._listing(local)}"
+            found = f"it holds {formats.listing(local)}"
         raise XckptError(
-            f"{src!r} is not a {from_format} checkpoint ({found}); drop --from/from_format to detect "
-            "the format, or point at the right location. Nothing was written"
+            f"{src!r} is not a {from_format} checkpoint ({found}): {fmt.why_not(local)}; drop "
+            "--from/from_format to detect the format, or point at the right location. Nothing was written"
         )
 
 
 def _open(
     src: Any, from_format: str | None, rules: Any, include: Any, exclude: Any, allow_pickle: bool
 ) -> Source:
-    import xckpt
-
     inc, exc = _globs(include, "include"), _globs(exclude, "exclude")
     if inc is None and exc is None:
-        return xckpt.open(src, format=from_format, allow_pickle=allow_pickle, rules=rules)
-    raw = xckpt.open(src, format=from_format, allow_pickle=allow_pickle)
+        return formats.open(src, format=from_format, allow_pickle=allow_pickle, rules=rules)
+    raw = formats.open(src, format=from_format, allow_pickle=allow_pickle)
     names = [n for n in raw.names() if _selected(n, inc, exc)]
     objs = [n for n in raw.object_names() if _selected(n, inc, exc)]
     view: Source = Selected(raw, names, objs)
     if rules is not None:
-        from xckpt.rules import apply_rules
-
         try:
             view = apply_rules(view, rules)
         except BaseException:
@@ -449,8 +184,6 @@ def _open(
 
 
 def _is_checkpoint(path: str) -> bool:
-    from xckpt import formats
-
     try:
         formats.detect(path)
     except XckptError:
@@ -485,6 +218,17 @@ def _check_dst(dst: str, src: Any, overwrite: bool) -> bool:
     return True
 
 
+def _check(fmt: Format, job: WriteJob) -> None:
+    """The sink's check (step 2 of its call protocol); a framework it lacks is an XckptError."""
+    try:
+        fmt.sink.check(job)
+    except ModuleNotFoundError as e:
+        raise XckptError(
+            f"the {fmt.name} sink needs {e.name}, which is not installed ({e}); install it, or convert to "
+            "another format"
+        ) from None
+
+
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -508,23 +252,11 @@ def _commit(tmp: str, dst: str, replace: bool) -> None:
     _remove(old)
 
 
-def _writer(fmt: str) -> Callable[[WriteJob], None]:
-    mod, fn = WRITERS[fmt].split(":")
-    try:
-        module = importlib.import_module(mod)
-    except ModuleNotFoundError as e:
-        raise XckptError(f"the {fmt} writer is not available ({e}); convert to another format") from None
-    return getattr(module, fn)
-
-
 #: Bytes of boxes verify reads back in one ``read_into`` (the reader runs them concurrently).
 _VERIFY_BATCH = 16 << 20
 
 
-_Key = tuple[str, tuple[int, ...], tuple[int, ...]]  # (name, box offset, box shape)
-
-
-def _verify(job: WriteJob, out_format: str) -> None:
+def _verify(job: WriteJob, out: Format) -> None:
     """Check the output at ``job.dst`` reads back as the source.
 
     Other formats than xckpt: every box recorded while converting is re-read through
@@ -533,25 +265,24 @@ def _verify(job: WriteJob, out_format: str) -> None:
     (and a packed chunk's crc32), and the names, dtypes, shapes and boxes must be the
     source's. Reads go in batches of about ``_VERIFY_BATCH`` bytes (a larger box of a
     format other than xckpt in bands of rows, its crc32c continued band by band) into the
-    job's two recycled buffers, the next batch read in the background while one is checked.
+    two recycled buffers, the next batch read in the background while one is checked.
     """
-    import xckpt
-
-    with xckpt.open(job.dst, format=out_format) as out:
+    out_format = out.name
+    with formats.open(job.dst, format=out_format) as back:
         if out_format == "xckpt":
-            _check_structure(job, out)
-            keys: list[_Key] = [
-                (n, tuple(c.offset), tuple(c.shape)) for n in job.names for c in out.info(n).chunks if c.box.volume
+            _check_structure(job, back)
+            keys: list[BoxKey] = [
+                (n, tuple(c.offset), tuple(c.shape)) for n in job.names for c in back.info(n).chunks if c.box.volume
             ]
         else:
-            keys = list(job._crcs)
+            keys = list(job.crcs)
         try:
             crc = 0
-            for key, buf, last in _read_back(job, out, keys, split=out_format != "xckpt"):
-                want = job._crcs.get(key)
+            for key, buf, last in _read_back(back, keys, split=out_format != "xckpt"):
+                want = job.crcs.get(key)
                 if want is None:
                     continue
-                crc = _crc(buf, crc)
+                crc = crc32c(buf, crc)
                 if not last:
                     continue
                 crc, got = 0, crc
@@ -563,7 +294,7 @@ def _verify(job: WriteJob, out_format: str) -> None:
                         f"{want:08x}; nothing was written to the destination. Check the disk "
                         "and convert again"
                     )
-            problems = out._verify_objects() if job.objects else []
+            problems = back._verify_objects() if job.objects else []
         except VerifyMismatchError:
             raise
         except CorruptChunkError as e:
@@ -576,15 +307,14 @@ def _verify(job: WriteJob, out_format: str) -> None:
             )
 
 
-def _read_back(
-    job: WriteJob, out: Source, keys: Sequence[_Key], *, split: bool
-) -> Iterator[tuple[_Key, np.ndarray, bool]]:
+def _read_back(out: Source, keys: Sequence[BoxKey], *, split: bool) -> Iterator[tuple[BoxKey, np.ndarray, bool]]:
     """Each box of ``keys`` read from ``out`` in batches (see :func:`_verify`): ``(key, piece,
     last)``. With ``split``, a box larger than a batch comes as bands of whole rows, in order
     (``last`` on its final band), so a reader that decodes every stored chunk a read touches at
     once (tensorstore, for orbax) holds about a batch, not the largest box."""
     dtypes = {name: out.info(name).np_dtype for name in {key[0] for key in keys}}
-    pieces: list[tuple[_Key, Box, int, bool]] = []  # (key, box read, bytes, last)
+    buffers = Buffers()
+    pieces: list[tuple[BoxKey, Box, int, bool]] = []  # (key, box read, bytes, last)
     for key in keys:
         name, offset, shape = key
         nbytes = dtypes[name].itemsize * int(np.prod(shape, dtype=np.int64))
@@ -598,34 +328,29 @@ def _read_back(
             box = Box((offset[0] + lo, *offset[1:]), (hi - lo, *shape[1:]))
             pieces.append((key, box, (hi - lo) * row, hi == shape[0]))
 
-    def read(batch: list[tuple[_Key, Box, int, bool]]) -> list[tuple[_Key, np.ndarray, bool]]:
-        arena = job._buffers.take((sum(_aligned(n) for *_, n, _ in batch),), np.dtype(np.uint8))
+    def read(batch: list[tuple[BoxKey, Box, int, bool]]) -> list[tuple[BoxKey, np.ndarray, bool]]:
+        arena = buffers.take((sum(aligned(n) for *_, n, _ in batch),), np.dtype(np.uint8))
         items, at = [], 0
         for key, box, n, last in batch:
             items.append((key, arena[at : at + n].view(dtypes[key[0]]).reshape(box.shape), last))
-            at += _aligned(n)
+            at += aligned(n)
         reads = [(key[0], box, buf) for (key, box, _, _), (_, buf, _) in zip(batch, items) if buf.size]
         if reads:
             out.read_into(reads, show_progress=False)
         return items
 
-    batches: list[list[tuple[_Key, Box, int, bool]]] = [[]]
+    batches: list[list[tuple[BoxKey, Box, int, bool]]] = [[]]
     size = 0
     for piece in pieces:
-        nbytes = _aligned(piece[2])
+        nbytes = aligned(piece[2])
         if batches[-1] and size + nbytes > _VERIFY_BATCH:
             batches.append([])
             size = 0
         batches[-1].append(piece)
         size += nbytes
-    for items in _ahead([functools.partial(read, batch) for batch in batches if batch]):
+    for items in read_ahead([functools.partial(read, batch) for batch in batches if batch]):
         yield from items
         del items
-    job._buffers.trim()
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 64) * 64
 
 
 def _boxes(t: TensorEntry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -709,8 +434,9 @@ def convert(
         )
     out = out.rstrip(os.sep) or out
     fmt = to_format if to_format is not None else guess_format(out)
-    if fmt not in WRITERS:
-        raise XckptError(f"unknown output format {fmt!r}; known: {', '.join(WRITERS)}")
+    out_fmt = formats.FORMATS.get(fmt)
+    if out_fmt is None:
+        raise XckptError(f"unknown output format {fmt!r}; known: {', '.join(formats.FORMATS)}")
     hf_dir = fmt == "safetensors" and not out.lower().endswith(".safetensors")
     shard: int | None = None
     if max_shard_size is not None:
@@ -725,7 +451,6 @@ def convert(
     if from_format is not None:
         _check_from_format(src, from_format)
     replace = _check_dst(out, src, overwrite)
-    writer = _writer(fmt)
     source = _open(src, from_format, rules, include, exclude, allow_pickle)
     try:
         names = tuple(source.names())
@@ -741,17 +466,18 @@ def convert(
         objects = source.objects(wanted, per_rank="list") if wanted else {}
         per_rank = frozenset(source.per_rank_objects() & set(wanted))
         parent, base = os.path.split(os.path.abspath(out))
-        os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".{base}.xckpt-tmp-{secrets.token_hex(4)}")
         total = sum(source.info(n).nbytes for n in names)
-        try:
+        try:  # the Sink call protocol, steps 2 to 4
             with progress(total, f"convert to {fmt}", show_progress) as bar:
                 job = WriteJob(source, tmp, names, objects, shard, bar, per_rank, record=verify and fmt != "xckpt")
-                writer(job)
+                _check(out_fmt, job)
+                os.makedirs(parent, exist_ok=True)
+                out_fmt.sink.write(job)
             if not os.path.lexists(tmp):
-                raise XckptError(f"the {fmt} writer wrote nothing at {tmp!r}")
+                raise XckptError(f"the {fmt} sink wrote nothing at {tmp!r}")
             if verify:
-                _verify(job, fmt)
+                _verify(job, out_fmt)
             _commit(tmp, os.path.abspath(out), replace)
         except BaseException:
             _remove(tmp)

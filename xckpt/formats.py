@@ -1,56 +1,159 @@
-"""Which format is at a location, and open it as a :class:`~xckpt.source.Source`.
+"""The formats table: format name -> how to detect it, open it as a Source, and write it.
 
-Every format is a source (DESIGN.md section 6). The xckpt reader lives in the
-core; each foreign format is one module of :mod:`xckpt.converters` with:
+Every format is a source and a sink (DESIGN.md section 6). :data:`FORMATS` holds one
+:class:`Format` per format, in detection order; :func:`detect`, :func:`open` and
+``xckpt.convert`` use nothing else. A format is:
 
-* ``FORMAT``: its name (``torch-dcp``, ``orbax``, ``safetensors``, ``torch``);
-* ``detect(path: str) -> bool``: a cheap look at a *local* path (file names, a
-  few magic bytes), never a full parse; called in the order of :data:`FORMATS`;
-* ``open(path: str, *, allow_pickle: bool) -> Source``: parse the format's
-  metadata and return the source, or raise an :class:`~xckpt.errors.XckptError`
-  that says what is wrong with the location.
+* ``detect(path: str) -> bool``: a cheap look at a *local* path (file names, a few
+  magic bytes), never a full parse; ``looks_for`` says in words what it looks for, so
+  a location where nothing is recognised gets a message naming, per format, why it
+  said no;
+* ``open(location, *, allow_pickle, context) -> Source``: parse the format's metadata
+  and return the :class:`~xckpt.source.Source`, or raise an
+  :class:`~xckpt.errors.XckptError` that says what is wrong with the location. xckpt
+  checkpoints open from any tensorstore location; foreign formats from local paths
+  (or ``file://`` URLs);
+* ``sink``: the :class:`~xckpt.sink.Sink` that writes it (``xckpt.convert``'s output);
+* ``suffixes``: the output names that choose it when ``convert`` is given no
+  ``to_format`` (the first format whose suffix ends the name; xckpt otherwise).
 
 :func:`open` detects, opens, and applies ``rules`` (a view over the source).
-Foreign formats are read from local paths (or ``file://`` URLs); xckpt
-checkpoints from any tensorstore location.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from xckpt.converters import orbax, safetensors, torch_dcp, torch_save
+from xckpt.converters.orbax_write import OrbaxSink
+from xckpt.converters.safetensors_write import SafetensorsSink
+from xckpt.converters.torch_dcp_write import DcpSink
+from xckpt.converters.torch_save_write import TorchSaveSink
+from xckpt.converters.xckpt_write import XckptSink
 from xckpt.errors import CheckpointNotFoundError, XckptError
 from xckpt.manifest import paused_gc
 from xckpt.reader import Checkpoint
-from xckpt.rules import apply_rules
+from xckpt.rules import Rules, apply_rules
+from xckpt.sink import Sink
 from xckpt.source import Source, local_path, readable_objects
+from xckpt.storage import Location
 
-__all__ = ["FORMATS", "open", "opened", "load", "detect"]
+__all__ = ["FORMATS", "Format", "Opener", "open", "opened", "load", "detect", "listing"]
 
-#: Format name -> module implementing it, in detection order.
-FORMATS: dict[str, str] = {
-    "xckpt": "xckpt.reader",
-    "torch-dcp": "xckpt.converters.torch_dcp",
-    "orbax": "xckpt.converters.orbax",
-    "safetensors": "xckpt.converters.safetensors",
-    "torch": "xckpt.converters.torch_save",
+
+class Opener(Protocol):
+    """Open a checkpoint of one format at ``location`` (see the module docstring)."""
+
+    def __call__(self, location: Any, *, allow_pickle: bool, context: Any) -> Source: ...
+
+
+@dataclass(frozen=True)
+class Format:
+    """One row of the formats table: a format's name, detection, source and sink.
+
+    Attributes:
+        name: ``xckpt``, ``torch-dcp``, ``orbax``, ``safetensors`` or ``torch``.
+        detect: whether a local path holds this format (cheap; never a full parse).
+        looks_for: what ``detect`` looks for, in words (said when it says no).
+        kinds: what it can be at a local path: ``"dir"``, ``"file"`` or both.
+        open: opens a location of this format as a source.
+        sink: writes this format (``xckpt.convert``'s output).
+        suffixes: output names that choose this format in ``convert``.
+    """
+
+    name: str
+    detect: Callable[[str], bool]
+    looks_for: str
+    kinds: frozenset[str]
+    open: Opener
+    sink: Sink
+    suffixes: tuple[str, ...] = ()
+
+    def why_not(self, path: str) -> str:
+        """Why ``detect`` said no at local ``path``, in words."""
+        kind = "dir" if os.path.isdir(path) else "file" if os.path.isfile(path) else None
+        if kind is not None and kind not in self.kinds:
+            want = "directories" if self.kinds == {"dir"} else "files"
+            return f"{'a directory' if kind == 'dir' else 'a file'}, and {self.name} checkpoints are {want}"
+        return f"no {self.looks_for}"
+
+
+def _is_xckpt(path: str) -> bool:
+    # data/ alone is a save that never committed: the xckpt reader says so.
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, p)) for p in ("xckpt.json", "ranks", "data"))
+
+
+def _open_xckpt(location: Any, *, allow_pickle: bool, context: Any) -> Source:
+    return Checkpoint(location, context=context)
+
+
+def _local(name: str, open_local: Callable[..., Source]) -> Opener:
+    """An opener for a format read from local paths only."""
+
+    def open_(location: Any, *, allow_pickle: bool, context: Any) -> Source:
+        local = local_path(location)
+        if local is None:
+            raise XckptError(
+                f"{location!r}: {name} checkpoints are read from local paths (or file:// URLs); copy "
+                "it locally, or convert it to xckpt, which reads from any kvstore"
+            )
+        return open_local(local, allow_pickle=allow_pickle)
+
+    return open_
+
+
+_DIR, _FILE = frozenset({"dir"}), frozenset({"file"})
+
+#: Format name -> :class:`Format`, in detection order.
+FORMATS: Mapping[str, Format] = {
+    f.name: f
+    for f in (
+        Format("xckpt", _is_xckpt, "xckpt.json, ranks/ or data/", _DIR, _open_xckpt, XckptSink()),
+        Format(
+            "torch-dcp",
+            torch_dcp.detect,
+            ".metadata or __<r>.metadata beside *.distcp files",
+            _DIR,
+            _local("torch-dcp", torch_dcp.open),
+            DcpSink(),
+        ),
+        Format(
+            "orbax",
+            orbax.detect,
+            "_METADATA or _CHECKPOINT_METADATA (here or in item subdirectories), nor numbered steps "
+            "holding them",
+            _DIR,
+            _local("orbax", orbax.open),
+            OrbaxSink(),
+        ),
+        Format(
+            "safetensors",
+            safetensors.detect,
+            "*.safetensors file, model.safetensors.index.json, or safetensors header",
+            _DIR | _FILE,
+            _local("safetensors", safetensors.open),
+            SafetensorsSink(),
+            (".safetensors",),
+        ),
+        Format(
+            "torch",
+            torch_save.detect,
+            "torch.save zip (an archive/data.pkl record) or legacy torch.save pickle",
+            _FILE,
+            _local("torch", torch_save.open),
+            TorchSaveSink(),
+            (".pt", ".pth", ".bin"),
+        ),
+    )
 }
 
 
-def _module(fmt: str) -> Any:
-    return importlib.import_module(FORMATS[fmt])
-
-
-def _has_xckpt(path: str) -> bool:
-    # data/ alone is a save that never committed: the xckpt reader says so.
-    return any(os.path.exists(os.path.join(path, p)) for p in ("xckpt.json", "ranks", "data"))
-
-
-def _listing(path: str) -> str:
+def listing(path: str) -> str:
+    """What is at local ``path``, in words (for messages)."""
     if not os.path.exists(path):
         return "nothing (the path does not exist)"
     if os.path.isfile(path):
@@ -68,35 +171,33 @@ def _listing(path: str) -> str:
 def detect(path: Any) -> str:
     """The name of the format at ``path`` (a local path, URL or kvstore spec).
 
+    Each format of :data:`FORMATS` is tried in order; kvstore URLs and specs hold
+    xckpt checkpoints.
+
     Raises:
         CheckpointNotFoundError: nothing recognised; the message lists what was
-            found and the formats known.
+            found, and each format tried with why it said no.
     """
     local = local_path(path)
     if local is None:
-        return "xckpt"  # kvstore URLs and specs hold xckpt checkpoints
-    if os.path.isdir(local) and _has_xckpt(local):
         return "xckpt"
-    for fmt in FORMATS:
-        if fmt == "xckpt":
-            continue
-        if _module(fmt).detect(local):
-            return fmt
+    tried = []
+    for fmt in FORMATS.values():
+        if fmt.detect(local):
+            return fmt.name
+        tried.append(f"\n  {fmt.name}: {fmt.why_not(local)}")
     raise CheckpointNotFoundError(
-        f"no checkpoint recognised at {local!r}: found {_listing(local)}. Known formats: "
-        f"{', '.join(FORMATS)} (xckpt: xckpt.json or ranks/; torch-dcp: .metadata or "
-        "__<r>.metadata beside *.distcp; orbax: _METADATA or _CHECKPOINT_METADATA; safetensors: "
-        "a .safetensors file or a directory of them; torch: a torch.save zip file). Pass "
-        "format= to force one"
+        f"no checkpoint recognised at {local!r}: found {listing(local)}. Known formats: "
+        f"{', '.join(FORMATS)}, each tried:{''.join(tried)}\nPass format= to force one"
     )
 
 
 def open(  # noqa: A001
-    path: Any,
+    path: Location | Source,
     *,
     format: str | None = None,  # noqa: A002
     allow_pickle: bool = False,
-    rules: Sequence[Mapping[str, Any]] | str | os.PathLike[str] | None = None,
+    rules: Rules = None,
     context: Any = None,
 ) -> Source:
     """Open the checkpoint at ``path``, of any format, for reading (metadata only).
@@ -121,19 +222,11 @@ def open(  # noqa: A001
         if format is not None and format != path.format:
             raise XckptError(f"{path.path!r} is open as {path.format}, not {format}")
         return path if rules is None else _with_rules(path, rules)
-    fmt = detect(path) if format is None else format
-    if fmt not in FORMATS:
-        raise XckptError(f"unknown format {fmt!r}; known formats: {', '.join(FORMATS)}")
-    if fmt == "xckpt":
-        src: Source = Checkpoint(path, context=context)
-    else:
-        local = local_path(path)
-        if local is None:
-            raise XckptError(
-                f"{path!r}: {fmt} checkpoints are read from local paths (or file:// URLs); copy it "
-                "locally, or convert it to xckpt, which reads from any kvstore"
-            )
-        src = _module(fmt).open(local, allow_pickle=allow_pickle)
+    name = detect(path) if format is None else format
+    fmt = FORMATS.get(name)
+    if fmt is None:
+        raise XckptError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}")
+    src = fmt.open(path, allow_pickle=allow_pickle, context=context)
     return src if rules is None else _with_rules(src, rules)
 
 
@@ -147,7 +240,7 @@ def _with_rules(src: Source, rules: Any) -> Source:
 
 
 @contextlib.contextmanager
-def opened(path: Any, **options: Any) -> Iterator[Source]:
+def opened(path: Location | Source, **options: Any) -> Iterator[Source]:
     """:func:`open` as a context manager that closes what it opened.
 
     A :class:`~xckpt.source.Source` given as ``path`` belongs to the caller and
@@ -163,21 +256,25 @@ def opened(path: Any, **options: Any) -> Iterator[Source]:
 
 
 def load(
-    path: Any,
+    path: Location | Source,
     *,
     format: str | None = None,  # noqa: A002
     allow_pickle: bool = False,
-    rules: Any = None,
+    rules: Rules = None,
     per_rank: str = "error",
     show_progress: bool | None = None,
+    context: Any = None,
 ) -> dict[str, Any]:
     """Every tensor (numpy) and object of a checkpoint of any format, by name, in one process.
 
     Pickled objects (DCP's non-tensor values) are left out, with a warning naming them,
-    unless ``allow_pickle=True``.
+    unless ``allow_pickle=True``. ``format``, ``allow_pickle``, ``rules`` and ``context``
+    are :func:`open`'s; a source opened here is closed before ``load`` returns, an open
+    :class:`~xckpt.source.Source` passed as ``path`` stays open.
     """
     # The manifest's objects and the outputs hold no cycles: no collections while they are built.
-    with paused_gc(), open(path, format=format, allow_pickle=allow_pickle, rules=rules) as src:
+    options = {"format": format, "allow_pickle": allow_pickle, "rules": rules, "context": context}
+    with paused_gc(), opened(path, **options) as src:
         out: dict[str, Any] = dict(src.read_all(show_progress=show_progress))
         out.update(
             src.objects(

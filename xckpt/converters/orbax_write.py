@@ -82,8 +82,10 @@ import numpy as np
 
 from xckpt.errors import XckptError
 from xckpt.manifest import dtype_name
+from xckpt.sink import Sink, WriteJob
+from xckpt.storage import default_context
 
-__all__ = ["write", "choose_grid", "MAX_CHUNK_BYTES", "TXN_BYTES"]
+__all__ = ["OrbaxSink", "choose_grid", "MAX_CHUNK_BYTES", "TXN_BYTES"]
 
 FORMAT = "orbax"
 
@@ -232,8 +234,9 @@ def _object_leaves(keys: tuple[tuple[str, int], ...], value: Any, depth: int = 0
     raise _Drop(f"a value of type {type(value).__name__}")
 
 
-def _plan(job: Any) -> list[_Leaf]:
-    """Every leaf, checked: no name both a leaf and a node, no parameter name twice."""
+def _plan(job: WriteJob, *, warn: bool) -> list[_Leaf]:
+    """Every leaf, checked: no name both a leaf and a node, no parameter name twice, not
+    empty. With ``warn``, a warning names the objects orbax cannot hold (they are dropped)."""
     leaves = [_Leaf(_split(n, "tensor"), "jax.Array", tensor=n) for n in job.names]
     dropped = []
     for name, value in job.objects.items():
@@ -242,12 +245,17 @@ def _plan(job: Any) -> list[_Leaf]:
             leaves.extend(_object_leaves(keys, value))
         except _Drop as e:
             dropped.append(f"{name!r} ({e})")
-    if dropped:
+    if dropped and warn:
         warnings.warn(
             f"orbax output of {job.src.path!r}: dropping objects orbax cannot hold: {', '.join(dropped)}; "
             "convert to xckpt or torch-dcp to keep them",
             UserWarning,
             stacklevel=4,
+        )
+    if not leaves:
+        raise XckptError(
+            f"orbax output of {job.src.path!r}: nothing to write (no tensors or objects selected); "
+            "orbax cannot restore an empty tree. Check include/exclude"
         )
     paths: dict[tuple[str, ...], _Leaf] = {}
     params: dict[str, _Leaf] = {}
@@ -391,133 +399,138 @@ def _value_metadata(leaf: _Leaf) -> dict[str, Any]:
     return vm
 
 
-def write(job: Any) -> None:
-    """Write ``job.src``'s tensors and ``job.objects`` as an orbax pytree checkpoint at ``job.dst``.
+class OrbaxSink(Sink):
+    """An orbax pytree checkpoint (OCDBT, zarr v2 leaves), as ``StandardCheckpointer`` writes one."""
 
-    Raises:
-        XckptError: a name cannot be an orbax tree path, or two names collide.
-    """
-    import tensorstore as ts
+    format = FORMAT
 
-    from xckpt.storage import default_context
+    def check(self, job: WriteJob) -> None:
+        """Names nest into a tree (no name both a leaf and a node, no two names one parameter)
+        and the tree is not empty; objects orbax cannot hold are named in a warning (dropped).
 
-    leaves = _plan(job)
-    if not leaves:
-        raise XckptError(
-            f"orbax output of {job.src.path!r}: nothing to write (no tensors or objects selected); "
-            "orbax cannot restore an empty tree. Check include/exclude"
-        )
-    init = time.time_ns()
-    dst = os.path.abspath(job.dst)
-    os.makedirs(dst)
-    kv = {
-        "driver": "ocdbt",
-        "base": {"driver": "file", "path": dst + "/"},
-        "config": {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100000000, "manifest_kind": "single"},
-        "target_data_file_size": DATA_FILE_BYTES,
-    }
-    ctx = default_context()
-    txn = _Txn(ts)
-    # Every tensor's array is created in the first transaction, committed before any data
-    # is written: a handle of a committed transaction can be bound to each later one.
-    opened = {}
-    for leaf in leaves:
-        if leaf.kind == "jax.Array":
-            t = job.info(leaf.tensor)
-            leaf.dtype, leaf.shape = t.dtype, tuple(t.shape)
-            leaf.grid = choose_grid(t.shape, t.boxes, t.np_dtype.itemsize, MAX_CHUNK_BYTES)
-            spec = _array_spec(kv, leaf.param, t.dtype, t.shape, leaf.grid)
-            opened[leaf.param] = ts.open(spec, context=ctx, transaction=txn.txn)
-    handles = {param: fut.result() for param, fut in opened.items()}
-    strings: dict[str, str] = {}
-    try:
-        for leaf in leaves:
-            if leaf.kind == "string":
-                strings[leaf.param] = leaf.value
-            elif leaf.kind in ("scalar", "np.ndarray"):
-                arr = leaf.value
-                leaf.dtype, leaf.shape, leaf.grid = dtype_name(arr.dtype), arr.shape, [max(1, s) for s in arr.shape]
-                spec = _array_spec(kv, leaf.param, leaf.dtype, arr.shape, leaf.grid)
-                t = ts.open(spec, context=ctx, transaction=txn.txn).result()
-                t.write(arr).result()
-                txn.add(arr.nbytes)
-        txn.commit()
-        for leaf in leaves:
-            if leaf.kind == "jax.Array":
-                _write_tensor(job, leaf, handles.pop(leaf.param), txn)
-        txn.commit()
-    except BaseException:
-        txn.abandon()
-        raise
+        Raises:
+            XckptError: a name cannot be an orbax tree path, or two names collide.
+        """
+        _plan(job, warn=True)
 
-    if strings:
-        _write_json(os.path.join(dst, "_strings.json"), strings)
-    arrays = [leaf for leaf in leaves if leaf.kind == "jax.Array"]
-    _write_json(
-        os.path.join(dst, "_sharding"),
-        {base64.urlsafe_b64encode(leaf.param.encode()).decode(): _SHARDING for leaf in arrays},
-    )
-    os.makedirs(os.path.join(dst, "array_metadatas"))
-    _write_json(
-        os.path.join(dst, "array_metadatas", "process_0"),
-        {
-            "array_metadatas": [
-                {
-                    "array_metadata": {
-                        "param_name": leaf.param,
-                        "write_shape": leaf.grid,
-                        "chunk_shape": leaf.grid,
-                        "ext_metadata": None,
-                    }
-                }
-                for leaf in arrays
-            ]
-        },
-    )
-    tree = {
-        str(tuple(k for k, _ in leaf.keys)): {
-            "key_metadata": [{"key": k, "key_type": t} for k, t in leaf.keys],
-            "value_metadata": _value_metadata(leaf),
+    def write(self, job: WriteJob) -> None:
+        """Arrays created, then filled band by band in transactions; the tree's metadata
+        files after the data, ``commit_success.txt`` last."""
+        import tensorstore as ts  # imported when used, as the storage layer does (import time)
+
+        leaves = _plan(job, warn=False)
+        init = time.time_ns()
+        dst = os.path.abspath(job.dst)
+        os.makedirs(dst)
+        kv = {
+            "driver": "ocdbt",
+            "base": {"driver": "file", "path": dst + "/"},
+            "config": {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100000000, "manifest_kind": "single"},
+            "target_data_file_size": DATA_FILE_BYTES,
         }
-        for leaf in leaves
-    }
-    _write_json(
-        os.path.join(dst, "_METADATA"),
-        {
-            "tree_metadata": tree,
-            "use_ocdbt": True,
-            "use_zarr3": False,
-            "store_array_data_equal_to_fill_value": True,
-            "custom_metadata": None,
-        },
-    )
-    _write_json(
-        os.path.join(dst, "_CHECKPOINT_METADATA"),
-        {
-            "item_handlers": _HANDLER,
-            "metrics": {},
-            "performance_metrics": {},
-            "init_timestamp_nsecs": init,
-            "commit_timestamp_nsecs": time.time_ns(),
-            "custom_metadata": {},
-        },
-    )
-    with open(os.path.join(dst, "commit_success.txt"), "w") as f:
-        f.write(f"Checkpoint commit was successful to {dst}")
+        ctx = default_context()
+        txn = _Txn(ts)
+        # Every tensor's array is created in the first transaction, committed before any data
+        # is written: a handle of a committed transaction can be bound to each later one.
+        opened = {}
+        for leaf in leaves:
+            if leaf.tensor is not None:  # a jax.Array leaf
+                t = job.info(leaf.tensor)
+                leaf.dtype, leaf.shape = t.dtype, tuple(t.shape)
+                leaf.grid = choose_grid(t.shape, t.boxes, t.np_dtype.itemsize, MAX_CHUNK_BYTES)
+                spec = _array_spec(kv, leaf.param, t.dtype, t.shape, leaf.grid)
+                opened[leaf.param] = ts.open(spec, context=ctx, transaction=txn.txn)
+        handles = {param: fut.result() for param, fut in opened.items()}
+        strings: dict[str, str] = {}
+        try:
+            for leaf in leaves:
+                if leaf.kind == "string":
+                    strings[leaf.param] = leaf.value
+                elif leaf.kind in ("scalar", "np.ndarray"):
+                    arr = leaf.value
+                    leaf.dtype, leaf.shape, leaf.grid = dtype_name(arr.dtype), arr.shape, [max(1, s) for s in arr.shape]
+                    spec = _array_spec(kv, leaf.param, leaf.dtype, arr.shape, leaf.grid)
+                    store = ts.open(spec, context=ctx, transaction=txn.txn).result()
+                    store.write(arr).result()
+                    txn.add(arr.nbytes)
+            txn.commit()
+            for leaf in leaves:
+                if leaf.tensor is not None:
+                    _write_tensor(job, leaf.tensor, leaf, handles.pop(leaf.param), txn)
+            txn.commit()
+        except BaseException:
+            txn.abandon()
+            raise
+
+        if strings:
+            _write_json(os.path.join(dst, "_strings.json"), strings)
+        arrays = [leaf for leaf in leaves if leaf.kind == "jax.Array"]
+        _write_json(
+            os.path.join(dst, "_sharding"),
+            {base64.urlsafe_b64encode(leaf.param.encode()).decode(): _SHARDING for leaf in arrays},
+        )
+        os.makedirs(os.path.join(dst, "array_metadatas"))
+        _write_json(
+            os.path.join(dst, "array_metadatas", "process_0"),
+            {
+                "array_metadatas": [
+                    {
+                        "array_metadata": {
+                            "param_name": leaf.param,
+                            "write_shape": leaf.grid,
+                            "chunk_shape": leaf.grid,
+                            "ext_metadata": None,
+                        }
+                    }
+                    for leaf in arrays
+                ]
+            },
+        )
+        tree = {
+            str(tuple(k for k, _ in leaf.keys)): {
+                "key_metadata": [{"key": k, "key_type": t} for k, t in leaf.keys],
+                "value_metadata": _value_metadata(leaf),
+            }
+            for leaf in leaves
+        }
+        _write_json(
+            os.path.join(dst, "_METADATA"),
+            {
+                "tree_metadata": tree,
+                "use_ocdbt": True,
+                "use_zarr3": False,
+                "store_array_data_equal_to_fill_value": True,
+                "custom_metadata": None,
+            },
+        )
+        _write_json(
+            os.path.join(dst, "_CHECKPOINT_METADATA"),
+            {
+                "item_handlers": _HANDLER,
+                "metrics": {},
+                "performance_metrics": {},
+                "init_timestamp_nsecs": init,
+                "commit_timestamp_nsecs": time.time_ns(),
+                "custom_metadata": {},
+            },
+        )
+        with open(os.path.join(dst, "commit_success.txt"), "w") as f:
+            f.write(f"Checkpoint commit was successful to {dst}")
 
 
-def _write_tensor(job: Any, leaf: _Leaf, base: Any, txn: _Txn) -> None:
-    """Write the tensor's chunks through ``base`` (its array, created in a committed transaction)."""
+def _write_tensor(job: WriteJob, name: str, leaf: _Leaf, base: Any, txn: _Txn) -> None:
+    """Write tensor ``name``'s chunks through ``base`` (its array, created in a committed transaction)."""
     if 0 in (leaf.shape or ()):
         # zarr stores nothing for an empty array; orbax restores it from .zarray alone.
         return
-    arr, bound = None, None
+    arr: Any = None
+    bound: Any = None
     # Bands of whole grid rows of about TXN_BYTES (starting on each chunk's own offset, so aligned
     # boxes stay whole zarr chunks), read one at a time into recycled buffers: each is written
     # (copied into the transaction) before the next is asked for, so a large source chunk is
     # never in memory whole.
     step0 = leaf.grid[0] if leaf.grid else 1
-    for _chunk, offset, piece in job.bands(leaf.tensor, max_bytes=TXN_BYTES, multiple=step0):
+    for _chunk, offset, piece in job.bands(name, max_bytes=TXN_BYTES, multiple=step0):
         if bound is not txn.txn:  # a new transaction since the last write
             arr, bound = base.with_transaction(txn.txn), txn.txn
         box = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))

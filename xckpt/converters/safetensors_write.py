@@ -8,8 +8,12 @@ larger, split greedily in source order as ``huggingface_hub`` splits): otherwise
 The header is written first (every offset is known from the source's metadata),
 then each tensor's bytes stream in row-major order: a row-sharded tensor moves
 one chunk at a time (:meth:`WriteJob.rows`), so memory stays near the largest
-chunk; a column-sharded one is assembled whole. The directory's index is written
-last: until then no reader takes the directory for a complete checkpoint.
+chunk; a column-sharded one is assembled whole. A single file is complete only
+with its last byte (its header claims every byte). A directory's shards are
+written as ``<shard>.partial``; once they all are, the index goes in, then each
+shard takes its name: before the index there is no ``*.safetensors`` file, after
+it the index names a missing shard until the last rename, so at no moment does a
+reader (xckpt's, ``safetensors``', ``from_pretrained``) take a part for the whole.
 
 ``__metadata__`` holds ``{"format": "pt"}`` (what ``save_pretrained`` writes and
 ``from_pretrained`` checks), the metadata of a safetensors or xckpt source
@@ -31,8 +35,9 @@ import numpy as np
 
 from xckpt.errors import XckptError
 from xckpt.manifest import encode_value
+from xckpt.sink import Sink, WriteJob
 
-__all__ = ["write", "ST_DTYPES", "plan_shards"]
+__all__ = ["SafetensorsSink", "ST_DTYPES", "plan_shards"]
 
 FORMAT = "safetensors"
 
@@ -57,11 +62,13 @@ ST_DTYPES: dict[str, str] = {
 }
 
 INDEX = "model.safetensors.index.json"
+#: Suffix of a shard being written (no reader takes it for a shard).
+_PARTIAL = ".partial"
 #: A Hugging Face index's bookkeeping (a source directory's metadata has them): not carried over.
 _INDEX_KEYS = frozenset({"total_size", "total_parameters"})
 
 
-def _metadata(job: Any) -> dict[str, str]:
+def _metadata(job: WriteJob) -> dict[str, str]:
     meta: dict[str, str] = {"format": "pt"}
     carried = job.src.metadata if job.src.format in ("safetensors", "xckpt") else {}
     for k, v in dict(carried).items():
@@ -72,7 +79,7 @@ def _metadata(job: Any) -> dict[str, str]:
     return meta
 
 
-def _header(job: Any, names: list[str], metadata: dict[str, str] | None) -> bytes:
+def _header(job: WriteJob, names: list[str], metadata: dict[str, str] | None) -> bytes:
     head: dict[str, Any] = {}
     if metadata:
         head["__metadata__"] = metadata
@@ -93,7 +100,7 @@ def _header(job: Any, names: list[str], metadata: dict[str, str] | None) -> byte
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_file(job: Any, path: str, names: list[str], metadata: dict[str, str] | None) -> None:
+def _write_file(job: WriteJob, path: str, names: list[str], metadata: dict[str, str] | None) -> None:
     header = _header(job, names, metadata)
     with open(path, "xb") as f:
         f.write(header)
@@ -120,25 +127,36 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[
     return shards
 
 
-def write(job: Any) -> None:
-    """Write ``job`` as one safetensors file, or a Hugging Face directory when sharded."""
-    names = list(job.names)
-    meta = _metadata(job)
-    if job.max_shard_size is None:
-        _write_file(job, job.dst, names, meta)
-        return
-    shards = plan_shards([(n, job.src.info(n).nbytes) for n in names], job.max_shard_size)
-    os.makedirs(job.dst)
-    weight_map: dict[str, str] = {}
-    n = len(shards)
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        _write_file(job, os.path.join(job.dst, fname), shard, meta if i == 0 else {"format": "pt"})
-        weight_map.update((name, fname) for name in shard)
-    total = sum(job.src.info(name).nbytes for name in names)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    tmp = os.path.join(job.dst, INDEX + ".partial")
-    with open(tmp, "x") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-    os.rename(tmp, os.path.join(job.dst, INDEX))
+class SafetensorsSink(Sink):
+    """One safetensors file, or a Hugging Face directory when ``job.max_shard_size`` is set."""
+
+    format = FORMAT
+
+    def check(self, job: WriteJob) -> None:
+        """Every dtype has a safetensors name; every object and metadata value encodes as JSON."""
+        _header(job, list(job.names), _metadata(job))
+
+    def write(self, job: WriteJob) -> None:
+        """Each file's header first, then its tensors' bytes; a directory's shards under
+        ``.partial`` names, then its index, then the shards' renames."""
+        names = list(job.names)
+        meta = _metadata(job)
+        if job.max_shard_size is None:
+            _write_file(job, job.dst, names, meta)
+            return
+        shards = plan_shards([(n, job.src.info(n).nbytes) for n in names], job.max_shard_size)
+        os.makedirs(job.dst)
+        weight_map: dict[str, str] = {}
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for i, (fname, shard) in enumerate(zip(files, shards)):
+            _write_file(job, os.path.join(job.dst, fname + _PARTIAL), shard, meta if i == 0 else {"format": "pt"})
+            weight_map.update((name, fname) for name in shard)
+        total = sum(job.src.info(name).nbytes for name in names)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        tmp = os.path.join(job.dst, INDEX + _PARTIAL)
+        with open(tmp, "x") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+        os.rename(tmp, os.path.join(job.dst, INDEX))
+        for fname in files:
+            os.rename(os.path.join(job.dst, fname + _PARTIAL), os.path.join(job.dst, fname))

@@ -48,8 +48,9 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import ObjectError, XckptError
+from xckpt.sink import Sink, WriteJob
 
-__all__ = ["write", "torch_tensor"]
+__all__ = ["DcpSink", "torch_tensor"]
 
 FORMAT = "torch-dcp"
 
@@ -75,25 +76,10 @@ def _fsync_close(f: Any) -> None:
     f.close()
 
 
-def write(job: Any) -> None:
-    """Write ``job.src``'s tensors and ``job.objects`` as a torch DCP checkpoint at ``job.dst``.
-
-    Raises:
-        XckptError: an object's flattened key is also a tensor name.
-        ObjectError: an object cannot be pickled by ``torch.save``.
-    """
-    import torch
+def _flat_objects(job: WriteJob) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Objects flattened as ``dcp.save`` flattens a state dict, and their paths; a flattened
+    key that is also a tensor name is an error."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
 
     flat_objects, object_paths = flatten_state_dict(dict(job.objects)) if job.objects else ({}, {})
     tensors = set(job.names)
@@ -103,77 +89,134 @@ def write(job: Any) -> None:
             f"torch DCP output of {job.src.path!r}: object keys {clash} (objects flattened as dcp.save "
             "flattens a state dict) are also tensor names; rename or exclude one of them"
         )
+    return flat_objects, object_paths
 
-    dst = os.path.abspath(job.dst)
-    os.makedirs(dst)
-    files: dict[int, Any] = {}
 
-    def rank_file(r: int) -> tuple[str, Any]:
-        rel = f"__{r}_0.distcp"
-        if r not in files:
-            files[r] = open(os.path.join(dst, rel), "wb")  # noqa: SIM115 - closed below
-        return rel, files[r]
+def _pickled(job: WriteJob, key: str, value: Any) -> io.BytesIO:
+    """``value`` as DCP stores a ``BYTE_IO`` item: ``torch.save``'d bytes."""
+    import torch
 
-    state: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    planner: dict[str, tuple[Any, ...]] = {}
+    buf = io.BytesIO()
     try:
-        for name in job.names:
-            t = job.info(name)
-            chunks = []
-            # A tensor with no stored chunk (empty) still gets one, as DCP writes empty shards.
-            pieces = job.chunks(name, reuse=True) if t.chunks else iter([(None, np.empty(t.shape, dtype=t.np_dtype))])
-            i = 0  # not enumerate(): its reused result tuple would keep the last chunk alive
-            for chunk, data in pieces:
-                offset, rank = (chunk.offset, chunk.rank) if chunk is not None else ((0,) * len(t.shape), 0)
-                rel, f = rank_file(rank)
-                start = f.tell()
-                torch.save(torch_tensor(data, t.dtype), f)
-                length = f.tell() - start
-                index = MetadataIndex(name, torch.Size(offset), i)
-                storage[index] = _StorageInfo(rel, start, length)
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(data.shape)))
-                job.bar.update(data.nbytes)
-                del data  # before the next chunk is read: one chunk in memory at a time
-                i += 1
-            state[name] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=getattr(torch, t.dtype)),
-                size=torch.Size(t.shape),
-                chunks=chunks,
-            )
-            planner[name] = (name,)
-        for key, value in flat_objects.items():
-            buf = io.BytesIO()
-            try:
-                torch.save(value, buf)
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
-                raise ObjectError(
-                    f"torch DCP output of {job.src.path!r}: object {key!r} cannot be pickled "
-                    f"({type(e).__name__}: {e}); exclude it (exclude=[...]) or convert to xckpt"
-                ) from None
-            rel, f = rank_file(0)
-            start = f.tell()
-            f.write(buf.getbuffer())
-            storage[MetadataIndex(key)] = _StorageInfo(rel, start, f.tell() - start)
-            state[key] = BytesStorageMetadata()
-            planner[key] = tuple(object_paths[key])
-        for f in files.values():
-            _fsync_close(f)
-    finally:
-        for f in files.values():
-            if not f.closed:
-                f.close()
+        torch.save(value, buf)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise ObjectError(
+            f"torch DCP output of {job.src.path!r}: object {key!r} cannot be pickled "
+            f"({type(e).__name__}: {e}); exclude it (exclude=[...]) or convert to xckpt"
+        ) from None
+    return buf
 
-    meta = Metadata(
-        state_dict_metadata=state,
-        planner_data=planner,
-        storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=None, save_id=secrets.token_hex(16)),
-        version=CURRENT_DCP_VERSION,
-    )
-    tmp = os.path.join(dst, ".metadata.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, os.path.join(dst, ".metadata"))
+
+class DcpSink(Sink):
+    """A torch DCP checkpoint: one ``__<r>_0.distcp`` per source writer, ``.metadata`` last."""
+
+    format = FORMAT
+
+    def check(self, job: WriteJob) -> None:
+        """Every dtype is a torch dtype; no flattened object key is a tensor name; every
+        object pickles with ``torch.save``.
+
+        Raises:
+            XckptError: a dtype torch lacks, or an object's flattened key is also a tensor name.
+            ObjectError: an object cannot be pickled by ``torch.save``.
+        """
+        import torch
+
+        for name in job.names:
+            dtype = job.src.info(name).dtype
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise XckptError(
+                    f"torch DCP output of {job.src.path!r}: tensor {name!r} is {dtype}, which this torch "
+                    f"({torch.__version__}) has no dtype for; cast it with a rule "
+                    f'{{"match": "{name}", "dtype": "float32"}}, exclude it, or convert to xckpt'
+                )
+        for key, value in _flat_objects(job)[0].items():
+            _pickled(job, key, value)
+
+    def write(self, job: WriteJob) -> None:
+        """Every chunk appended to its source writer's file as a ``torch.save`` archive,
+        then objects into rank 0's file; files fsynced, ``.metadata`` written last.
+
+        Raises:
+            XckptError: an object's flattened key is also a tensor name.
+            ObjectError: an object cannot be pickled by ``torch.save``.
+        """
+        import torch
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            MetadataIndex,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        flat_objects, object_paths = _flat_objects(job)
+        dst = os.path.abspath(job.dst)
+        os.makedirs(dst)
+        files: dict[int, Any] = {}
+
+        def rank_file(r: int) -> tuple[str, Any]:
+            rel = f"__{r}_0.distcp"
+            if r not in files:
+                files[r] = open(os.path.join(dst, rel), "wb")  # noqa: SIM115 - closed below
+            return rel, files[r]
+
+        state: dict[str, Any] = {}
+        storage: dict[Any, Any] = {}
+        planner: dict[str, tuple[Any, ...]] = {}
+        try:
+            for name in job.names:
+                t = job.info(name)
+                chunks = []
+                # A tensor with no stored chunk (empty) still gets one, as DCP writes empty shards.
+                pieces = job.chunks(name, reuse=True) if t.chunks else iter([(None, np.empty(t.shape, dtype=t.np_dtype))])
+                i = 0  # not enumerate(): its reused result tuple would keep the last chunk alive
+                for chunk, data in pieces:
+                    offset, rank = (chunk.offset, chunk.rank) if chunk is not None else ((0,) * len(t.shape), 0)
+                    rel, f = rank_file(rank)
+                    start = f.tell()
+                    torch.save(torch_tensor(data, t.dtype), f)
+                    length = f.tell() - start
+                    index = MetadataIndex(name, torch.Size(offset), i)
+                    storage[index] = _StorageInfo(rel, start, length)
+                    chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(data.shape)))
+                    job.bar.update(data.nbytes)
+                    del data  # before the next chunk is read: one chunk in memory at a time
+                    i += 1
+                state[name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=getattr(torch, t.dtype)),
+                    size=torch.Size(t.shape),
+                    chunks=chunks,
+                )
+                planner[name] = (name,)
+            for key, value in flat_objects.items():
+                buf = _pickled(job, key, value)
+                rel, f = rank_file(0)
+                start = f.tell()
+                f.write(buf.getbuffer())
+                storage[MetadataIndex(key)] = _StorageInfo(rel, start, f.tell() - start)
+                state[key] = BytesStorageMetadata()
+                planner[key] = tuple(object_paths[key])
+            for f in files.values():
+                _fsync_close(f)
+        finally:
+            for f in files.values():
+                if not f.closed:
+                    f.close()
+
+        meta = Metadata(
+            state_dict_metadata=state,
+            planner_data=planner,
+            storage_data=storage,
+            storage_meta=StorageMeta(checkpoint_id=None, save_id=secrets.token_hex(16)),
+            version=CURRENT_DCP_VERSION,
+        )
+        tmp = os.path.join(dst, ".metadata.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(dst, ".metadata"))

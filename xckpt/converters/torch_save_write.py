@@ -25,9 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from xckpt.errors import ObjectError
+from xckpt.errors import ObjectError, XckptError
+from xckpt.manifest import numpy_dtype
+from xckpt.sink import Sink, WriteJob
 
-__all__ = ["write", "pickle_state"]
+__all__ = ["TorchSaveSink", "pickle_state"]
 
 FORMAT = "torch"
 ALIGN = 64
@@ -128,7 +130,7 @@ def _tensor(key: str, dtype: str, shape: tuple[int, ...]) -> bytes:
         rebuild, storage, size = "_rebuild_tensor_v2", _global("torch", _TYPED[dtype]), numel
     else:
         rebuild, storage = "_rebuild_tensor_v3", _global("torch.storage", "UntypedStorage")
-        size = numel * np.dtype(_np_dtype(dtype)).itemsize
+        size = numel * numpy_dtype(dtype).itemsize
     pid = _tuple([_str("storage"), storage, _str(key), _str("cpu"), _int(size)]) + b"Q"
     args = [
         pid,
@@ -141,12 +143,6 @@ def _tensor(key: str, dtype: str, shape: tuple[int, ...]) -> bytes:
     if dtype not in _TYPED:
         args.append(_global("torch", _UNTYPED[dtype]))
     return _global("torch._utils", rebuild) + _tuple(args) + b"R"
-
-
-def _np_dtype(dtype: str) -> Any:
-    from xckpt.manifest import numpy_dtype
-
-    return numpy_dtype(dtype)
 
 
 def pickle_state(tensors: list[tuple[str, str, tuple[int, ...]]], objects: dict[str, Any]) -> bytes:
@@ -172,28 +168,49 @@ def _open_record(zf: zipfile.ZipFile, name: str, size: int) -> Any:
     return zf.open(zi, "w", force_zip64=zip64)
 
 
-def write(job: Any) -> None:
-    """Write ``job`` as one torch.save file of a flat dict (tensors, then objects)."""
+def _data_pkl(job: WriteJob) -> bytes:
+    """``data.pkl`` of the job's flat dict; raises for what torch's weights-only loader cannot read."""
     for name in job.names:
         t = job.src.info(name)
         if t.dtype not in _TYPED and t.dtype not in _UNTYPED:
             raise ObjectError(f"tensor {name!r}: dtype {t.dtype} has no torch equivalent")
+    clash = sorted(set(job.names) & set(job.objects))
+    if clash:
+        raise XckptError(
+            f"torch.save output of {job.src.path!r}: {clash} are both tensors and objects, and one flat "
+            "dict holds one value per key; rename or exclude one of them"
+        )
     tensors = [(n, job.src.info(n).dtype, tuple(job.src.info(n).shape)) for n in job.names]
-    data_pkl = pickle_state(tensors, dict(job.objects))
-    with open(job.dst, "xb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for rec, data in (
-            ("data.pkl", data_pkl),
-            (".format_version", b"1"),
-            (".storage_alignment", str(ALIGN).encode()),
-            ("byteorder", b"little"),
-        ):
-            with _open_record(zf, rec, len(data)) as w:
-                w.write(data)
-        for i, name in enumerate(job.names):
-            with _open_record(zf, f"data/{i}", job.src.info(name).nbytes) as w:
-                for piece in job.rows(name):
-                    w.write(memoryview(piece.reshape(-1).view(np.uint8)))
-                    job.bar.update(piece.nbytes)
-                    del piece  # free it before the next piece is read: one piece in memory
-        with _open_record(zf, "version", 2) as w:
-            w.write(b"3\n")
+    return pickle_state(tensors, dict(job.objects))
+
+
+class TorchSaveSink(Sink):
+    """One torch.save file of a flat dict (tensors, then objects)."""
+
+    format = FORMAT
+
+    def check(self, job: WriteJob) -> None:
+        """Every dtype has a torch name; every object is a plain value the weights-only loader reads."""
+        _data_pkl(job)
+
+    def write(self, job: WriteJob) -> None:
+        """``data.pkl`` first, then each tensor's record streamed in row-major order; the
+        zip's central directory last."""
+        data_pkl = _data_pkl(job)
+        with open(job.dst, "xb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for rec, data in (
+                ("data.pkl", data_pkl),
+                (".format_version", b"1"),
+                (".storage_alignment", str(ALIGN).encode()),
+                ("byteorder", b"little"),
+            ):
+                with _open_record(zf, rec, len(data)) as w:
+                    w.write(data)
+            for i, name in enumerate(job.names):
+                with _open_record(zf, f"data/{i}", job.src.info(name).nbytes) as w:
+                    for piece in job.rows(name):
+                        w.write(memoryview(piece.reshape(-1).view(np.uint8)))
+                        job.bar.update(piece.nbytes)
+                        del piece  # free it before the next piece is read: one piece in memory
+            with _open_record(zf, "version", 2) as w:
+                w.write(b"3\n")

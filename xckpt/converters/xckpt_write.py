@@ -1,7 +1,7 @@
 """xckpt output of ``xckpt.convert``, keeping the source layout: one :class:`~xckpt.Writer` per source writer.
 
 Ranks are written one after another (each commits before the next starts), each
-Writer holding at most :data:`xckpt.convert.CONVERT_INFLIGHT_BYTES` of chunks in
+Writer holding at most :data:`xckpt.sink.CONVERT_INFLIGHT_BYTES` of chunks in
 flight, so one writer's budget bounds memory; rank 0 finalizes. Chunks come fresh
 from :meth:`WriteJob.chunks` (the Writer keeps them until it flushes them).
 Verify needs no checksums from here: the driver re-reads every stored chunk
@@ -15,55 +15,78 @@ import secrets
 import warnings
 from typing import Any
 
-__all__ = ["write"]
+from xckpt.errors import ObjectError
+from xckpt.manifest import encode_value
+from xckpt.sink import CONVERT_INFLIGHT_BYTES, Sink, WriteJob
+from xckpt.writer import Writer, finalize
+
+__all__ = ["XckptSink"]
 
 FORMAT = "xckpt"
 
 
-def write(job: Any) -> None:
-    """xckpt output keeping the source layout: one :class:`~xckpt.Writer` per source writer.
-
-    Ranks are written one after another (each commits before the next starts),
-    so one writer's in-flight budget bounds memory; rank 0 finalizes.
-    """
-    from xckpt.convert import CONVERT_INFLIGHT_BYTES
-    from xckpt.writer import Writer, finalize
-
-    src = job.src
-    infos = {n: src.info(n) for n in job.names}
-    world = max([src.world_size] + [c.rank + 1 for t in infos.values() for c in t.chunks])
-    save_id = "convert-" + secrets.token_hex(8)
-    meta = dict(src.metadata)
+def _json_metadata(job: WriteJob) -> dict[str, Any] | None:
+    """The source's metadata when it is JSON (it travels), else None (it stays behind)."""
+    meta = dict(job.src.metadata)
     try:
         json.dumps(meta)
     except (TypeError, ValueError):
-        warnings.warn(
-            f"convert {src.path!r}: the source's metadata is not JSON and stays behind", stacklevel=3
-        )
-        meta = {}
-    for r in range(world):
-        w = Writer(
-            job.dst,
-            rank=r,
-            world_size=world,
-            save_id=save_id,
-            progress=False,
-            metadata=meta,
-            inflight_bytes=CONVERT_INFLIGHT_BYTES,
-        )
-        for name, t in infos.items():
-            w.declare(name, t.dtype, t.shape, placement=t.placement, value_range=t.value_range)
-            for c, arr in job.chunks(name, rank=r):
-                w.write(
-                    name, arr, global_shape=t.shape, offset=c.offset, chunk_value_range=c.value_range
+        return None
+    return meta
+
+
+class XckptSink(Sink):
+    """xckpt output keeping the source layout: one :class:`~xckpt.Writer` per source writer."""
+
+    format = FORMAT
+
+    def check(self, job: WriteJob) -> None:
+        """Objects must be storable (JSON values, bytes, numpy scalars) and not tensor names;
+        metadata that is not JSON stays behind, with a warning."""
+        tensors = set(job.names)
+        for name, value in job.objects.items():
+            if name in tensors:
+                raise ObjectError(
+                    f"xckpt output of {job.src.path!r}: {name!r} is both a tensor and an object; "
+                    "rename or exclude one of them"
                 )
-                job.bar.update(arr.nbytes)
-                del arr  # the Writer holds it until flushed; drop ours before the next read
-        for oname, value in job.objects.items():
-            if oname in job.per_rank_objects and isinstance(value, list) and len(value) == world:
-                w.write_object(oname, value[r], per_rank=True)
-            elif r == 0:
-                w.write_object(oname, value)
-        w.commit()
-    if world > 1:
-        finalize(job.dst, world, save_id)
+            values = value if name in job.per_rank_objects and isinstance(value, list) else [value]
+            for v in values:
+                encode_value(v, name)
+        if _json_metadata(job) is None:
+            warnings.warn(
+                f"convert {job.src.path!r}: the source's metadata is not JSON and stays behind", stacklevel=3
+            )
+
+    def write(self, job: WriteJob) -> None:
+        """Ranks are written one after another (each commits before the next starts), so
+        one writer's in-flight budget bounds memory; rank 0 finalizes."""
+        src = job.src
+        infos = {n: src.info(n) for n in job.names}
+        world = max([src.world_size] + [c.rank + 1 for t in infos.values() for c in t.chunks])
+        save_id = "convert-" + secrets.token_hex(8)
+        meta = _json_metadata(job) or {}
+        for r in range(world):
+            w = Writer(
+                job.dst,
+                rank=r,
+                world_size=world,
+                save_id=save_id,
+                progress=False,
+                metadata=meta,
+                inflight_bytes=CONVERT_INFLIGHT_BYTES,
+            )
+            for name, t in infos.items():
+                w.declare(name, t.dtype, t.shape, placement=t.placement, value_range=t.value_range)
+                for c, arr in job.chunks(name, rank=r):
+                    w.write(name, arr, global_shape=t.shape, offset=c.offset, chunk_value_range=c.value_range)
+                    job.bar.update(arr.nbytes)
+                    del arr  # the Writer holds it until flushed; drop ours before the next read
+            for oname, value in job.objects.items():
+                if oname in job.per_rank_objects and isinstance(value, list) and len(value) == world:
+                    w.write_object(oname, value[r], per_rank=True)
+                elif r == 0:
+                    w.write_object(oname, value)
+            w.commit()
+        if world > 1:
+            finalize(job.dst, world, save_id)
