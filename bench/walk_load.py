@@ -8,7 +8,8 @@ prints, over the package's own files:
 * file switches: calls from a function of one file into a function of another;
 * climbs: calls from a lower layer into a higher one (a module reaching back up
   the layers of DESIGN.md section 1, e.g. through an import deferred into a
-  function), each distinct (caller -> callee) pair once;
+  function), each distinct (caller -> callee) pair once; a base class calling
+  its own subclass's override (the Source protocol's hooks) is marked as a hook;
 * bounces: distinct (caller -> callee) pairs where the callee later calls back
   into the caller's file;
 * how many calls the torch adapter's files make into ``layout.py`` (box arithmetic
@@ -91,7 +92,11 @@ def main() -> None:
             switches.add((a, b))
             calls_between[(caller, callee)] = calls_between.get((caller, callee), 0) + 1
             if layer(caller) > layer(callee) >= 0:
-                climbs.add((a, b))
+                # A base class calling its own subclass's override (self -> self) is the
+                # protocol at work (a hook), not an import reaching up the layers.
+                me = back.f_locals.get("self")
+                hook = me is not None and frame.f_locals.get("self") is me
+                climbs.add((a, b + (" (hook: a subclass override)" if hook else "")))
 
         sys.setprofile(prof)
         try:
