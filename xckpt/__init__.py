@@ -15,7 +15,10 @@ from xckpt.layout import Box
 from xckpt.manifest import Manifest, TensorEntry
 from xckpt.plan import LoadPlan, RankPlan, plan_load
 from xckpt.reader import Checkpoint
+from xckpt.rules import Rules
+from xckpt.sink import Sink
 from xckpt.source import Source
+from xckpt.storage import Location
 from xckpt.writer import Writer, finalize, save
 
 __version__ = "0.1.0"
@@ -24,8 +27,11 @@ __all__ = [
     "Box",
     "Checkpoint",
     "LoadPlan",
+    "Location",
     "Manifest",
     "RankPlan",
+    "Rules",
+    "Sink",
     "Source",
     "TensorEntry",
     "convert",
