@@ -12,6 +12,7 @@ from xckpt import errors, layout
 from xckpt.convert import convert
 from xckpt.formats import load, open
 from xckpt.layout import Box
+from xckpt.manager import CheckpointManager
 from xckpt.manifest import Manifest, TensorEntry
 from xckpt.plan import LoadPlan, RankPlan, plan_load
 from xckpt.reader import Checkpoint
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Box",
     "Checkpoint",
+    "CheckpointManager",
     "LoadPlan",
     "Location",
     "Manifest",

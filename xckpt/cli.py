@@ -32,13 +32,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from xckpt.convert import VerifyMismatchError, convert, guess_format
-from xckpt.errors import XckptError
+from xckpt.errors import CheckpointNotFoundError, XckptError
 from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
 from xckpt.inspect import human_bytes
 from xckpt.layout import Shard, parse_placements
 from xckpt.plan import plan_load
 from xckpt.source import Source
+from xckpt.steps import manager_steps, steps_table
 
 
 def _ls(ck: Source, args: argparse.Namespace) -> int:
@@ -59,6 +60,20 @@ def _ls(ck: Source, args: argparse.Namespace) -> int:
     if objs:
         print("objects:", ", ".join(objs))
     return 0
+
+
+def _ls_location(args: argparse.Namespace) -> int:
+    """``xckpt ls PATH``: a checkpoint's tensors, or a checkpoint manager root's steps."""
+    try:
+        ck = open_source(args.path, format=args.format, allow_pickle=args.allow_pickle)
+    except CheckpointNotFoundError:
+        infos = manager_steps(args.path) if args.format in (None, "xckpt") else []
+        if not infos:
+            raise
+        print(steps_table(args.path, infos))
+        return 0
+    with ck:
+        return _ls(ck, args)
 
 
 def _show(ck: Source, args: argparse.Namespace) -> int:
@@ -369,6 +384,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.cmd == "convert":
             return _convert(args)
         opts = {"format": args.format, "allow_pickle": args.allow_pickle}
+        if args.cmd == "ls":
+            return _ls_location(args)
         if args.cmd == "diff":
             with open_source(args.a, **opts) as a, open_source(args.b, **opts) as b:
                 return _diff(a, b, values=args.values)

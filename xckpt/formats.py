@@ -40,6 +40,7 @@ from xckpt.reader import Checkpoint
 from xckpt.rules import Rules, apply_rules
 from xckpt.sink import Sink
 from xckpt.source import Source, local_path, readable_objects
+from xckpt.steps import manager_root_error, resolve_step
 from xckpt.storage import Location
 
 __all__ = ["FORMATS", "Format", "Opener", "open", "opened", "load", "detect", "listing"]
@@ -199,6 +200,7 @@ def open(  # noqa: A001
     allow_pickle: bool = False,
     rules: Rules = None,
     context: Any = None,
+    step: int | str | None = None,
 ) -> Source:
     """Open the checkpoint at ``path``, of any format, for reading (metadata only).
 
@@ -213,20 +215,35 @@ def open(  # noqa: A001
         rules: rename/transpose/stack rules (a list of dicts, or a JSON/TOML file),
             applied as a view: reads still touch only the bytes they need.
         context: a tensorstore Context for xckpt checkpoints.
+        step: ``path`` is a checkpoint manager's root (:class:`xckpt.CheckpointManager`):
+            open its step ``step``, a step number or ``"latest"`` (the highest complete
+            step), instead (:func:`xckpt.steps.resolve_step`).
 
     Raises:
-        CheckpointNotFoundError: nothing recognised at ``path``.
+        CheckpointNotFoundError: nothing recognised at ``path``; at a manager root opened
+            without ``step``, the message names its steps and how to open one.
         XckptError: ``format`` does not fit what is there, or the metadata is bad.
     """
     if isinstance(path, Source):  # already open: only the rules view is added
+        if step is not None:
+            raise XckptError(f"{path.path!r} is an open checkpoint; step= is for a checkpoint manager's root")
         if format is not None and format != path.format:
             raise XckptError(f"{path.path!r} is open as {path.format}, not {format}")
         return path if rules is None else _with_rules(path, rules)
-    name = detect(path) if format is None else format
-    fmt = FORMATS.get(name)
-    if fmt is None:
-        raise XckptError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}")
-    src = fmt.open(path, allow_pickle=allow_pickle, context=context)
+    if step is not None:
+        path = resolve_step(path, step, context=context)
+    try:
+        name = detect(path) if format is None else format
+        fmt = FORMATS.get(name)
+        if fmt is None:
+            raise XckptError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}")
+        src = fmt.open(path, allow_pickle=allow_pickle, context=context)
+    except CheckpointNotFoundError as e:
+        # Nothing here; a checkpoint manager's root says so and names its steps (only now is it listed).
+        root_error = manager_root_error(path, context=context) if step is None and format in (None, "xckpt") else None
+        if root_error is not None:
+            raise root_error from e
+        raise
     return src if rules is None else _with_rules(src, rules)
 
 

@@ -46,6 +46,7 @@ from xckpt.manifest import DTYPES, Manifest
 from xckpt.storage import Location
 from xckpt.writer import ALL_HELD, Writer, finalize
 
+from ._staging import HostBuffers, stage_host
 from ._tree import device_boxes, flatten, placement_info
 
 __all__ = ["save"]
@@ -137,6 +138,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     show_progress: bool | None = None,
     async_save: bool = False,
+    staging: HostBuffers | None = None,
 ) -> Manifest | cf.Future[Manifest]:
     """Save a pytree of jax.Arrays, numpy arrays and scalars to ``path``.
 
@@ -159,6 +161,9 @@ def save(
         show_progress: progress bar (default: when stderr is a TTY).
         async_save: return a future once every shard this process writes is
             copied to host; the write runs on the save thread.
+        staging: host buffers reused across saves (:class:`xckpt.manager.HostBuffers`,
+            what :class:`xckpt.CheckpointManager` passes): each box is copied into
+            its buffer instead of a fresh host copy (see :mod:`xckpt.jax._staging`).
 
     Returns:
         This process's manifest (the whole checkpoint's when single-process),
@@ -190,6 +195,8 @@ def save(
                metadata=metadata, progress=show_progress, inflight_bytes=ALL_HELD)  # all host arrays are held
     _barrier(f"xckpt-open-{w.save_id}")
     try:
+        if staging is not None:
+            staging.begin()
         plans: list[tuple[str, tuple[int, ...], list[tuple[Box, Any]]]] = []
         host: list[tuple[str, np.ndarray, tuple[int, ...] | None, tuple[int, ...] | None]] = []
         for name, leaf in named:  # declared in tree order, so the manifest lists names that way
@@ -200,7 +207,11 @@ def save(
                 _check_dtype(name, arr.dtype)
                 w.declare(name, arr.dtype, arr.shape)
                 if choose_writer(name, 0, range(world)) == me:
-                    host.append((name, arr.copy() if async_save else arr, None, None))
+                    if staging is not None:
+                        arr = stage_host(staging, (name, None), arr)
+                    elif async_save:
+                        arr = arr.copy()
+                    host.append((name, arr, None, None))
             else:
                 w.write_object(name, leaf)
         # Start every device-to-host copy before the first one is waited for.
@@ -211,8 +222,13 @@ def save(
             for box, shard in parts:
                 # An async save owns its copy: np.asarray may alias a CPU device buffer
                 # that a later donation reuses.
-                data = np.array(shard.data, copy=True) if async_save else np.asarray(shard.data)
+                if staging is not None:
+                    data = stage_host(staging, (name, box.offset), shard.data)
+                else:
+                    data = np.array(shard.data, copy=True) if async_save else np.asarray(shard.data)
                 host.append((name, data, shape, box.offset))
+        if staging is not None:
+            staging.end()
     except BaseException as e:
         w._failed(e)  # give this process's claim of the location back
         raise

@@ -33,6 +33,7 @@ always saved whole.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,7 @@ from xckpt.storage import Location
 from xckpt.torch._dist import distributed, rank_world, share_outcome
 from xckpt.torch._dtypes import as_numpy, dtype_name
 from xckpt.torch._placement import PLAIN_TENSORS, global_info, local_pieces, placement_info
+from xckpt.torch._staging import HostBuffers, Stager, wait_events
 from xckpt.torch._state_dict import PerRank, flatten
 from xckpt.torch.value_groups import save_value_groups, split_value_groups
 from xckpt.writer import ALL_HELD, Writer, finalize
@@ -166,6 +168,7 @@ def save(
     show_progress: bool | None = None,
     storage: str | None = None,
     metadata: Mapping[str, Any] | None = None,
+    staging: HostBuffers | None = None,
 ) -> Manifest | cf.Future[Manifest]:
     """Save this rank's state dict; every rank of the group calls it.
 
@@ -187,6 +190,13 @@ def save(
         show_progress: progress bar (default: when stderr is a TTY).
         storage, metadata: as for :class:`xckpt.Writer` (how ``data/<rank>/`` is
             organised; JSON metadata recorded in the manifest).
+        staging: host buffers reused across saves (:class:`xckpt.manager.HostBuffers`,
+            what :class:`xckpt.CheckpointManager` passes): each box is copied into
+            its buffer instead of a fresh host copy; CUDA tensors on a side stream,
+            without waiting for the GPU (the write thread waits; see
+            :mod:`xckpt.torch._staging`). The pool must not be passed to another
+            save before this one's write has finished (``save`` itself waits for
+            the previous async save first).
 
     Returns:
         This rank's manifest, or with ``async_save`` a
@@ -251,14 +261,21 @@ def save(
             inflight_bytes=ALL_HELD,  # every host array below is held until the save ends
         )
         events = []
+        stager = Stager(staging) if staging is not None else None
         for job in jobs:
             for box, part in job.boxes:
-                arr, ev = _host(part, copy=async_save)
+                if stager is not None:
+                    arr = stager.stage((job.name, None if box is None else box.offset), part)
+                else:
+                    arr, ev = _host(part, copy=async_save)
+                    if ev is not None:
+                        events.append(ev)
                 arrays.append((job, box, arr))
-                if ev is not None:
-                    events.append(ev)
         for ev in events:
             ev.synchronize()
+        staged_events = stager.finish() if stager is not None else []
+        if async_save:  # the caller may change its objects once we return
+            objects = [(name, copy.deepcopy(value), per_rank) for name, value, per_rank in objects]
         vg_writer = _CopyingWriter(writer) if async_save else writer
         save_value_groups(vg_writer, flat, plans, rank, world)
     except BaseException as e:
@@ -272,6 +289,7 @@ def save(
         err: BaseException | None = None
         manifest: Manifest | None = None
         try:
+            wait_events(staged_events)  # staging copies still in flight (CUDA side streams)
             whole = {job.name: arr for job, box, arr in arrays if box is None}
             for job in jobs:  # in the state dict's order, so the manifest keeps it
                 arr = whole.get(job.name)
