@@ -17,7 +17,7 @@ from xckpt.sink import WriteJob
 
 
 def test_one_row_per_format_in_detection_order() -> None:
-    assert list(FORMATS) == ["xckpt", "torch-dcp", "orbax", "safetensors", "torch"]
+    assert list(FORMATS) == ["xckpt", "megatron", "torch-dcp", "deepspeed", "orbax", "safetensors", "torch"]
     for name, fmt in FORMATS.items():
         assert isinstance(fmt, Format) and fmt.name == name and fmt.sink.format == name
         assert callable(fmt.detect) and callable(fmt.open) and fmt.looks_for
@@ -38,7 +38,10 @@ def test_nothing_recognised_says_what_each_format_looked_for(tmp_path) -> None:
     with pytest.raises(CheckpointNotFoundError) as e:
         detect(str(tmp_path))
     msg = str(e.value)
-    assert "found a directory holding notes.txt. Known formats: xckpt, torch-dcp, orbax, safetensors, torch" in msg
+    assert (
+        "found a directory holding notes.txt. Known formats: xckpt, megatron, torch-dcp, deepspeed, orbax, "
+        "safetensors, torch" in msg
+    )
     for fmt in FORMATS.values():
         assert f"\n  {fmt.name}: {fmt.why_not(str(tmp_path))}" in msg
     assert "\n  xckpt: no xckpt.json, ranks/ or data/" in msg
@@ -49,8 +52,11 @@ def test_nothing_recognised_says_what_each_format_looked_for(tmp_path) -> None:
         detect(str(tmp_path / "notes.txt"))
 
 
-def test_foreign_formats_are_read_from_local_paths() -> None:
-    with pytest.raises(XckptError, match=r"torch-dcp checkpoints are read from local paths"):
+def test_every_format_opens_from_every_location() -> None:
+    # DESIGN section 6: foreign formats open from kvstores too (tests/test_locations.py reads each);
+    # an empty location is no DCP checkpoint, and says so.
+    assert all(fmt.anywhere for fmt in FORMATS.values())
+    with pytest.raises(XckptError, match=r"'memory://nowhere/' is not a torch DCP checkpoint"):
         xckpt.open("memory://nowhere/", format="torch-dcp")
 
 

@@ -15,11 +15,6 @@ from conformance import OBJECTS, TRUTH, SinkTests, flatten, json_objects, nest, 
 
 import xckpt
 
-ORBAX_SUBTREE = (
-    "converters/orbax.py lists a tensor-free subtree's leaves as separate objects ('cfg.lr', 'cfg.name'); "
-    "DESIGN.md section 6, objects of foreign formats: one object 'cfg'"
-)
-
 
 class TestXckptSink(SinkTests):
     format = "xckpt"
@@ -51,7 +46,6 @@ class TestDcpSink(SinkTests):
 class TestOrbaxSink(SinkTests):
     format = "orbax"
     dst = "out"
-    known_failures = {"test_xckpt_open_reads_back": ORBAX_SUBTREE}
 
     def read_back(self, path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         import jax

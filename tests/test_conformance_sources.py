@@ -32,20 +32,6 @@ from conformance import (
 
 EMPTY = "model.empty"
 
-#: Bugs of the read side these suites found (owner: the read-side format modules).
-FLOAT8_STRIDED = (
-    "converters/_torchzip.py read_box: np.lib.stride_tricks.as_strided(raw.view(float8 dtype)) raises "
-    "\"data type '<f1' not understood\" (ml_dtypes float8 has no array-interface typestr); a box whose "
-    "byte span is under twice its bytes takes that path. Fix: as_strided on a same-width integer view, "
-    "then .view(dtype)"
-)
-ORBAX_SUBTREE = (
-    "converters/orbax.py lists a tensor-free subtree's leaves as separate objects ('cfg.lr', 'cfg.name'); "
-    "DESIGN.md section 6, objects of foreign formats: one object 'cfg', as the format's user sees it "
-    "(test_fmt_orbax pins the flat names: 'sched.warmup')"
-)
-
-
 class TestXckptSource(SourceTests):
     format = "xckpt"
 
@@ -92,10 +78,6 @@ def _row_split_planner(split: dict[str, tuple[tuple[int, int], ...]]) -> Any:
 
 class TestDcpSource(SourceTests):
     format = "torch-dcp"
-    known_failures = {
-        "test_read_box[model.f8_e5m2-slice]": FLOAT8_STRIDED,
-        "test_read_into_several_at_once": FLOAT8_STRIDED,
-    }
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -114,7 +96,6 @@ class TestDcpSource(SourceTests):
 class TestOrbaxSource(SourceTests):
     format = "orbax"
     not_held = {EMPTY: "orbax refuses to save zero-size arrays"}
-    known_failures = {"test_objects": ORBAX_SUBTREE}
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -154,10 +135,6 @@ class TestSafetensorsSource(SourceTests):
 class TestTorchSaveSource(SourceTests):
     format = "torch"
     multi_chunk = False
-    known_failures = {
-        "test_read_box[model.f8_e5m2-slice]": FLOAT8_STRIDED,
-        "test_read_into_several_at_once": FLOAT8_STRIDED,
-    }
 
     @pytest.fixture(scope="class")
     @classmethod

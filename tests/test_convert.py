@@ -206,10 +206,27 @@ def read_back(kind: str, path: str) -> tuple[dict, dict]:
         assert index["metadata"]["total_size"] == sum(v.nbytes for v in tensors.values())
         return tensors, objects
     if kind == "pt":
+        # A DCP source comes out as the nested state dict dcp_to_torch_save writes; its containers
+        # that hold tensors are walked (xckpt's flatten rule), so every source reads back by name.
         sd = torch.load(path, weights_only=True)
+        flat: dict = {}
+
+        def holds(v) -> bool:
+            return isinstance(v, torch.Tensor) or (
+                isinstance(v, (dict, list)) and any(holds(x) for x in (v.values() if isinstance(v, dict) else v))
+            )
+
+        def walk_pt(prefix: str, v) -> None:
+            if isinstance(v, (dict, list)) and holds(v):
+                for k, x in v.items() if isinstance(v, dict) else enumerate(v):
+                    walk_pt(f"{prefix}{k}.", x)
+            else:
+                flat[prefix[:-1]] = v
+
+        walk_pt("", sd)
         return (
-            {k: to_np(v) for k, v in sd.items() if isinstance(v, torch.Tensor)},
-            {k: v for k, v in sd.items() if not isinstance(v, torch.Tensor)},
+            {k: to_np(v) for k, v in flat.items() if isinstance(v, torch.Tensor)},
+            {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)},
         )
     if kind == "dcp":
         from torch.distributed.checkpoint import FileSystemReader

@@ -167,7 +167,8 @@ def test_open_names_boxes_values(root: str, kind: str) -> None:
         assert (host.dtype, host.shape, host.placement) == ("int16", (3, 5), None)
         assert np.array_equal(src.read("host"), HOST)
     if kind == "composite":
-        objects.update({"extra.lr": 0.25, "extra.sched.warmup": 5, "extra.sched.kind": "cosine"})
+        # DESIGN.md section 6: a tensor-free subtree (here the whole JSON item) is one object.
+        objects.update({"extra": {"lr": 0.25, "sched": {"warmup": 5, "kind": "cosine"}}})
     assert src.objects() == objects
     assert type(src.objects()[pre + "step"]) is int
     got = src.read_all()
@@ -402,7 +403,7 @@ def test_item_directory_opens_with_bare_names(root: str) -> None:
     state = xckpt.open(os.path.join(root, "manager", "1", "state"), format="orbax")
     assert sorted(state.names()) == sorted(ARRAYS) and state.objects() == {"step": STEP}
     extra = xckpt.open(os.path.join(root, "manager", "1", "extra"), format="orbax")
-    assert extra.names() == [] and extra.objects() == {"lr": 0.25, "sched.warmup": 5, "sched.kind": "cosine"}
+    assert extra.names() == [] and extra.objects() == {"lr": 0.25, "sched": {"warmup": 5, "kind": "cosine"}}
 
 
 def test_default_item_opens_bare(root: str) -> None:

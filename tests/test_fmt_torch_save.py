@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import xckpt
 from xckpt.converters import _torchzip, _unpickle, torch_save
-from xckpt.errors import XckptError
+from xckpt.errors import ObjectError, XckptError
 
 torch = pytest.importorskip("torch")
 
@@ -333,26 +333,36 @@ class _Evil:
 
 
 @pytest.mark.parametrize("kind", ["os.mkdir", "posix.system"])
-def test_malicious_torch_save_refused(tmp_path: Any, kind: str) -> None:
+def test_malicious_torch_save_never_runs(tmp_path: Any, kind: str) -> None:
+    # DESIGN section 6, more sources: a global outside the allow-list is an inert placeholder; the
+    # tensors read, and the object holding it is a pickle read only with allow_pickle=True.
     marker = tmp_path / "pwned"
     evil = _Evil(os.mkdir, str(marker)) if kind == "os.mkdir" else _Evil(os.system, f"touch {marker}")
     path = str(tmp_path / "evil.pt")
     torch.save({"w": torch.ones(2), "x": evil}, path)  # torch.save pickles the payload itself
     name = "posix mkdir" if kind == "os.mkdir" else "posix system"
-    with pytest.raises(XckptError, match=rf"evil.pt'.*asks for {name.replace(' ', '.')}, which is not on xckpt's allow-list"):
-        xckpt.open(path)
+    with xckpt.open(path) as src:
+        assert src.names() == ["w"] and src.read("w").tolist() == [1.0, 1.0]
+        assert src.pickled_objects() == {"x"}
+        with pytest.raises(ObjectError, match=rf"evil.pt'.*'x' holds {name.replace(' ', '.')}\(\.\.\.\), which is not on xckpt's allow-list"):
+            src.objects(["x"])
+        assert src.verify(show_progress=False) == []
+    with pytest.warns(UserWarning, match=r"pickled objects not read \(\['x'\]"):
+        assert sorted(xckpt.load(path)) == ["w"]
     assert not marker.exists()
 
 
-def test_dotted_name_trick_refused(tmp_path: Any) -> None:
+def test_dotted_name_trick_never_runs(tmp_path: Any) -> None:
     marker = tmp_path / "pwned"
     m = str(marker).encode()
     payload = b"\x80\x04\x8c\x05torch\x8c\x08os.mkdir\x93\x8c" + bytes([len(m)]) + m + b"\x85R."
     path, out = str(tmp_path / "a.pt"), str(tmp_path / "evil.pt")
     torch.save({"w": torch.ones(2)}, path)
     _rewrite(path, out, edit=lambda n, d: payload if n.endswith("data.pkl") else d)
-    with pytest.raises(XckptError, match=r"asks for torch.os.mkdir, which is not on xckpt's allow-list"):
-        xckpt.open(out)
+    with xckpt.open(out) as src:
+        assert src.names() == [] and src.pickled_objects() == {"value"}
+        with pytest.raises(ObjectError, match=r"holds torch.os.mkdir\(\.\.\.\), which is not on xckpt's allow-list"):
+            src.objects()
     assert not marker.exists()
 
 

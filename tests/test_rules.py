@@ -269,7 +269,14 @@ def test_rules_files_json_toml_mapping_and_shipped(ckpt: str, tmp_path: Path) ->
     (tmp_path / "r.toml").write_text("[[rules]]\nmatch = 'emb'\nrename = 'x.\\g<0>'\n")
     for spec in (tmp_path / "r.json", str(tmp_path / "r.toml"), {"rules": [{"match": "emb", "rename": r"x.\g<0>"}]}):
         assert "x.emb" in xckpt.open(ckpt, rules=spec).names()
-    assert shipped_rule_sets() == ["flax_to_torch", "hf_llama_to_scanned", "scanned_to_hf_llama", "torch_to_flax"]
+    assert shipped_rule_sets() == [
+        "flax_to_torch",
+        "hf_llama_to_megatron_gpt",
+        "hf_llama_to_scanned",
+        "megatron_gpt_to_hf_llama",
+        "scanned_to_hf_llama",
+        "torch_to_flax",
+    ]
     assert load_rules("torch_to_flax") == load_rules(RULESETS_DIR / "torch_to_flax.json")
     src = xckpt.open(ckpt, rules="torch_to_flax")
     assert "params.enc.fc.kernel" in src.names() and "params.enc.norm.scale" in src.names()

@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        for attr in ("path", "a", "b"):
+        for attr in ("path", "a", "b", "src"):
             if hasattr(args, attr):
                 setattr(args, attr, _location(getattr(args, attr)))
         if args.cmd == "convert":

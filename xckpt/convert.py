@@ -61,6 +61,7 @@ from xckpt.manifest import TensorEntry
 from xckpt.rules import apply_rules
 from xckpt.sink import BoxKey, WriteJob
 from xckpt.source import Source, local_path
+from xckpt.storage import as_place
 from xckpt.views import Selected
 
 __all__ = ["convert", "VerifyMismatchError", "guess_format", "parse_size", "DEFAULT_SHARD_SIZE"]
@@ -145,20 +146,20 @@ def _check_from_format(src: Any, from_format: str) -> None:
     fmt = formats.FORMATS.get(from_format)
     if fmt is None:
         raise XckptError(f"unknown source format {from_format!r}; known formats: {', '.join(formats.FORMATS)}")
-    local = local_path(src)
-    if local is None:
-        if from_format != "xckpt":
-            raise XckptError(f"{src!r}: {from_format} checkpoints are read from local paths")
+    place = as_place(src)
+    if fmt.detects(place):
         return
-    if not fmt.detect(local):
-        try:
-            found = f"it was detected as {formats.detect(local)}"
-        except XckptError:
-            found = f"it holds {formats.listing(local)}"
-        raise XckptError(
-            f"{src!r} is not a {from_format} checkpoint ({found}): {fmt.why_not(local)}; drop "
-            "--from/from_format to detect the format, or point at the right location. Nothing was written"
-        )
+    if place.local is None and place.listable and from_format == "xckpt":
+        return  # a kvstore location: the xckpt reader says what is missing
+    where = place.local if place.local is not None else src
+    try:
+        found = f"it was detected as {formats.detect(place)}"
+    except XckptError:
+        found = f"it holds {formats.listing(place)}"
+    raise XckptError(
+        f"{where!r} is not a {from_format} checkpoint ({found}): {fmt.why_not(place)}; drop "
+        "--from/from_format to detect the format, or point at the right location. Nothing was written"
+    )
 
 
 def _open(
@@ -399,7 +400,9 @@ def convert(
     """Convert the checkpoint at ``src`` (any format) into ``dst``, chunk by chunk.
 
     Args:
-        src: checkpoint location (local path, or a kvstore URL for xckpt).
+        src: checkpoint location of any format: a local path, a kvstore URL or spec
+            (``s3://``, ``gs://``, an S3-compatible endpoint, ``memory://``), or an
+            ``http(s)://`` URL (safetensors, Hugging Face directories, torch.save).
         dst: local output path. Format from ``to_format``, else from the name:
             ``*.safetensors`` one safetensors file, ``*.pt|*.pth|*.bin`` torch.save,
             anything else xckpt (``to_format="safetensors"`` with another name

@@ -1,4 +1,4 @@
-"""Rules: rename, transpose, cast, drop, stack and unstack tensors as a lazy view over a source.
+"""Rules: rename, transpose, cast, drop, stack, unstack, split and join tensors as a lazy view over a source.
 
 ``xckpt.open(path, rules=...)``, ``xckpt.torch.load`` and ``xckpt.jax.load`` call
 :func:`apply_rules`, which wraps any :class:`~xckpt.source.Source` in a
@@ -23,6 +23,18 @@ A rule is a dict (DESIGN.md section 6)::
   and dtype.
 * ``unstack: {"axis": k}``: the tensor is split along axis ``k`` into one
   tensor per position; ``rename`` must contain ``{i}``, the position.
+* ``split: {"axis": k, "sizes": [...], "names": [...], "reshape": [...]}``: the
+  tensor is cut into named parts along axis ``k`` of its ``reshape`` (optional; one
+  entry may be -1; a reshape may only split axes), one size per name (a split's sizes
+  may hold one -1, the rest of the axis); each part keeps the tensor's rank (the
+  reshape's axes merge back); ``rename`` must contain ``{part}``, the part's name.
+  Megatron's fused QKV ``(groups * (q + 2) * d, hidden)`` split per query group is
+  ``"reshape": ["num_query_groups", -1, "hidden_size"], "axis": 1, "sizes": [q * d, d, d]``.
+* ``join: {"axis": k, "sizes": [...], "names": [...], "reshape": [...], "part": "\\2"}``:
+  the inverse of ``split``: every tensor renamed to the same name is the part ``part``
+  expands to (one of ``names``), placed along axis ``k`` of the whole (the reshape
+  applies to each part); every part must come exactly once (with ``stack``: once at
+  every position).
 * ``ndim``: an int or list of ints; the rule applies only to tensors of that
   rank (so torch's 1-D norm ``weight`` and 2-D Linear ``weight`` can get
   different rules, as transformers' torch -> flax rules decide by shape).
@@ -34,11 +46,30 @@ rules). ``rules`` is a list of such dicts, a mapping ``{"rules": [...]}``, the
 path of a ``.json`` or ``.toml`` file holding ``{"rules": [...]}`` (the suffix
 decides), or the name of a shipped rule set in ``xckpt/rulesets/``
 (``"torch_to_flax"``, ``"flax_to_torch"``, ``"hf_llama_to_scanned"``,
-``"scanned_to_hf_llama"``); :func:`shipped_rule_sets` lists them.
+``"scanned_to_hf_llama"``, ``"megatron_gpt_to_hf_llama"``, ``"hf_llama_to_megatron_gpt"``);
+:func:`shipped_rule_sets` lists them.
 
-Order inside one rule: ``unstack`` splits first, then each piece is
-transposed and cast, then ``stack`` inserts the new axis; so a rule and its
-inverse name the same per-piece permutation (``transpose: [1, 0]`` both ways).
+Order inside one rule: ``unstack`` splits first, then each piece is split (or
+joined), transposed and cast, then ``stack`` inserts the new axis; so a rule and
+its inverse name the same per-piece permutation (``transpose: [1, 0]`` both ways).
+
+Parameters. Sizes and reshape entries are integers or expressions (strings) in a
+small safe subset of Python (:func:`xckpt._pieces.evaluate`: integers, names,
+``.attribute`` / key access, ``+ - * // %``, comparisons, ``and or not``, ``x if c
+else y``; nothing is called) over the rule set's parameters and the checkpoint's
+objects. A rule set declares its parameters beside its rules, ``{"parameters":
+{"num_query_groups": "args.num_query_groups if args.group_query_attention else
+args.num_attention_heads", ...}, "rules": [...]}`` (``null``: the caller must give
+it); the caller gives or overrides them as ``rules={"rules": "<shipped name or
+file>", "parameters": {...}}``. A parameter is evaluated when a rule first needs it;
+reading an object that is a pickle needs the source opened with
+``allow_pickle=True``, and the error says so and how to give the value instead.
+
+A split part's chunk is the image of one stored chunk (a contiguous range of the
+whole holds a contiguous range of the part); reading a box of it reads, from that
+stored chunk, one run per block of the whole it spans (per query group), only the
+part's elements. A joined tensor's chunks are one per stored chunk of a part and
+block of the whole; each reads one box of the part.
 
 Decisions where the design is silent:
 
@@ -68,20 +99,22 @@ from typing import Any, Union
 
 import numpy as np
 
-from xckpt.errors import XckptError
+from xckpt._pieces import ExpressionError, Parameters, Part, ScaledBar, make_cut
+from xckpt.errors import ObjectError, XckptError
 from xckpt.layout import Box, ReadRequest
 from xckpt.manifest import DTYPES, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source
 from xckpt.views import SourceView
 
 __all__ = ["Rules", "RuleError", "Rule", "Part", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets"]
-__all__ += ["RULESETS_DIR"]
+__all__ += ["RULESETS_DIR", "Split", "load_rule_set"]
 
 #: Where the shipped rule sets live (installed as package data).
 RULESETS_DIR = Path(__file__).with_name("rulesets")
 
-_KEYS = ("match", "rename", "transpose", "dtype", "drop", "stack", "unstack", "ndim", "comment")
-_TENSOR_ONLY = ("transpose", "dtype", "stack", "unstack")
+_KEYS = ("match", "rename", "transpose", "dtype", "drop", "stack", "unstack", "split", "join", "ndim", "comment")
+_TENSOR_ONLY = ("transpose", "dtype", "stack", "unstack", "split", "join")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 #: The ``rules=`` option of every verb: a list of rule dicts, ``{"rules": [...]}``, the
@@ -93,8 +126,27 @@ class RuleError(XckptError, ValueError):
     """A rule or rules file is invalid, or the rules do not fit the checkpoint."""
 
 
+#: Where a piece goes in an output made of several: (stack position, join part index).
+_Slot = tuple[int, int]
+
+
 # ---------------------------------------------------------------------------
 # Parsing
+
+
+@dataclass(frozen=True)
+class Split:
+    """A rule's ``split`` (or ``join``): parts ``names`` of ``sizes`` along ``axis`` of ``reshape``.
+
+    Sizes and reshape entries are ints or parameter expressions (strings), resolved per tensor;
+    ``part`` (join only) is the template naming the part a source tensor is.
+    """
+
+    axis: int
+    sizes: tuple[int | str, ...]
+    names: tuple[str, ...]
+    reshape: tuple[int | str, ...] | None = None
+    part: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +163,8 @@ class Rule:
     unstack: int | None = None  # axis
     ndim: frozenset[int] | None = None
     where: str = "rules"
+    split: Split | None = None
+    join: Split | None = None
 
     @property
     def label(self) -> str:
@@ -121,7 +175,7 @@ class Rule:
     def tensor_ops(self) -> list[str]:
         """The keys that act on axes or dtypes (meaningless for objects)."""
         ops: list[tuple[str, object]] = [("transpose", self.transpose), ("dtype", self.dtype)]
-        ops += [("stack", self.stack), ("unstack", self.unstack)]
+        ops += [("stack", self.stack), ("unstack", self.unstack), ("split", self.split), ("join", self.join)]
         return [k for k, v in ops if v is not None]
 
 
@@ -202,7 +256,46 @@ def _parse_rule(i: int, d: Any, where: str) -> Rule:
         if not isinstance(nds, (list, tuple)) or not nds or not all(_int(x) and x >= 0 for x in nds):
             raise RuleError(f"{head}: 'ndim' must be a rank or a list of ranks, got {nd!r}")
         nd = frozenset(nds)
-    return Rule(i, pattern, rename, perm, dtype, drop, stack, unstack, nd, where)
+    split = _parse_split(head, "split", d.get("split"), rename)
+    join = _parse_split(head, "join", d.get("join"), rename)
+    if split is not None and (join is not None or stack is not None):
+        raise RuleError(f"{head}: a rule that splits cannot also join or stack (split in one rule, stack in another)")
+    if drop and (split or join):
+        raise RuleError(f"{head}: a rule that drops cannot also split or join")
+    return Rule(i, pattern, rename, perm, dtype, drop, stack, unstack, nd, where, split, join)
+
+
+def _parse_split(head: str, key: str, v: Any, rename: str | None) -> Split | None:
+    if v is None:
+        return None
+    form = (
+        '{"axis": k, "sizes": [...], "names": [...], "reshape": [...] (optional)'
+        + (', "part": "\\\\2"' if key == "join" else "")
+        + "}"
+    )
+    allowed = {"axis", "sizes", "names", "reshape"} | ({"part"} if key == "join" else set())
+    if not isinstance(v, Mapping) or not {"axis", "sizes", "names"} <= set(v) <= allowed:
+        raise RuleError(f"{head}: {key!r} must be {form}, got {v!r}")
+
+    def sizes(x: Any, what: str) -> tuple[int | str, ...]:
+        if not isinstance(x, (list, tuple)) or not x or not all(_int(s) or isinstance(s, str) for s in x):
+            raise RuleError(f"{head}: {key} {what} must be a list of integers or parameter expressions, got {x!r}")
+        return tuple(x)
+
+    names = v["names"]
+    if not _int(v["axis"]):
+        raise RuleError(f"{head}: {key} axis must be an integer, got {v['axis']!r}")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
+        raise RuleError(f"{head}: {key} names must be a list of part names, got {names!r}")
+    if len(set(names)) != len(names) or len(names) != len(v["sizes"] if isinstance(v["sizes"], list) else ()):
+        raise RuleError(f"{head}: {key} needs one size per name and distinct names, got {names!r} / {v['sizes']!r}")
+    reshape = sizes(v["reshape"], "reshape") if v.get("reshape") is not None else None
+    part = v.get("part")
+    if key == "split" and (rename is None or "{part}" not in rename):
+        raise RuleError(f"{head}: 'split' needs a 'rename' containing {{part}} (the part's name), got {rename!r}")
+    if key == "join" and (rename is None or not isinstance(part, str)):
+        raise RuleError(f"{head}: 'join' needs a 'rename' (the joined tensor) and a 'part' template, got {form}")
+    return Split(v["axis"], sizes(v["sizes"], "sizes"), tuple(names), reshape, part)
 
 
 def _resolve(spec: str | os.PathLike[str]) -> Path:
@@ -248,7 +341,22 @@ def load_rules(rules: Rules | Sequence[Rule]) -> list[Rule]:
         RuleError: a bad file (suffix, syntax, layout) or a bad rule (unknown
             key, bad regular expression, not a permutation, ...).
     """
+    return load_rule_set(rules)[0]
+
+
+def load_rule_set(
+    rules: Rules | Sequence[Rule], depth: int = 0
+) -> tuple[list[Rule], dict[str, int | str | None]]:
+    """:func:`load_rules` and the rule set's parameters (the file's, overridden by the caller's).
+
+    ``{"rules": "<shipped name or file>", "parameters": {...}}`` loads that rule set with
+    those parameters over its own.
+
+    Raises:
+        RuleError: as :func:`load_rules`; a parameter that is not a name -> int or expression.
+    """
     where = "rules"
+    params: dict[str, int | str | None] = {}
     data: Any = rules
     if isinstance(rules, (str, os.PathLike)):
         path = _resolve(rules)
@@ -257,16 +365,34 @@ def load_rules(rules: Rules | Sequence[Rule]) -> list[Rule]:
         if not isinstance(data, Mapping):
             raise RuleError(f"{where}: expected {{\"rules\": [...]}}, got a {type(data).__name__}")
     if isinstance(data, Mapping):
-        extra = sorted(set(data) - {"rules", "description"})
+        extra = sorted(set(data) - {"rules", "description", "parameters"})
         if "rules" not in data or extra:
             raise RuleError(
-                f"{where}: expected {{\"rules\": [...]}} (and an optional description), got keys "
-                f"{sorted(data)}"
+                f"{where}: expected {{\"rules\": [...]}} (and an optional description and parameters), got "
+                f"keys {sorted(data)}"
             )
+        params = _parse_parameters(data.get("parameters"), where)
         data = data["rules"]
+        if isinstance(data, (str, os.PathLike)) and depth == 0:
+            inner, inner_params = load_rule_set(data, depth + 1)
+            return inner, {**inner_params, **params}
     if not isinstance(data, (list, tuple)):
         raise RuleError(f"{where}: 'rules' must be a list of rules, got {type(data).__name__}")
-    return [r if isinstance(r, Rule) else _parse_rule(i, r, where) for i, r in enumerate(data)]
+    return [r if isinstance(r, Rule) else _parse_rule(i, r, where) for i, r in enumerate(data)], params
+
+
+def _parse_parameters(v: Any, where: str) -> dict[str, int | str | None]:
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise RuleError(f"{where}: 'parameters' must map names to integers or expressions, got {v!r}")
+    for k, x in v.items():
+        if not isinstance(k, str) or not _IDENT.fullmatch(k) or not (x is None or _int(x) or isinstance(x, str)):
+            raise RuleError(
+                f"{where}: parameter {k!r} = {x!r}: a parameter is a name -> an integer, an expression "
+                "such as 'args.num_attention_heads', or null (the caller must give it)"
+            )
+    return dict(v)
 
 
 # ---------------------------------------------------------------------------
@@ -274,78 +400,29 @@ def load_rules(rules: Rules | Sequence[Rule]) -> list[Rule]:
 
 
 @dataclass(frozen=True)
-class Part:
-    """How one source tensor (or one slice of it) lands in an output tensor.
-
-    ``take = (k, i)``: the source's slice ``i`` along axis ``k`` (unstack);
-    ``perm``: then transposed; ``put = (a, i)``: then placed at position ``i``
-    of a new axis ``a`` (stack).
-    """
-
-    src: str
-    take: tuple[int, int] | None = None
-    perm: tuple[int, ...] | None = None
-    put: tuple[int, int] | None = None
-
-    def to_source(self, box: Box) -> Box:
-        """An output box inside this part -> the source box holding its elements."""
-        off, shp = list(box.offset), list(box.shape)
-        if self.put is not None:
-            del off[self.put[0]], shp[self.put[0]]
-        if self.perm is not None:
-            o, s = [0] * len(off), [0] * len(off)
-            for j, p in enumerate(self.perm):
-                o[p], s[p] = off[j], shp[j]
-            off, shp = o, s
-        if self.take is not None:
-            off.insert(self.take[0], self.take[1])
-            shp.insert(self.take[0], 1)
-        return Box(tuple(off), tuple(shp))
-
-    def to_output(self, box: Box) -> Box | None:
-        """A source box -> the output box its elements fill (None: outside an unstacked slice)."""
-        off, shp = list(box.offset), list(box.shape)
-        if self.take is not None:
-            k, i = self.take
-            if not off[k] <= i < off[k] + shp[k]:
-                return None
-            del off[k], shp[k]
-        if self.perm is not None:
-            off, shp = [off[p] for p in self.perm], [shp[p] for p in self.perm]
-        if self.put is not None:
-            off.insert(self.put[0], self.put[1])
-            shp.insert(self.put[0], 1)
-        return Box(tuple(off), tuple(shp))
-
-    def map_grid(self, grid: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        """A chunk's inner grid in output axes (a stacked axis has extent 1)."""
-        if grid is None:
-            return None
-        off = [self.take[1] if self.take and d == self.take[0] else 0 for d in range(len(grid))]
-        out = self.to_output(Box(tuple(off), grid))
-        return None if out is None else out.shape  # (the grid's box always holds the taken index)
-
-    def source_view(self, arr: np.ndarray) -> np.ndarray:
-        """A view of ``arr`` (output box) with the source box's axes: reads land straight in ``arr``."""
-        if self.put is not None:
-            arr = arr[(slice(None),) * self.put[0] + (0, Ellipsis)]  # Ellipsis: a 0-d view, not a scalar
-        if self.perm is not None:
-            arr = arr.transpose(np.argsort(self.perm))
-        if self.take is not None:
-            arr = np.expand_dims(arr, self.take[0])
-        return arr
-
-
-@dataclass(frozen=True)
 class _View:
     entry: TensorEntry
-    parts: tuple[Part, ...]  # one, or one per stacked position (position order)
     src_dtype: np.dtype  # the source tensors' dtype (differs from entry's when cast)
-    src_chunks: Mapping[tuple[int, ...], tuple[int, Chunk]]  # output chunk offset -> source (index, chunk)
+    # output chunk offset -> (source chunk index, source chunk, the part it belongs to)
+    src_chunks: Mapping[tuple[int, ...], tuple[int, Chunk, Part]]
 
-    def part(self, box: Box) -> Part:
-        p0 = self.parts[0]
-        return p0 if p0.put is None else self.parts[box.offset[p0.put[0]]]
+
+def _ints(params: Parameters, rule: Rule, tensor: str, what: str, items: Sequence[int | str]) -> list[int]:
+    """Sizes or reshape entries of ``rule`` for ``tensor``: integers, or parameter expressions resolved."""
+    out = []
+    for x in items:
+        try:
+            v = params.evaluate(x) if isinstance(x, str) else x
+        except ExpressionError as e:
+            given = ", ".join(f"{k!r}: ..." for k in params.given) or "'name': value"
+            raise RuleError(
+                f"{rule.label}, tensor {tensor!r}: {what} {x!r} cannot be resolved: {e}. Give the "
+                f"parameters with the rule set: rules={{'rules': ..., 'parameters': {{{given}}}}}"
+            ) from None
+        if not _int(v):
+            raise RuleError(f"{rule.label}, tensor {tensor!r}: {what} {x!r} is {v!r}, not an integer")
+        out.append(v)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -356,20 +433,23 @@ class RuledSource(SourceView):
     """A :class:`Source` seen through rules: transformed names, shapes, dtypes and boxes.
 
     Built by :func:`apply_rules`. Every view chunk is one stored chunk of the
-    wrapped :attr:`source` (or an unstacked slice of it), so each read job maps to
-    one job of the source's ``_read_chunks`` covering only the requested elements,
-    read straight into a transposed view of the output (through a temporary
-    buffer when cast).
+    wrapped :attr:`source` (or an unstacked slice of it, the part of it a split
+    keeps, or one block of a joined part), so each read job maps to jobs of the
+    source's ``_read_chunks`` in that one chunk, covering only the requested
+    elements (one per block of the whole for a split part), read straight into a
+    transposed view of the output (through a temporary buffer when cast).
     """
 
-    def __init__(self, source: Source, rules: Sequence[Rule]) -> None:
+    def __init__(self, source: Source, rules: Sequence[Rule], parameters: Mapping[str, int | str | None] | None = None) -> None:
         super().__init__(source)
         self.rules = tuple(rules)
+        self.parameters = Parameters(parameters or {}, source.object_names, _object_reader(source))
         self._views: dict[str, _View] = {}
         self._passed: set[str] = set()  # unmatched tensors: info/read go straight to the source
-        # output name -> [(source name, rule or None, stack position or None)], for collisions
-        claims: dict[str, list[tuple[str, Rule | None, int | None]]] = {}
-        pieces: dict[str, list[tuple[int, Part, Rule, TensorEntry]]] = {}
+        # output name -> [(source name, rule or None, slot or None)], for collisions; a slot
+        # (stack position, join part) says where a piece goes in a tensor made of several
+        claims: dict[str, list[tuple[str, Rule | None, _Slot | None]]] = {}
+        pieces: dict[str, list[tuple[_Slot, Part, Rule, TensorEntry]]] = {}
         order: list[str] = []
         for name in source.names():
             entry: TensorEntry | None = None
@@ -400,11 +480,11 @@ class RuledSource(SourceView):
                     "dropped: make the pattern exclude them"
                 )
             new = _expand(rule, m, rule.rename, name) if rule.rename else name
-            for out, part, pos in self._parts(rule, m, name, new, entry):
-                claims.setdefault(out, []).append((name, rule, pos))
+            for out, part, slot in self._parts(rule, m, name, new, entry):
+                claims.setdefault(out, []).append((name, rule, slot))
                 if out not in pieces:
                     order.append(out)
-                pieces.setdefault(out, []).append((pos if pos is not None else 0, part, rule, entry))
+                pieces.setdefault(out, []).append((slot or (0, 0), part, rule, entry))
         self._objects = {}  # output object name -> source object name
         for name in source.object_names():
             renamed = self._object_name(name)
@@ -412,7 +492,7 @@ class RuledSource(SourceView):
                 claims.setdefault(renamed, []).append((name, None, None))
                 self._objects[renamed] = name
         for out, who in claims.items():
-            if len(who) > 1 and not all(pos is not None for _, _, pos in who):
+            if len(who) > 1 and not all(slot is not None for _, _, slot in who):
                 raise RuleError(_collision(out, who, set(self._objects.values())))
         for out, ps in pieces.items():
             self._views[out] = self._build(out, ps)
@@ -423,28 +503,61 @@ class RuledSource(SourceView):
 
     def _parts(
         self, rule: Rule, m: re.Match[str], name: str, new: str, entry: TensorEntry
-    ) -> list[tuple[str, Part, int | None]]:
+    ) -> list[tuple[str, Part, _Slot | None]]:
+        """The output pieces of one matched source tensor: (output name, how it lands, slot)."""
         nd = len(entry.shape)
         if rule.unstack is not None:
             k = _axis(rule, rule.unstack, nd, name, "unstack", entry.shape)
-            _check_perm(rule, name, nd - 1, "after unstacking, ")
-            return [
-                (new.replace("{i}", str(i)), Part(name, (k, i), rule.transpose), None)
-                for i in range(entry.shape[k])
+            takes: list[tuple[str, tuple[int, int] | None]] = [
+                (new.replace("{i}", str(i)), (k, i)) for i in range(entry.shape[k])
             ]
-        _check_perm(rule, name, nd, "")
-        if rule.stack is None:
-            return [(new, Part(name, None, rule.transpose), None)]
-        axis_raw, template = rule.stack
-        a = _axis(rule, axis_raw, nd + 1, name, "stack", entry.shape)
-        text = _expand(rule, m, template, name)
-        if not re.fullmatch(r"[0-9]+", text):
-            raise RuleError(
-                f"{rule.label}: stack index {template!r} expands to {text!r} for {name!r}, not a "
-                "non-negative integer; point it at the group holding the layer number"
-            )
-        pos = int(text)
-        return [(new, Part(name, None, rule.transpose, (a, pos)), pos)]
+            piece = entry.shape[:k] + entry.shape[k + 1 :]
+        else:
+            takes, piece = [(new, None)], entry.shape
+        _check_perm(rule, name, len(piece), "after unstacking, " if rule.unstack is not None else "")
+        pos = None
+        put = None
+        if rule.stack is not None:
+            axis_raw, template = rule.stack
+            a = _axis(rule, axis_raw, nd + 1, name, "stack", entry.shape)
+            text = _expand(rule, m, template, name)
+            if not re.fullmatch(r"[0-9]+", text):
+                raise RuleError(
+                    f"{rule.label}: stack index {template!r} expands to {text!r} for {name!r}, not a "
+                    "non-negative integer; point it at the group holding the layer number"
+                )
+            pos = int(text)
+            put = (a, pos)
+        spec = rule.split or rule.join
+        if spec is None:
+            slot = None if pos is None else (pos, 0)
+            return [(out, Part(name, take, rule.transpose, put), slot) for out, take in takes]
+        sizes = _ints(self.parameters, rule, name, "size", spec.sizes)
+        reshape = None if spec.reshape is None else _ints(self.parameters, rule, name, "reshape entry", spec.reshape)
+        if rule.join is not None:
+            label = _expand(rule, m, spec.part, name)
+            if label not in spec.names:
+                raise RuleError(
+                    f"{rule.label}: join part {spec.part!r} expands to {label!r} for {name!r}, which is not "
+                    f"one of the parts {list(spec.names)}"
+                )
+            indexes = [(spec.names.index(label), "")]
+        else:
+            indexes = [(i, n) for i, n in enumerate(spec.names)]
+        out = []
+        for i, label in indexes:
+            try:
+                cut, _ = make_cut(piece, spec.axis, sizes, i, reshape, rule.join is not None)
+            except ValueError as e:
+                raise RuleError(
+                    f"{rule.label}: cannot {'join' if rule.join else 'split'} {name!r} {piece}"
+                    f"{' (each piece)' if rule.unstack is not None else ''}: {e}; check the rule's sizes, "
+                    "reshape and parameters against the checkpoint"
+                ) from None
+            slot = (pos or 0, i) if rule.join is not None else None
+            for o, take in takes:
+                out.append((o.replace("{part}", label), Part(name, take, rule.transpose, put, cut), slot))
+        return out
 
     def _object_name(self, name: str) -> str | None:
         for rule in self.rules:
@@ -464,49 +577,48 @@ class RuledSource(SourceView):
             return _expand(rule, m, rule.rename, name) if rule.rename else name
         return name
 
-    def _build(self, out: str, ps: list[tuple[int, Part, Rule, TensorEntry]]) -> _View:
+    def _build(self, out: str, ps: list[tuple[_Slot, Part, Rule, TensorEntry]]) -> _View:
         ps.sort(key=lambda p: p[0])
-        rule0, first = ps[0][2], ps[0][3]
-        if ps[0][1].put is not None:
-            positions = [p for p, *_ in ps]
-            if positions != list(range(len(ps))):
-                dup = sorted({p for p in positions if positions.count(p) > 1})
-                missing = sorted(set(range(max(positions) + 1)) - set(positions))
-                what = f"position {dup[0]} twice" if dup else f"no piece at positions {missing[:10]}"
-                raise RuleError(
-                    f"{rule0.label}: stacking {len(ps)} tensors into {out!r} ({[p[3].name for p in ps][:6]}) "
-                    f"finds {what}; positions must be exactly 0..{len(ps) - 1}"
-                )
-            axes = {p[1].put[0] if p[1].put is not None else None for p in ps}
+        rule0, first, p0 = ps[0][2], ps[0][3], ps[0][1]
+        joined = p0.cut is not None and p0.cut.join
+        stacked = p0.put is not None
+        if stacked or joined:
+            slots = [p[0] for p in ps]
+            n_pos = max(pos for pos, _ in slots) + 1
+            n_part = len(rule0.join.names if rule0.join else ("",))
+            want = [(pos, i) for pos in range(n_pos) for i in range(n_part)]
+            if slots != want:
+                raise RuleError(_slots_error(rule0, out, ps, want, joined))
+            axes = {(p[1].put[0] if p[1].put is not None else None, p[1].cut.axis if p[1].cut else None) for p in ps}
             for _, part, rule, e in ps[1:]:
-                same = _describe(e, part, rule) == _describe(first, ps[0][1], rule0)
+                same = _describe(e, part, rule) == _describe(first, p0, rule0)
                 if not same or len(axes) > 1:
                     raise RuleError(
-                        f"{rule.label}: stacked pieces of {out!r} disagree: {first.name!r} is "
-                        f"{_describe(first, ps[0][1], rule0)} and {e.name!r} is {_describe(e, part, rule)}; "
-                        "every piece must have the same shape and dtype (and stack axis)"
+                        f"{rule.label}: {'joined' if joined else 'stacked'} pieces of {out!r} disagree: "
+                        f"{first.name!r} is {_describe(first, p0, rule0)} and {e.name!r} is "
+                        f"{_describe(e, part, rule)}; every piece must have the same shape and dtype (and stack "
+                        "and join axes)"
                     )
         dtype = _out_dtype(rule0, first)
         itemsize = numpy_dtype(dtype).itemsize
         chunks: list[Chunk] = []
-        src_chunks: dict[tuple[int, ...], tuple[int, Chunk]] = {}
+        src_chunks: dict[tuple[int, ...], tuple[int, Chunk, Part]] = {}
         for _, part, _, e in ps:
             for ci, c in enumerate(e.chunks):
-                box = part.to_output(c.box)
-                if box is None:
-                    continue
-                chunks.append(Chunk(offset=box.offset, shape=box.shape, grid=part.map_grid(c.grid), key=c.key,
-                                    rank=c.rank, nbytes=box.volume * itemsize))
-                src_chunks[box.offset] = (ci, c)
-        p0 = ps[0][1]
-        shape = _piece_shape(first, p0)
+                for box in part.to_output(c.box):
+                    chunks.append(Chunk(offset=box.offset, shape=box.shape, grid=part.map_grid(c.grid), key=c.key,
+                                        rank=c.rank, nbytes=box.volume * itemsize))
+                    src_chunks[box.offset] = (ci, c, part)
+        shape = p0.piece_shape(first.shape)
         if p0.put is not None:
-            shape = shape[: p0.put[0]] + (len(ps),) + shape[p0.put[0] :]
-        if p0.take is None and p0.perm is None and p0.put is None and dtype == first.dtype:
+            positions = len({p[0][0] for p in ps})
+            shape = shape[: p0.put[0]] + (positions,) + shape[p0.put[0] :]
+        plain = p0.take is None and p0.perm is None and p0.put is None and p0.cut is None
+        if plain and dtype == first.dtype:
             entry = first if out == first.name else replace(first, name=out)  # placement kept
         else:
             entry = TensorEntry(name=out, dtype=dtype, shape=shape, chunks=tuple(chunks))
-        return _View(entry, tuple(p for _, p, _, _ in ps), first.np_dtype, src_chunks)
+        return _View(entry, first.np_dtype, src_chunks)
 
     # -- metadata ---------------------------------------------------------------
 
@@ -542,19 +654,18 @@ class RuledSource(SourceView):
             name, chunk, req, out = job
             box = chunk.box if req is None else req.box
             target = out if req is None else out[req.target_slices]
-            part = v.part(box)
-            ci, src_chunk = v.src_chunks[chunk.offset]
-            sbox = part.to_source(box)
-            dst = part.source_view(target)
-            if v.src_dtype != out.dtype:
-                tmp = np.empty(dst.shape, dtype=v.src_dtype)
-                casts.append((dst, tmp))
-                dst = tmp
-            view_bytes, src_bytes = view_bytes + target.nbytes, src_bytes + dst.nbytes
-            req = ReadRequest(ci, sbox, sbox.slices(src_chunk.box), tuple(slice(0, n) for n in sbox.shape))
-            mapped.append(ChunkRead(part.src, src_chunk, req, dst))
+            ci, src_chunk, part = v.src_chunks[chunk.offset]
+            for sbox, obox in part.to_sources(box):
+                dst = part.source_view(target if obox == box else target[obox.slices(box)])
+                if v.src_dtype != out.dtype:
+                    tmp = np.empty(dst.shape, dtype=v.src_dtype)
+                    casts.append((dst, tmp))
+                    dst = tmp
+                view_bytes, src_bytes = view_bytes + dst.size * out.itemsize, src_bytes + dst.nbytes
+                req = ReadRequest(ci, sbox, sbox.slices(src_chunk.box), tuple(slice(0, n) for n in sbox.shape))
+                mapped.append(ChunkRead(part.src, src_chunk, req, dst))
         scaled = view_bytes != src_bytes and src_bytes > 0
-        self.source._read_chunks(mapped, _Scaled(bar, view_bytes / src_bytes) if scaled else bar)
+        self.source._read_chunks(mapped, ScaledBar(bar, view_bytes / src_bytes) if scaled else bar)
         for dst, tmp in casts:
             np.copyto(dst, tmp, casting="unsafe")  # the same conversion loops as astype
 
@@ -563,25 +674,15 @@ class RuledSource(SourceView):
         v = self._views.get(name)
         if v is None:
             return self.source.read_units(name, chunk, box, itemsize)
-        part = v.part(box)
-        src_chunk = v.src_chunks[chunk.offset][1]
-        return self.source.read_units(
-            part.src, src_chunk, part.to_source(box), v.src_dtype.itemsize
-        )
+        _, src_chunk, part = v.src_chunks[chunk.offset]
+        units: dict[Hashable, int] = {}
+        for sbox, _ in part.to_sources(box):
+            units.update(self.source.read_units(part.src, src_chunk, sbox, v.src_dtype.itemsize))
+        return units
 
 
 # ---------------------------------------------------------------------------
 # Helpers
-
-
-class _Scaled:
-    """A progress bar fed source bytes, counting view bytes (a cast changes the item size)."""
-
-    def __init__(self, bar: Any, ratio: float) -> None:
-        self.bar, self.ratio = bar, ratio
-
-    def update(self, n: int = 1) -> None:
-        self.bar.update(n * self.ratio)
 
 
 def _expand(rule: Rule, m: re.Match[str], template: str | None, name: str) -> str:
@@ -609,24 +710,51 @@ def _check_perm(rule: Rule, name: str, nd: int, when: str) -> None:
         )
 
 
-def _piece_shape(e: TensorEntry, part: Part) -> tuple[int, ...]:
-    shape = list(e.shape)
-    if part.take is not None:
-        del shape[part.take[0]]
-    if part.perm is not None:
-        shape = [shape[p] for p in part.perm]
-    return tuple(shape)
-
-
 def _out_dtype(rule: Rule, e: TensorEntry) -> str:
     return rule.dtype or e.dtype
 
 
 def _describe(e: TensorEntry, part: Part, rule: Rule) -> str:
-    return f"{_piece_shape(e, part)} {_out_dtype(rule, e)}"
+    return f"{part.piece_shape(e.shape)} {_out_dtype(rule, e)}"
 
 
-def _collision(out: str, who: list[tuple[str, Rule | None, int | None]], objects: set[str]) -> str:
+def _object_reader(source: Source) -> Any:
+    def read(name: str) -> Any:
+        try:
+            return source.objects([name])[name]
+        except ObjectError as e:
+            raise ExpressionError(str(e)) from None
+
+    return read
+
+
+def _slots_error(
+    rule: Rule, out: str, ps: list[tuple[_Slot, Part, Rule, TensorEntry]], want: list[_Slot], joined: bool
+) -> str:
+    """The message for stacked positions that are not 0..n-1, or joined parts missing or repeated."""
+    slots = [p[0] for p in ps]
+    dup = sorted({x for x in slots if slots.count(x) > 1})
+    missing = sorted(set(want) - set(slots))
+    names = [p[3].name for p in ps][:6]
+    if not joined:
+        what = f"position {dup[0][0]} twice" if dup else f"no piece at positions {[m[0] for m in missing][:10]}"
+        return (
+            f"{rule.label}: stacking {len(ps)} tensors into {out!r} ({names}) finds {what}; positions must be "
+            f"exactly 0..{len(ps) - 1}"
+        )
+    parts = rule.join.names if rule.join is not None else ()
+
+    def text(slot: _Slot) -> str:
+        return f"part {parts[slot[1]]!r}" + (f" at position {slot[0]}" if rule.stack is not None else "")
+
+    what = f"{text(dup[0])} twice" if dup else f"no {', '.join(text(x) for x in missing[:6])}"
+    return (
+        f"{rule.label}: joining {len(ps)} tensors into {out!r} ({names}) finds {what}; each of the parts "
+        f"{list(parts)} must come exactly once" + (" at every stacked position" if rule.stack is not None else "")
+    )
+
+
+def _collision(out: str, who: list[tuple[str, Rule | None, _Slot | None]], objects: set[str]) -> str:
     def one(src: str, rule: Rule | None) -> str:
         kind = "object" if src in objects else "tensor"
         return f"{kind} {src!r} ({rule.label if rule else 'no rule matches it: unchanged'})"
@@ -654,7 +782,7 @@ def apply_rules(src: Source, rules: Rules | Sequence[Rule]) -> Source:
             (two names onto one, a permutation of the wrong length, stacked
             pieces that disagree, positions that are not 0..n-1, ...).
     """
-    parsed = load_rules(rules)
+    parsed, parameters = load_rule_set(rules)
     if not parsed:
         return src
-    return RuledSource(src, parsed)
+    return RuledSource(src, parsed, parameters)

@@ -327,6 +327,13 @@ class Source:
         """Names of objects saved per rank (each rank its own value)."""
         return set()
 
+    def nesting(self) -> Mapping[str, tuple[Any, ...]] | None:
+        """Where each tensor and object sits in the nested state dict the format's own loader
+        rebuilds (a key path of dict keys and list positions), or None when names are the
+        whole story. torch DCP says (its ``planner_data``: what ``dcp_to_torch_save`` nests
+        by); ``xckpt.convert`` to torch.save writes that nested dict."""
+        return None
+
     def _has_object(self, name: str) -> bool:
         """Whether ``name`` is an object; a format holding its objects by name looks it up."""
         return name in self.object_names()

@@ -97,6 +97,16 @@ class SourceView(Source):
         inner = self.source.per_rank_objects()
         return {n for n, s in self._objects.items() if s in inner}
 
+    def nesting(self) -> Mapping[str, tuple[Any, ...]] | None:
+        """The wrapped source's key paths of the names this view keeps unchanged (a renamed
+        name has none, and a consumer then falls back to flat names)."""
+        inner = self.source.nesting()
+        if inner is None:
+            return None
+        kept = {n: inner[n] for n in self.names() if n in inner}
+        kept.update({n: inner[s] for n, s in self._objects.items() if n == s and s in inner})
+        return kept
+
     # -- verification and lifetime --------------------------------------------------
 
     def verify(self, *, show_progress: bool | None = None) -> list[str]:

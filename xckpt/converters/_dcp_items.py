@@ -18,32 +18,20 @@ import numpy as np
 
 from xckpt.errors import CorruptChunkError, ObjectError, XckptError
 from xckpt.manifest import Chunk, numpy_dtype
+from xckpt.storage import Blob
 
-from ._torchzip import ZIP_MAGIC, Archive, FileBytes, StoredBytes, read_box, read_boxes
+from ._nesting import group_by_prefix, nest
+from ._torchzip import ZIP_MAGIC, Archive, StoredBytes, read_box, read_boxes
 from ._unpickle import StorageRef, TensorRef, TorchDtype, unrestricted_load
+from .safetensors import DTYPES as SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
     from .torch_dcp import DcpSource, _Item
 
-__all__ = ["ChunkReader", "group_objects", "transform_error"]
+__all__ = ["ChunkReader", "group_objects", "path_of", "transform_error"]
 
-_ST_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-    "BOOL": "bool",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3": "float8_e4m3fn",
-}
+#: safetensors dtype name -> xckpt dtype name (the safetensors reader's table: C64, float8 included).
+_ST_DTYPES = {k: v[0] for k, v in SAFETENSORS_DTYPES.items()}
 _ST_MAX_HEADER = 100 << 20
 _MAX_DEPTH = 200
 
@@ -75,7 +63,7 @@ class _Raw:
 
     big_endian = False
 
-    def __init__(self, f: FileBytes) -> None:
+    def __init__(self, f: Blob) -> None:
         self.pread = f.pread
         self.readinto = f.readinto
 
@@ -132,14 +120,14 @@ class ChunkReader:
         return self._safetensors(name, chunk, it, f, where)
 
     def _safetensors(
-        self, name: str, chunk: Chunk, it: _Item, f: FileBytes, where: str
+        self, name: str, chunk: Chunk, it: _Item, f: Blob, where: str
     ) -> tuple[StoredBytes, TensorRef, int]:
         # serialization_format=SAFETENSORS: the item's offset is the start of one safetensors blob.
         key = (it.rel, it.offset)
         got = self._st.get(key)
         if got is None:
-            n = int.from_bytes(f.pread(it.offset, 8), "little") if it.offset + 8 <= f.size else -1
-            if n < 2 or n > _ST_MAX_HEADER or it.offset + 8 + n > f.size:
+            n = int.from_bytes(f.pread(it.offset, 8), "little") if f.reaches(it.offset + 8) else -1
+            if n < 2 or n > _ST_MAX_HEADER or not f.reaches(it.offset + 8 + n):
                 raise CorruptChunkError(
                     f"{where}: the bytes at offset {it.offset} of {it.rel} are neither a torch.save "
                     "archive nor a safetensors blob; the checkpoint is damaged"
@@ -170,7 +158,7 @@ class ChunkReader:
             or type(end) is not int
             or not 0 <= b <= end
             or end - b != math.prod(shape) * itemsize
-            or base + end > f.size
+            or not f.reaches(base + end)
         ):
             raise CorruptChunkError(
                 f"{where}: the safetensors entry {e!r} in {it.rel} does not match the metadata "
@@ -218,7 +206,7 @@ class ChunkReader:
                     f"torch DCP checkpoint {self.src.path!r}: per-rank object {name!r} has no value for rank {rank}"
                 )
             values.append((sub, self._unpickle(fqn, chosen[0])))
-        return _build(values, name, self.src.path)
+        return nest(values, name, f"torch DCP checkpoint {self.src.path!r}")
 
     def _unpickle(self, fqn: str, it: _Item) -> Any:
         a = self._archive(fqn, it)
@@ -258,19 +246,11 @@ def _materialize(v: Any, a: Archive, depth: int) -> Any:
     return v
 
 
-def _build(values: list[tuple[tuple[Any, ...], Any]], name: str, path: str) -> Any:
-    """Nest DCP leaves back into the container they were flattened from."""
-    if len(values) == 1 and values[0][0] == ():
-        return values[0][1]
-    if any(sub == () for sub, _ in values):
-        raise XckptError(f"torch DCP checkpoint {path!r}: object {name!r} is both a leaf and a container")
-    children: dict[Any, list[tuple[tuple[Any, ...], Any]]] = {}
-    for sub, v in values:
-        children.setdefault(sub[0], []).append((sub[1:], v))
-    keys = list(children)
-    if all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
-        return [_build(children[k], name, path) for k in range(len(keys))]
-    return {k: _build(c, name, path) for k, c in children.items()}
+def path_of(fqn: str, paths: Mapping[str, tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The key path of DCP key ``fqn`` in the state dict that was saved (from ``planner_data``;
+    a key without one, or whose path does not join to it, is its own one-element path)."""
+    p = paths.get(fqn)
+    return p if p is not None and ".".join(map(str, p)) == fqn else (fqn,)
 
 
 def group_objects(
@@ -280,21 +260,9 @@ def group_objects(
     where: str,
 ) -> dict[str, list[Member]]:
     """Objects by the name :mod:`xckpt.torch` gives them: the shortest key path holding no tensor."""
-
-    def path_of(fqn: str) -> tuple[Any, ...]:
-        p = paths.get(fqn)
-        return p if p is not None and ".".join(map(str, p)) == fqn else (fqn,)
-
-    prefixes: set[tuple[Any, ...]] = set()
-    for t in tensors:
-        p = path_of(t)
-        prefixes.update(p[:i] for i in range(1, len(p) + 1))
-    groups: dict[str, list[Member]] = {}
-    for fqn, its in objects.items():
-        p = path_of(fqn)
-        i = next((i for i in range(1, len(p) + 1) if p[:i] not in prefixes), len(p))
-        name = fqn if i == len(p) else ".".join(map(str, p[:i]))
-        if name in tensors:
-            raise XckptError(f"torch DCP checkpoint {where!r}: {name!r} is both a tensor and an object")
-        groups.setdefault(name, []).append((p[i:], fqn, sorted(its, key=lambda x: x.rank)))
-    return groups
+    leaves = {fqn: path_of(fqn, paths) for fqn in objects}
+    grouped = group_by_prefix(leaves, [path_of(t, paths) for t in tensors], f"torch DCP checkpoint {where!r}")
+    return {
+        name: [(sub, fqn, sorted(objects[fqn], key=lambda x: x.rank)) for sub, fqn in members]
+        for name, members in grouped.items()
+    }

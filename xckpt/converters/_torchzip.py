@@ -21,7 +21,6 @@ range before it is used; anything inconsistent is an :class:`XckptError`.
 from __future__ import annotations
 
 import math
-import os
 import struct
 import threading
 from typing import Any, NamedTuple, Protocol
@@ -29,12 +28,14 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from xckpt.errors import CorruptChunkError, XckptError
+from xckpt.storage import Blob, LocalBlob
 
 from ._unpickle import TORCH_SAVE_GLOBALS, StorageRef, TensorRef, restricted_load
 
 __all__ = [
     "FileBytes",
     "Archive",
+    "zip_length",
     "StoredBytes",
     "read_box",
     "read_boxes",
@@ -59,62 +60,8 @@ _EXPAND_LIMIT = 1 << 30
 _SLAB = 64 << 20  # bytes of a tensor held at once when several boxes are cut from it
 
 
-class FileBytes:
-    """A local file read by ``os.pread``, counting the bytes read (thread-safe)."""
-
-    def __init__(self, path: str, where: str) -> None:
-        self.path = path
-        self.where = where
-        try:
-            self.fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise XckptError(f"{where}: cannot open {path!r} ({e.strerror})") from None
-        self.size = os.fstat(self.fd).st_size
-        self.bytes_read = 0
-        self._lock = threading.Lock()
-
-    def _count(self, n: int) -> None:
-        with self._lock:
-            self.bytes_read += n
-
-    def pread(self, offset: int, n: int) -> bytes:
-        """Exactly ``n`` bytes at ``offset`` (XckptError if the file is shorter)."""
-        if offset < 0 or n < 0 or offset + n > self.size:
-            raise CorruptChunkError(
-                f"{self.where}: bytes [{offset}, {offset + n}) lie past the end of {self.path!r} "
-                f"({self.size} bytes); the file is truncated: restore it from a copy or re-save"
-            )
-        parts = []
-        got = 0
-        while got < n:
-            b = os.pread(self.fd, n - got, offset + got)
-            if not b:
-                raise CorruptChunkError(f"{self.where}: {self.path!r} shrank while being read")
-            parts.append(b)
-            got += len(b)
-        self._count(n)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def readinto(self, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` (a writable byte view) from ``offset``."""
-        n = buf.nbytes
-        if offset < 0 or offset + n > self.size:
-            raise CorruptChunkError(
-                f"{self.where}: bytes [{offset}, {offset + n}) lie past the end of {self.path!r} "
-                f"({self.size} bytes); the file is truncated: restore it from a copy or re-save"
-            )
-        got = 0
-        while got < n:
-            k = os.preadv(self.fd, [buf[got:]], offset + got)
-            if k <= 0:
-                raise CorruptChunkError(f"{self.where}: {self.path!r} shrank while being read")
-            got += k
-        self._count(n)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+#: A local file read by ``os.pread`` (kept under its old name: other readers import it).
+FileBytes = LocalBlob
 
 
 class _Record(NamedTuple):
@@ -133,17 +80,29 @@ def first_record_name(head: bytes) -> str | None:
 
 
 class Archive:
-    """One torch.save archive at ``[base, base + length)`` of a file.
+    """One torch.save archive at ``[base, base + length)`` of a file (any :class:`~xckpt.storage.Blob`).
 
     Attributes:
         prefix: the archive name (``archive`` for streams).
         big_endian: the ``byteorder`` record says ``big``.
-        root: ``data.pkl`` unpickled with the restricted unpickler.
+        root: ``data.pkl`` unpickled with the restricted unpickler; with ``foreign=True``
+            classes outside the allow-list become inert placeholders
+            (:mod:`._foreign`) instead of refusing the file.
     """
 
-    def __init__(self, file: FileBytes, base: int, length: int, where: str, *, unpickle: bool = True) -> None:
+    def __init__(
+        self,
+        file: Blob,
+        base: int,
+        length: int,
+        where: str,
+        *,
+        unpickle: bool = True,
+        foreign: bool = False,
+        tail: bytes | None = None,
+    ) -> None:
         self.file, self.base, self.length, self.where = file, base, length, where
-        if base < 0 or length < 0 or base + length > file.size:
+        if base < 0 or length < 0 or (file.size is not None and base + length > file.size):
             raise CorruptChunkError(
                 f"{where}: the archive at bytes [{base}, {base + length}) lies past the end of "
                 f"{file.path!r} ({file.size} bytes); the file is truncated: restore it or re-save"
@@ -151,7 +110,7 @@ class Archive:
         self._blob = file.pread(base, length) if length <= _WHOLE else None
         self._data: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
-        self.records = self._central_directory()
+        self.records = self._central_directory(tail)
         pkls = [n for n in self.records if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
             raise self._bad(f"expected one <archive>/data.pkl record, found {pkls[:5]}")
@@ -165,7 +124,32 @@ class Archive:
             self.big_endian = value == b"big"
         self.root: Any = None
         if unpickle:
-            self.root = restricted_load(self.record_bytes(pkls[0]), TORCH_SAVE_GLOBALS, where, storages=True)
+            data = self.record_bytes(pkls[0])
+            self.root = restricted_load(data, TORCH_SAVE_GLOBALS, where, storages=True, foreign=foreign)
+
+    @classmethod
+    def of_file(cls, file: Blob, where: str, **options: Any) -> Archive:
+        """The archive that is the whole of ``file`` (a torch.save file).
+
+        A file whose size is unknown (a kvstore key) is sized from its zip end records,
+        read with one suffix read that also serves as the central directory's first look.
+        """
+        if file.size is not None:
+            return cls(file, 0, file.size, where, **options)
+        tail = file.tail(_TAIL)
+        length = zip_length(tail) if file.size is None else file.size
+        if length is None and len(tail) == _TAIL:
+            tail = file.tail(65535 + _EOCD.size + _LOC64.size + _EOCD64.size)
+            length = zip_length(tail)
+        if length is None:
+            length = file.size  # the file was shorter than the tail asked for: its size is known
+        if length is None or length < len(tail):
+            raise CorruptChunkError(
+                f"{where}: not a valid torch.save archive: no end-of-central-directory record "
+                "(truncated, or not a zip)"
+            )
+        file.size = length
+        return cls(file, 0, length, where, tail=tail, **options)
 
     # -- raw access -------------------------------------------------------------
 
@@ -180,11 +164,15 @@ class Archive:
             return blob[off : off + n]
         return self.file.pread(self.base + off, n)
 
-    def _central_directory(self) -> dict[str, _Record]:
+    def _central_directory(self, tail: bytes | None = None) -> dict[str, _Record]:
         if self.length < _EOCD.size:
             raise self._bad(f"{self.length} bytes is too short for a zip")
-        tail_len = min(self.length, _TAIL)
-        tail = self._get(self.length - tail_len, tail_len)
+        if tail is not None and len(tail) >= min(self.length, _TAIL) and self.base == 0:
+            tail = tail[len(tail) - min(self.length, len(tail)) :]  # the archive's last bytes, read already
+            tail_len = len(tail)
+        else:
+            tail_len = min(self.length, _TAIL)
+            tail = self._get(self.length - tail_len, tail_len)
         pos = self._find_eocd(tail)
         if pos is None and tail_len < self.length:
             tail_len = min(self.length, 65535 + _EOCD.size + _LOC64.size)
@@ -325,6 +313,26 @@ class Archive:
         return start, size
 
 
+def zip_length(tail: bytes) -> int | None:
+    """The length of the zip whose last bytes are ``tail``, from its end records (None if they
+    are not there). The end-of-central-directory record ends the file (after its comment), and
+    sits right after the central directory, or after the zip64 end record and its locator."""
+    pos = Archive._find_eocd(tail)
+    if pos is None:
+        return None
+    _, _, _, _, _, cd_size, cd_off, clen = _EOCD.unpack_from(tail, pos)
+    if cd_size != 0xFFFFFFFF and cd_off != 0xFFFFFFFF:
+        return cd_off + cd_size + _EOCD.size + clen
+    at = pos - _LOC64.size
+    if at < 0 or tail[at : at + 4] != b"PK\x06\x07":
+        return None
+    e64_off = _LOC64.unpack_from(tail, at)[2]
+    rec = at - _EOCD64.size
+    if rec < 0 or tail[rec : rec + 4] != b"PK\x06\x06" or struct.unpack_from("<Q", tail, rec + 4)[0] != _EOCD64.size - 12:
+        return None
+    return e64_off + _EOCD64.size + _LOC64.size + _EOCD.size + clen
+
+
 def _zip64(extra: bytes, usize: int, csize: int, local: int, bad: Any) -> tuple[int, int, int]:
     p = 0
     while p + 4 <= len(extra):
@@ -423,10 +431,13 @@ def read_box(
     raw = np.frombuffer(f.pread(start + first * itemsize, span), np.uint8)
     if swap:
         raw = _swap(raw.copy(), itemsize, complex_)
+    # ml_dtypes' float8_e5m2 has no array-interface type string as_strided understands
+    # ('<f1'): stride a same-width unsigned integer view, then view it as the dtype.
+    plain = np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else dtype
     view = np.lib.stride_tricks.as_strided(
-        raw.view(dtype), shape=sub, strides=tuple(st * itemsize for st in stride), writeable=False
+        raw.view(plain), shape=sub, strides=tuple(st * itemsize for st in stride), writeable=False
     )
-    out[...] = view
+    out[...] = view if plain is dtype else view.view(dtype)
     return span
 
 

@@ -41,6 +41,8 @@ from typing import Any
 
 from xckpt.errors import XckptError
 
+from ._foreign import placeholder
+
 __all__ = [
     "TorchDtype",
     "TorchEnum",
@@ -402,6 +404,83 @@ TORCH_SAVE_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
+# --- training-framework sources (DeepSpeed, Megatron-Core): begin -----------------------------
+# Owner: converters/deepspeed.py and converters/megatron.py. Every entry is an inert stand-in.
+
+
+class _TensorType(_Frozen):
+    """``torch.Tensor`` / ``torch.nn.Parameter`` named as the type of a tensor subclass rebuild."""
+
+    __slots__ = ("name",)
+    name: str
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_TENSOR_REBUILDS = (_rebuild_v2, _rebuild_v3, _rebuild_parameter)
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
+    # torch._tensor._rebuild_from_type_v2(func, type, args, state): DeepSpeed's ZeRO-3 flat groups
+    # (a tensor with a ``ds_id`` attribute). Only our own rebuild stand-ins are ever called.
+    if func not in _TENSOR_REBUILDS or not isinstance(new_type, _TensorType) or not isinstance(args, tuple):
+        raise XckptError(f"_rebuild_from_type_v2 with {func!r} / {new_type!r} is not allowed")
+    t = func(*args)
+    if not isinstance(t, TensorRef):
+        raise XckptError("_rebuild_from_type_v2 did not rebuild a tensor")
+    return t
+
+
+def _zero_stage(value: Any) -> int:
+    # deepspeed.runtime.zero.config.ZeroStageEnum(int): the stage number, nothing else.
+    if type(value) is not int or not 0 <= value <= 3:
+        raise XckptError(f"ZeroStageEnum({value!r}) is not a ZeRO stage")
+    return value
+
+
+def _write_item_type(value: Any) -> TorchEnum:
+    names = {1: "WriteItemType.TENSOR", 2: "WriteItemType.SHARD", 3: "WriteItemType.BYTE_IO"}  # enum.auto()
+    if type(value) is not int or value not in names:
+        raise XckptError(f"WriteItemType({value!r}) is not a DCP write item type")
+    return TorchEnum(names[value])
+
+
+_DS = "deepspeed"
+_PLANNER = f"{_DCP}.planner"
+
+#: What DeepSpeed's ``*_optim_states.pt`` ``data.pkl`` may name: torch.save's list, DeepSpeed's loss
+#: scaler, ZeRO stage enum and fragment addresses (records of their pickled fields, nothing called),
+#: and the tensor-subclass rebuild of ZeRO-3's flat groups.
+DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
+    **TORCH_SAVE_GLOBALS,
+    (f"{_DS}.runtime.fp16.loss_scaler", "LossScaler"): _record("LossScaler"),
+    (f"{_DS}.runtime.fp16.loss_scaler", "DynamicLossScaler"): _record("DynamicLossScaler"),
+    (f"{_DS}.runtime.zero.config", "ZeroStageEnum"): _zero_stage,
+    (f"{_DS}.utils.tensor_fragment", "fragment_address"): _record("fragment_address"),
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch", "Tensor"): _TensorType("torch.Tensor"),
+    ("torch.nn.parameter", "Parameter"): _TensorType("torch.nn.Parameter"),
+}
+
+# Megatron-Core's torch_dist ``.metadata`` also pickles the save plans (``all_local_plans``).
+METADATA_GLOBALS.update(
+    {
+        (_PLANNER, "SavePlan"): _record("SavePlan"),
+        (_PLANNER, "WriteItem"): _record("WriteItem"),
+        (_PLANNER, "TensorWriteData"): _record("TensorWriteData"),
+        (_PLANNER, "BytesIOWriteData"): _record("BytesIOWriteData"),
+        (_PLANNER, "WriteItemType"): _write_item_type,
+    }
+)
+
+
+# --- training-framework sources (DeepSpeed, Megatron-Core): end -------------------------------
+
+
 def _persistent_load(pid: Any) -> StorageRef:
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
         raise XckptError(f"unknown persistent id {str(pid)[:100]!r}; only torch storages are read")
@@ -412,16 +491,25 @@ def _persistent_load(pid: Any) -> StorageRef:
 
 
 class _Restricted(pickle.Unpickler):
-    def __init__(self, file: Any, allowed: dict[tuple[str, str], Any], storages: bool, where: str) -> None:
+    def __init__(
+        self, file: Any, allowed: dict[tuple[str, str], Any], storages: bool, where: str, foreign: bool = False
+    ) -> None:
         super().__init__(file)
         self._allowed = allowed
         self._storages = storages
         self._where = where
+        self._foreign: dict[tuple[str, str], Any] | None = {} if foreign else None
 
     def find_class(self, module: str, name: str) -> Any:
         try:
             return self._allowed[(module, name)]
         except (KeyError, TypeError):
+            if self._foreign is not None and type(module) is str and type(name) is str:
+                # Not allowed: an inert placeholder that records what the pickle does with it.
+                got = self._foreign.get((module, name))
+                if got is None:
+                    got = self._foreign[(module, name)] = placeholder(module, name)
+                return got
             raise XckptError(
                 f"{self._where}: the pickle asks for {module}.{name}, which is not on xckpt's "
                 "allow-list (torch's tensor rebuild functions, DCP metadata classes, dtypes, sizes "
@@ -435,7 +523,14 @@ class _Restricted(pickle.Unpickler):
         return _persistent_load(pid)
 
 
-def restricted_load(data: bytes, allowed: dict[tuple[str, str], Any], where: str, *, storages: bool = False) -> Any:
+def restricted_load(
+    data: bytes,
+    allowed: dict[tuple[str, str], Any],
+    where: str,
+    *,
+    storages: bool = False,
+    foreign: bool = False,
+) -> Any:
     """Unpickle ``data`` allowing only the globals in ``allowed`` (exact pairs).
 
     Args:
@@ -443,13 +538,16 @@ def restricted_load(data: bytes, allowed: dict[tuple[str, str], Any], where: str
         allowed: :data:`METADATA_GLOBALS` or :data:`TORCH_SAVE_GLOBALS`.
         where: names the file in messages.
         storages: accept torch storage persistent ids (torch.save's ``data.pkl``).
+        foreign: answer a global outside ``allowed`` with an inert placeholder class
+            (:func:`._foreign.placeholder`, which records and calls nothing) instead
+            of refusing the pickle.
 
     Raises:
         XckptError: a refused global, or bytes that are not a valid pickle. Nothing
             outside ``allowed`` is ever called.
     """
     try:
-        return _Restricted(io.BytesIO(data), allowed, storages, where).load()
+        return _Restricted(io.BytesIO(data), allowed, storages, where, foreign).load()
     except XckptError:
         raise
     except Exception as e:  # noqa: BLE001 - untrusted bytes: any failure is a bad file, reported typed

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import builtins
 import copy
 import json
 import math
@@ -66,7 +65,9 @@ from xckpt.errors import CorruptChunkError, IncompleteCheckpointError, ManifestE
 from xckpt.layout import check_coverage
 from xckpt.manifest import DTYPES, Chunk, PlacementInfo, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source, whole_request
-from xckpt.storage import corrupt, default_context
+from xckpt.storage import Place, as_place, corrupt, default_context
+
+from ._nesting import KeyPath, group_by_prefix, nest
 
 __all__ = ["FORMAT", "detect", "open", "OrbaxCheckpoint"]
 
@@ -77,110 +78,100 @@ _ITEM_MARKS = ("_METADATA", "_sharding", "array_metadatas", "manifest.ocdbt", "_
 _STEP_RE = re.compile(r"^(?:.*_)?(\d+)$")
 _ZARR_META = {".zarray": "zarr", "zarr.json": "zarr3"}
 _EMPTY: dict[str, Any] = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": ()}
-_JSON_ITEM_FILE = "metadata"  # JsonCheckpointHandler's default file name
+#: The file of a JSON item: JsonCheckpointHandler's default name (v0), the v1 handler's.
+_JSON_ITEM_FILES = ("metadata", "data.json")
 #: Chunks an array may claim beyond those stored (an old orbax skipped fill-value chunks).
 _MAX_SPARSE_CHUNKS = 1 << 24
 _OCDBT_NODE_CACHE = 64 << 20
 _OCDBT_DATA_DIRS = ("d", "ocdbt_data", "ocdbt_meta")
 
 
-def _entries(path: str) -> list[str]:
-    try:
-        return sorted(os.listdir(path))
-    except OSError:
-        return []
-
-
-def _process_dirs(path: str, entries: Sequence[str]) -> dict[int, str]:
+def _process_dirs(d: Place, entries: Sequence[str]) -> dict[int, str]:
     """``ocdbt.process_<i>`` directories by process index."""
     out = {}
     for e in entries:
         m = re.fullmatch(r"ocdbt\.process_(\d+)", e)
-        if m and os.path.isdir(os.path.join(path, e)):
+        if m and d.isdir(e):
             out[int(m.group(1))] = e
     return out
 
 
-def _is_item(path: str) -> bool:
+def _is_item(d: Place) -> bool:
     """A pytree item: orbax's files, an OCDBT database, or zarr arrays in subdirectories."""
-    entries = _entries(path)
-    if any(e in entries for e in _ITEM_MARKS) or _process_dirs(path, entries):
+    entries = d.entries()
+    if any(e in entries for e in _ITEM_MARKS) or _process_dirs(d, entries):
         return True
-    return any(_zarr_meta_file(os.path.join(path, e)) for e in entries)
+    return any(_zarr_meta_file(d, e) for e in entries)
 
 
-def _zarr_meta_file(d: str) -> str | None:
+def _zarr_meta_file(d: Place, rel: str = "") -> str | None:
     for f in _ZARR_META:
-        if os.path.isfile(os.path.join(d, f)):
+        if d.isfile(f"{rel}/{f}" if rel else f):
             return f
     return None
 
 
-def _is_json_item(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, _JSON_ITEM_FILE))
+def _json_item_file(d: Place) -> str | None:
+    """The file of a JSON item in ``d`` (the v0 handler's ``metadata``, the v1 one's ``data.json``)."""
+    return next((f for f in _JSON_ITEM_FILES if d.isfile(f)), None)
 
 
-def _subdirs(path: str) -> list[str]:
-    return [
-        e
-        for e in _entries(path)
-        if not e.startswith(".") and "orbax-checkpoint-tmp" not in e and os.path.isdir(os.path.join(path, e))
-    ]
+def _subdirs(d: Place) -> list[str]:
+    return [e for e in d.entries() if not e.startswith(".") and "orbax-checkpoint-tmp" not in e and d.isdir(e)]
 
 
-def _is_step(path: str) -> bool:
+def _is_step(d: Place) -> bool:
     """A checkpoint (item, or items in subdirectories) as a manager's step holds it."""
-    if os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA")) or _is_item(path):
+    if d.isfile("_CHECKPOINT_METADATA") or _is_item(d):
         return True
-    return any(_is_item(os.path.join(path, s)) for s in _subdirs(path))
+    return any(_is_item(d.child(s)) for s in _subdirs(d))
 
 
-def _manager_steps(path: str) -> list[str]:
+def _manager_steps(d: Place) -> list[str]:
     """Numbered step directories (a CheckpointManager's root), in step order."""
-    steps = [
-        (int(m.group(1)), s)
-        for s in _subdirs(path)
-        if (m := _STEP_RE.match(s)) and _is_step(os.path.join(path, s))
-    ]
+    steps = [(int(m.group(1)), s) for s in _subdirs(d) if (m := _STEP_RE.match(s)) and _is_step(d.child(s))]
     return [s for _, s in sorted(steps, key=lambda p: p[0])]
 
 
-def detect(path: str) -> bool:
+def detect(path: str | Place) -> bool:
     """``_METADATA`` / ``_CHECKPOINT_METADATA`` (or orbax's other files) here or in item
-    subdirectories, or a manager root of such steps (so that opening it says what to do)."""
-    if not os.path.isdir(path):
+    subdirectories, or a manager root of such steps (so that opening it says what to do),
+    at any location that can be listed."""
+    d = as_place(path)
+    try:
+        if not d.listable or d.kind() != "dir":
+            return False
+        if "_CHECKPOINT_METADATA" in d.entries() or _is_item(d):
+            return True
+        if any(_is_item(d.child(s)) for s in _subdirs(d)):
+            return True
+        return bool(_manager_steps(d))
+    except XckptError:
         return False
-    if "_CHECKPOINT_METADATA" in _entries(path) or _is_item(path):
-        return True
-    subs = _subdirs(path)
-    if any(_is_item(os.path.join(path, s)) for s in subs):
-        return True
-    return bool(_manager_steps(path))
 
 
-def open(path: str, *, allow_pickle: bool = False) -> OrbaxCheckpoint:  # noqa: A001
-    """Open the orbax checkpoint (a step, or one item) at local directory ``path``.
+def open(path: str | Place, *, allow_pickle: bool = False) -> OrbaxCheckpoint:  # noqa: A001
+    """Open the orbax checkpoint (a step, or one item) at ``path``: a local directory, a kvstore
+    URL or spec (an S3-compatible endpoint, ``gs://``, ``memory://``).
 
     ``allow_pickle`` is accepted for the common signature; orbax stores no pickles.
     """
     return OrbaxCheckpoint(path)
 
 
-def _read_json(path: str, what: str) -> Any:
-    """The parsed JSON file at ``path``, or None when it does not exist."""
+def _read_json(d: Place, rel: str, what: str) -> Any:
+    """The parsed JSON file ``rel`` in ``d``, or None when it does not exist."""
     try:
-        with builtins.open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+        data = d.read(rel)
+    except XckptError as e:
+        raise XckptError(f"orbax checkpoint: cannot read {what} in {d.name!r}: {e}") from None
+    if data is None:
         return None
-    except OSError as e:
-        raise XckptError(f"orbax checkpoint: cannot read {what} {path!r}: {e.strerror}") from None
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(
-            f"orbax checkpoint: {what} {path!r} is not valid JSON ({e}); the file is damaged"
-        ) from None
+        shown = f"{d.name}/{rel}" if d.local is None else os.path.join(d.name, rel)
+        raise ManifestError(f"orbax checkpoint: {what} {shown!r} is not valid JSON ({e}); the file is damaged") from None
 
 
 def _dtype_of(meta: Mapping[str, Any], driver: str) -> str | None:
@@ -279,24 +270,30 @@ class OrbaxCheckpoint(Source):
 
     format = FORMAT
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._root = os.path.abspath(path)
+    def __init__(self, path: str | Place) -> None:
+        d = as_place(path)
+        self._place = d
+        self.path = d.name
         self._entries: dict[str, TensorEntry] = {}
         self._arrays: dict[str, _Array] = {}
-        self._objects: dict[str, tuple[str, Any]] = {}  # name -> ("value", v) | ("scalar", _Array)
+        # Object leaves: name -> (key path, ("value", v) | ("scalar", _Array)); grouped into
+        # objects (a tensor-free subtree is one object) once every item is read.
+        self._leaves: dict[str, tuple[KeyPath, tuple[str, Any]]] = {}
+        self._tensor_paths: list[KeyPath] = []
+        self._objects: dict[str, list[tuple[KeyPath, str]]] = {}
         self._stores: dict[str, Any] = {}
         self._world = 1
         self._meta: dict[str, Any] = {}
         self._ts: Any = None
-        if not os.path.isdir(self._root):
+        if d.kind() != "dir" or not d.listable:
             raise XckptError(
-                f"{path!r} is not a directory: an orbax checkpoint is a directory holding _METADATA "
+                f"{self.path!r} is not a directory: an orbax checkpoint is a directory holding _METADATA "
                 "(or a CheckpointManager step holding item directories)"
+                + ("; an http(s) location cannot be listed" if not d.listable else "")
             )
-        if "orbax-checkpoint-tmp" in os.path.basename(self._root.rstrip(os.sep)):
+        if "orbax-checkpoint-tmp" in d.base:
             raise IncompleteCheckpointError(
-                f"{path!r} is an unfinished orbax save (orbax renames its temporary directory when the "
+                f"{self.path!r} is an unfinished orbax save (orbax renames its temporary directory when the "
                 "save commits): wait for the save to finish, or open the last committed step"
             )
         import tensorstore as ts
@@ -305,44 +302,74 @@ class OrbaxCheckpoint(Source):
         # B-tree nodes of OCDBT databases are cached (as orbax does); chunk data is not.
         cache = {"cache_pool#ocdbt": {"total_bytes_limit": _OCDBT_NODE_CACHE}}
         self._context = ts.Context(cache, parent=default_context())
-        ckpt_meta = _read_json(os.path.join(self._root, "_CHECKPOINT_METADATA"), "_CHECKPOINT_METADATA")
+        ckpt_meta = _read_json(d, "_CHECKPOINT_METADATA", "_CHECKPOINT_METADATA")
         if isinstance(ckpt_meta, dict):
             self._meta["checkpoint_metadata"] = ckpt_meta
-        subs = _subdirs(self._root)
-        if _is_item(self._root):
-            self._load_item(self._root, "")
-        elif ckpt_meta is None and _manager_steps(self._root):
+        subs = _subdirs(d)
+        if _is_item(d):
+            self._load_item(d, "", "", ())
+        elif ckpt_meta is None and _manager_steps(d):
             self._not_orbax()  # a manager's root: say which steps to open
-        elif _is_json_item(self._root) and not any(_is_item(os.path.join(self._root, s)) for s in subs):
-            self._load_json_item(self._root, "")  # a JSON item's directory opened alone
+        elif _json_item_file(d) and not any(_is_item(d.child(s)) for s in subs):
+            self._load_json_item(d, "")  # a JSON item's directory opened alone
         else:
-            items = [s for s in subs if _is_item(os.path.join(self._root, s))]
-            json_items = [s for s in subs if s not in items and _is_json_item(os.path.join(self._root, s))]
-            if not items and not json_items:
-                self._not_orbax()
-            # A manager step of one unnamed item ("default"): orbax restores its tree bare.
-            bare = items + json_items == ["default"]
-            for s in items:
-                self._load_item(os.path.join(self._root, s), "" if bare else s + ".")
-            for s in json_items:
-                self._load_json_item(os.path.join(self._root, s), "" if bare else s)
-            skipped = sorted(set(subs) - set(items) - set(json_items))
-            if skipped:
-                self._meta["skipped_items"] = skipped
-                warnings.warn(
-                    f"orbax checkpoint {path!r}: items {skipped} are neither pytrees nor JSON; they "
-                    "are not read (restore them with orbax)",
-                    stacklevel=3,
-                )
+            self._load_items(subs, ckpt_meta)
+        leaves = {n: p for n, (p, _) in self._leaves.items()}
+        self._objects = group_by_prefix(leaves, self._tensor_paths, f"orbax checkpoint {self.path!r}")
+
+    def _load_items(self, subs: list[str], ckpt_meta: Any) -> None:
+        """The items of a composite step (one subdirectory each).
+
+        An item ``_CHECKPOINT_METADATA`` does not register (its ``item_handlers``) whose metadata
+        cannot be read is skipped with a warning naming it; a registered one is an error.
+        """
+        d = self._place
+        items = [s for s in subs if _is_item(d.child(s))]
+        json_items = [s for s in subs if s not in items and _json_item_file(d.child(s))]
+        if not items and not json_items:
+            self._not_orbax()
+        handlers = ckpt_meta.get("item_handlers") if isinstance(ckpt_meta, dict) else None
+        registered = set(handlers) if isinstance(handlers, dict) else None
+        damaged: list[str] = []
+        for s in list(items):
+            if registered is not None and s not in registered:
+                try:
+                    _read_json(d.child(s), "_METADATA", "_METADATA")
+                except ManifestError as e:
+                    damaged.append(s)
+                    items.remove(s)
+                    warnings.warn(
+                        f"orbax checkpoint {self.path!r}: item {s!r} is not registered in "
+                        f"_CHECKPOINT_METADATA's item_handlers ({sorted(registered)}) and cannot be read "
+                        f"({e}); it is skipped, the registered items are read",
+                        stacklevel=6,  # xckpt.open's caller
+                    )
+        # A manager step of one unnamed item ("default"): orbax restores its tree bare.
+        bare = items + json_items == ["default"]
+        for s in items:
+            self._load_item(d.child(s), "" if bare else s + ".", s, () if bare else (s,))
+        for s in json_items:
+            self._load_json_item(d.child(s), "" if bare else s)
+        skipped = sorted(set(subs) - set(items) - set(json_items) - set(damaged))
+        if damaged:
+            self._meta["skipped_items"] = sorted(skipped + damaged)
+        if skipped:
+            self._meta["skipped_items"] = sorted(skipped + damaged)
+            warnings.warn(
+                f"orbax checkpoint {self.path!r}: items {skipped} are neither pytrees nor JSON; they "
+                "are not read (restore them with orbax)",
+                stacklevel=6,
+            )
 
     def _not_orbax(self) -> None:
-        steps = _manager_steps(self._root)
+        d = self._place
+        steps = _manager_steps(d)
         if steps:
             raise XckptError(
                 f"{self.path!r} is a CheckpointManager's root holding steps {steps}, not one "
-                f"checkpoint: open one step, e.g. xckpt.open({os.path.join(self.path, steps[-1])!r})"
+                f"checkpoint: open one step, e.g. xckpt.open({d.child(steps[-1]).name!r})"
             )
-        entries = _entries(self._root)
+        entries = d.entries()
         raise XckptError(
             f"{self.path!r} holds no orbax checkpoint (found {entries[:12] or 'an empty directory'}): "
             "an orbax checkpoint directory holds _METADATA and its arrays (manifest.ocdbt and d/, or "
@@ -352,11 +379,16 @@ class OrbaxCheckpoint(Source):
 
     # -- opening ----------------------------------------------------------------
 
-    def _load_item(self, d: str, prefix: str) -> None:
+    def _leaf(self, name: str, path: KeyPath, value: tuple[str, Any]) -> None:
+        self._leaves[name] = (path, value)
+
+    def _load_item(self, d: Place, prefix: str, rel: str, item: KeyPath) -> None:
+        """The pytree item in ``d`` (``rel`` below the checkpoint), its names prefixed by
+        ``prefix`` and its key paths by ``item``."""
         where = f"orbax checkpoint {self.path!r}" + (f", item {prefix[:-1]!r}" if prefix else "")
-        meta = _read_json(os.path.join(d, "_METADATA"), "_METADATA")
+        meta = _read_json(d, "_METADATA", "_METADATA")
         meta = meta if isinstance(meta, dict) else {}
-        entries = _entries(d)
+        entries = d.entries()
         procs = _process_dirs(d, entries)
         use_ocdbt = meta.get("use_ocdbt")
         if use_ocdbt is None:
@@ -371,25 +403,27 @@ class OrbaxCheckpoint(Source):
             arrays = self._ocdbt_arrays(d, entries, procs, owners, where)
         else:
             arrays = self._dir_arrays(d, where)
-        n_meta = len(_entries(os.path.join(d, "array_metadatas")))
+        n_meta = len(d.entries("array_metadatas"))
         self._world = max(self._world, len(procs), n_meta, 1)
-        shardings = _read_json(os.path.join(d, "_sharding"), "_sharding")
+        shardings = _read_json(d, "_sharding", "_sharding")
         shardings = shardings if isinstance(shardings, dict) else {}
-        strings = _read_json(os.path.join(d, "_strings.json"), "_strings.json")
+        strings = _read_json(d, "_strings.json", "_strings.json")
         strings = strings if isinstance(strings, dict) else {}
 
         # _METADATA's leaves tell objects from arrays; arrays it does not list are still tensors.
         scalars: set[str] = set()
         order: dict[str, int] = {}  # names follow the tree's order where _METADATA gives it
+        paths: dict[str, KeyPath] = {}
         tree = meta.get("tree_metadata")
         for key, leaf in tree.items() if isinstance(tree, dict) else ():
-            param = _param_name(key, leaf)
+            param, ppath = _param_name(key, leaf), _param_path(key, leaf)
             order.setdefault(param, len(order))
+            paths.setdefault(param, ppath)
             vm = leaf.get("value_metadata") if isinstance(leaf, dict) else None
             vm = vm if isinstance(vm, dict) else {}
             vtype = vm.get("value_type") if isinstance(vm.get("value_type"), str) else None
             if vtype in _EMPTY:  # no data: orbax rebuilds these from _METADATA alone
-                self._objects[prefix + param] = ("value", _EMPTY[vtype])
+                self._leaf(prefix + param, item + ppath, ("value", _EMPTY[vtype]))
             elif vm.get("skip_deserialize"):
                 continue
             elif vtype == "string":
@@ -398,54 +432,56 @@ class OrbaxCheckpoint(Source):
                         f"{where}: _METADATA lists the string {param!r} but _strings.json does not "
                         "hold it; the checkpoint is incomplete: restore _strings.json from a copy"
                     )
-                self._objects[prefix + param] = ("value", strings[param])
+                self._leaf(prefix + param, item + ppath, ("value", strings[param]))
             elif param not in arrays:
-                held = "the OCDBT database" if use_ocdbt else repr(os.path.join(d, param))
+                held = "the OCDBT database" if use_ocdbt else repr(d.child(param).name)
                 raise IncompleteCheckpointError(
                     f"{where}: _METADATA lists {param!r} ({vtype}) but its array is missing from "
                     f"{held}; the checkpoint is incomplete: restore it from a copy or load another step"
                 )
             elif vtype == "scalar":
                 scalars.add(param)
-        rel = os.path.relpath(d, self._root)
         for param in sorted(arrays, key=lambda p: order.get(p, len(order))):
             kv, driver, zmeta, stored = arrays[param]
             name = prefix + param
+            path = item + paths.get(param, tuple(param.split(".")))
             spec = {"driver": driver, "kvstore": kv, "fill_missing_data_reads": fill_missing}
             arr = _Array(spec, f"{where}, {'object' if param in scalars else 'tensor'} {name!r}")
             if param in scalars:
-                self._objects[name] = ("scalar", arr)
+                self._leaf(name, path, ("scalar", arr))
                 continue
             raw_sh = shardings.get(base64.urlsafe_b64encode(param.encode()).decode())
             keypath = f"{rel}/{param}" if prefix else param
             self._add_tensor(name, param, keypath, (zmeta, driver, stored, fill_missing), arr, raw_sh, owners)
+            self._tensor_paths.append(path)
 
     def _ocdbt_arrays(
-        self, d: str, entries: list[str], procs: dict[int, str], owners: dict[str, int], where: str
+        self, d: Place, entries: list[str], procs: dict[int, str], owners: dict[str, int], where: str
     ) -> dict[str, tuple[Any, str, Any, set[str]]]:
         """Arrays the item's OCDBT database lists: param -> (kvstore spec, driver, zarr
         metadata, the zarr chunk keys stored).
 
         Fills ``owners`` (chunk key -> writing process) when several processes wrote.
         """
-        for sub, label in [(d, "root"), *((os.path.join(d, p), p) for p in procs.values())]:
-            if sub == d and "manifest.ocdbt" not in entries:
+        for sub, label in [("", "root"), *((p, p) for p in procs.values())]:
+            if not sub and "manifest.ocdbt" not in entries:
                 raise IncompleteCheckpointError(
-                    f"{where}: the OCDBT database has no manifest.ocdbt in {d!r} (found {entries[:12]}); "
+                    f"{where}: the OCDBT database has no manifest.ocdbt in {d.name!r} (found {entries[:12]}); "
                     "the checkpoint is incomplete (an unfinished save?): restore it from a copy or load "
                     "another step"
                 )
-            has_manifest = os.path.exists(os.path.join(sub, "manifest.ocdbt"))
+            here = d.child(sub) if sub else d
+            has_manifest = here.isfile("manifest.ocdbt")
             # Data files live in d/ (or ocdbt_data/ + ocdbt_meta/ when orbax splits them).
-            if has_manifest and not any(os.path.isdir(os.path.join(sub, x)) for x in _OCDBT_DATA_DIRS):
+            if has_manifest and not any(here.isdir(x) for x in _OCDBT_DATA_DIRS):
                 raise IncompleteCheckpointError(
-                    f"{where}: the {label} OCDBT database in {sub!r} has a manifest.ocdbt but no d/ "
+                    f"{where}: the {label} OCDBT database in {here.name!r} has a manifest.ocdbt but no d/ "
                     "directory (its data files); the checkpoint is incomplete: restore it from a copy"
                 )
-        base = {"driver": "file", "path": f"{d}/"}
-        keys = self._list(base, where)
+        base = d.kvstore()
+        keys = self._list(base, d.name, where)
         futs = {}
-        kv = self._kv(base, where)
+        kv = self._kv(base, d.name, where)
         for k in keys:
             param, _, last = k.rpartition("/")
             if last in _ZARR_META and param:
@@ -472,50 +508,53 @@ class OrbaxCheckpoint(Source):
             arrays[param] = (kvspec, driver, zmeta, stored[param])
         if len(procs) > 1:
             for i, p in procs.items():
-                for k in self._list({"driver": "file", "path": f"{d}/{p}/"}, where):
+                for k in self._list(d.kvstore(p), d.child(p).name, where):
                     owners[k] = i
         return arrays
 
-    def _kv(self, base: dict[str, Any], where: str) -> Any:
+    def _kv(self, base: Any, shown: str, where: str) -> Any:
         try:
             spec = {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
             return self._ts.KvStore.open(spec, context=self._context).result()
         except ValueError as e:
             raise IncompleteCheckpointError(
-                f"{where}: the OCDBT database in {base['path']!r} cannot be opened ({_msg(e)}); the "
+                f"{where}: the OCDBT database in {shown!r} cannot be opened ({_msg(e)}); the "
                 "checkpoint is incomplete or damaged: restore it from a copy or load another step"
             ) from None
 
-    def _list(self, base: dict[str, Any], where: str) -> list[str]:
+    def _list(self, base: Any, shown: str, where: str) -> list[str]:
         try:
-            return [k.decode() for k in self._kv(base, where).list().result()]
+            return [k.decode() for k in self._kv(base, shown, where).list().result()]
         except ValueError as e:
             raise IncompleteCheckpointError(
-                f"{where}: the OCDBT database in {base['path']!r} cannot be read ({_msg(e)}); its data files "
+                f"{where}: the OCDBT database in {shown!r} cannot be read ({_msg(e)}); its data files "
                 "(d/) are missing or damaged: restore the checkpoint from a copy or load another step"
             ) from None
 
-    def _dir_arrays(self, d: str, where: str) -> dict[str, tuple[Any, str, Any, set[str]]]:
+    def _dir_arrays(self, d: Place, where: str) -> dict[str, tuple[Any, str, Any, set[str]]]:
         """Arrays stored one zarr directory per leaf (``use_ocdbt=False``)."""
         arrays = {}
         for e in _subdirs(d):
-            top = os.path.join(d, e)
+            top = d.child(e)
             f = _zarr_meta_file(top)
             if f is not None:
-                zmeta = _read_json(os.path.join(top, f), f"zarr metadata of {e!r}")
-                stored = {
-                    os.path.relpath(os.path.join(r, n), top).replace(os.sep, "/")
-                    for r, _, files in os.walk(top)
-                    for n in files
-                }
-                kv = {"driver": "file", "path": f"{top}/"}
-                arrays[e] = (kv, _ZARR_META[f], zmeta, stored - set(_ZARR_META))
+                zmeta = _read_json(top, f, f"zarr metadata of {e!r}")
+                stored = set(top.files())
+                arrays[e] = (top.kvstore(), _ZARR_META[f], zmeta, stored - set(_ZARR_META))
         return arrays
 
-    def _load_json_item(self, d: str, item: str) -> None:
-        """A JsonCheckpointHandler item: one object per leaf of its JSON (dicts flattened)."""
-        value = _read_json(os.path.join(d, _JSON_ITEM_FILE), f"JSON item {item or d!r}")
-        _flatten(item, value, self._objects, os.path.basename(d))
+    def _load_json_item(self, d: Place, item: str) -> None:
+        """A JSON item (JsonCheckpointHandler's, v0 or v1): one object ``item`` in a composite
+        step; opened alone (or as the one ``default`` item), one object per top-level key."""
+        f = _json_item_file(d) or _JSON_ITEM_FILES[0]
+        value = _read_json(d, f, f"JSON item {item or d.name!r}")
+        if item:
+            self._leaf(item, (item,), ("value", value))
+        elif isinstance(value, dict) and value:
+            for k, v in value.items():
+                self._leaf(str(k), (str(k),), ("value", v))
+        else:
+            self._leaf(d.base or "value", (d.base or "value",), ("value", value))
 
     def _add_tensor(
         self,
@@ -617,21 +656,26 @@ class OrbaxCheckpoint(Source):
     def _has_object(self, name: str) -> bool:
         return name in self._objects
 
-    def _object_value(self, name: str, rank: int | None) -> Any:
-        """Python scalars read from their 0-d arrays, strings, JSON values (a copy: callers may mutate)."""
-        kind, v = self._objects[name]
+    def _leaf_value(self, leaf: str) -> Any:
+        kind, v = self._leaves[leaf][1]
         if kind == "scalar":
             try:
-                v = self._store(name, v).result().read().result().item()
+                v = self._store(leaf, v).result().read().result().item()
             except ValueError as e:
                 raise corrupt(v.where, e) from None
         return copy.deepcopy(v) if isinstance(v, (dict, list)) else v
 
+    def _object_value(self, name: str, rank: int | None) -> Any:
+        """Python scalars read from their 0-d arrays, strings, JSON values, nested back into the
+        tensor-free subtree they were saved in (a copy: callers may mutate)."""
+        values = [(sub, self._leaf_value(leaf)) for sub, leaf in self._objects[name]]
+        return nest(values, name, f"orbax checkpoint {self.path!r}")
+
     def _verify_objects(self) -> list[str]:
         problems = []
-        for n in (n for n, (kind, _) in self._objects.items() if kind == "scalar"):
+        for n in (n for n, (_, (kind, _)) in self._leaves.items() if kind == "scalar"):
             try:
-                self._object_value(n, None)
+                self._leaf_value(n)
             except CorruptChunkError as e:
                 problems.append(str(e))
         return problems
@@ -642,6 +686,19 @@ class OrbaxCheckpoint(Source):
 
 def _msg(e: Exception) -> str:
     return str(e).split("[source locations=")[0].split(" [tensorstore_spec=")[0].strip()
+
+
+def _param_path(key: str, leaf: Any) -> KeyPath:
+    """The key path of a ``_METADATA`` leaf: dict keys as strings, sequence positions as ints."""
+    km = leaf.get("key_metadata") if isinstance(leaf, dict) else None
+    if isinstance(km, list) and all(isinstance(k, dict) and "key" in k for k in km):
+        out: list[Any] = []
+        for k in km:
+            raw = k["key"]
+            seq = k.get("key_type") == 1 and (type(raw) is int or (isinstance(raw, str) and raw.isdigit()))
+            out.append(int(raw) if seq else str(raw))
+        return tuple(out)
+    return tuple(_param_name(key, leaf).split("."))
 
 
 def _param_name(key: str, leaf: Any) -> str:
@@ -656,10 +713,3 @@ def _param_name(key: str, leaf: Any) -> str:
     return ".".join(map(str, parts)) if isinstance(parts, tuple) else str(parts)
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, tuple[str, Any]], top: str = "value") -> None:
-    """One object per leaf of a JSON value, dict keys joined with "." (``top``: a bare non-dict)."""
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
-    else:
-        out[prefix or top] = ("value", value)

@@ -5,15 +5,21 @@ A file is a little-endian u64 ``N``, ``N`` bytes of JSON ``{name: {"dtype", "sha
 little endian). The header is parsed here and checked before anything is allocated:
 ``N`` within :data:`HEADER_CAP` and the file; a JSON object without duplicate keys;
 known dtypes; shapes that agree with their byte ranges; ranges inside the data and
-disjoint. Bytes are read with ``os.pread`` straight into the caller's buffer (a box of
+disjoint. Bytes are read as byte ranges straight into the caller's buffer (a box of
 whole rows is one range); a box of many short runs (a column slice) is copied from a
-memory map of its span, a window at a time, each unmapped once copied.
+memory map of its span (a local file), or from its span read a window at a time
+(elsewhere), each window released once copied.
 
-Locations (:func:`open`): one ``.safetensors`` file (any name, if its header parses);
-a directory with ``model.safetensors.index.json``, whose ``weight_map`` is the truth
-(files it does not name are ignored; a name in two of its shards is an error even where
-``safe_open`` accepts it); a directory of ``*.safetensors`` without an index (all of
-them; a name in two files is an error); or the index file itself.
+Locations (:func:`open`), at any location (:class:`~xckpt.storage.Place`: a local path,
+a kvstore URL or spec, ``http(s)://``): one ``.safetensors`` file (any name, if its
+header parses); a directory with ``model.safetensors.index.json``, whose ``weight_map``
+is the truth (files it does not name are ignored; a name in two of its shards is an
+error even where ``safe_open`` accepts it); a directory of ``*.safetensors`` without an
+index (all of them; a name in two files is an error); or the index file itself. An
+``http(s)://`` directory cannot be listed: it is found by probing
+``model.safetensors.index.json``, then ``model.safetensors``. Where a file's size is
+unknown until read (a kvstore), the header's claims are checked by reading the last
+byte they claim.
 
 Decisions where the design is silent:
 
@@ -35,7 +41,6 @@ Decisions where the design is silent:
 
 from __future__ import annotations
 
-import builtins
 import json
 import math
 import mmap
@@ -58,6 +63,8 @@ from xckpt.errors import (
 from xckpt.layout import check_coverage
 from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import ChunkRead, Source
+from xckpt.storage import Blob, Place, as_place
+from xckpt.storage._place import HTTP_PROBES
 
 __all__ = ["FORMAT", "INDEX_NAME", "HEADER_CAP", "SafetensorsSource", "detect", "open", "parse_header"]
 
@@ -125,8 +132,11 @@ def _json(raw: bytes, where: str, what: str) -> Any:
         raise ManifestError(f"{where}: the {what} is not valid UTF-8 JSON ({e}); the file is damaged") from None
 
 
-def header_length(first: bytes, file_size: int, where: str) -> int:
-    """The header length ``N`` from a file's first 8 bytes, checked against the cap and the file size."""
+def header_length(first: bytes, file_size: int | None, where: str) -> int:
+    """The header length ``N`` from a file's first 8 bytes, checked against the cap and the file
+    size (where it is known)."""
+    if file_size is None:
+        file_size = len(first) if len(first) < 8 else 1 << 62
     if file_size < 8 or len(first) < 8:
         raise ManifestError(
             f"{where}: a file of {file_size} bytes is too short for a safetensors header (8-byte length "
@@ -150,14 +160,15 @@ def _is_int(x: Any) -> bool:
     return type(x) is int  # bool is an int subclass; JSON true is not a size
 
 
-def parse_header(body: bytes, file_size: int, where: str) -> Header:
-    """Parse and check ``body``, the ``N`` header bytes of a file of ``file_size`` bytes.
+def parse_header(body: bytes, file_size: int | None, where: str) -> Header:
+    """Parse and check ``body``, the ``N`` header bytes of a file of ``file_size`` bytes (None:
+    unknown; the caller then checks the claimed extent against the file).
 
     Raises:
         ManifestError: anything wrong with the header, naming ``where`` and the tensor.
     """
     data_start = 8 + len(body)
-    buffer = file_size - data_start
+    buffer = file_size - data_start if file_size is not None else 1 << 62
     obj = _json(body, where, "header")
     if not isinstance(obj, dict):
         raise ManifestError(f"{where}: the header must be a JSON object, got {type(obj).__name__}")
@@ -217,47 +228,59 @@ def parse_header(body: bytes, file_size: int, where: str) -> Header:
 
 
 class _File:
-    """One safetensors file: its parsed header and an open descriptor (until the source closes)."""
+    """One safetensors file: its parsed header and its open :class:`~xckpt.storage.Blob`
+    (until the source closes). ``rel`` is its name below the directory opened."""
 
-    def __init__(self, path: str, rank: int) -> None:
-        self.path = path
-        self.name = os.path.basename(path)
+    def __init__(self, place: Place, rel: str, rank: int) -> None:
+        self.path = place.child(rel).name if rel else place.name
+        self.rel = rel
+        self.name = rel.rsplit("/", 1)[-1] if rel else place.base
         self.rank = rank
-        self.fd: int | None = None
+        self.blob: Blob | None = None
+        where = f"safetensors file {self.path!r}"
+        if not place.isfile(rel):
+            raise CheckpointNotFoundError(f"{self.path!r}: no such safetensors file")
+        blob = place.open(rel, where=where)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path!r}: no such safetensors file") from None
-        except OSError as e:
-            raise XckptError(f"{path!r}: cannot open the safetensors file ({e.strerror})") from None
-        try:
-            self.size = os.fstat(fd).st_size
-            where = f"safetensors file {path!r}"
-            n = header_length(os.pread(fd, 8, 0), self.size, where)
-            body = os.pread(fd, n, 8)
-            if len(body) != n:
-                raise ManifestError(f"{where}: the file ended inside its {n}-byte header (read {len(body)})")
-            self.header = parse_header(body, self.size, where)
-        except OSError as e:
-            os.close(fd)
-            raise XckptError(f"{path!r}: cannot read the safetensors header ({e.strerror})") from None
+            n = header_length(blob.head(8), blob.size, where)
+            try:
+                body = blob.pread(8, n)
+            except CorruptChunkError:
+                raise ManifestError(
+                    f"{where}: the header claims {n} bytes but the file ends inside it; the file is "
+                    "truncated (re-download or re-save it) or not a safetensors file"
+                ) from None
+            self.header = parse_header(body, blob.size, where)
+            end = max((t.end for t in self.header.tensors.values()), default=self.header.data_start)
+            if blob.size is None and not blob.reaches(end):
+                raise ManifestError(
+                    f"{where}: the header's data_offsets reach byte {end}, past the end of the file; the "
+                    "file is truncated: re-download or re-save it"
+                )
         except BaseException:
-            os.close(fd)
+            blob.close()
             raise
-        self.fd = fd
+        self.blob = blob
 
-    def descriptor(self, source: str, name: str) -> int:
-        """The open descriptor, for reading tensor ``name``; XckptError once ``source`` is closed."""
-        if self.fd is None:
+    def reader(self, source: str, name: str) -> Blob:
+        """The open file, for reading tensor ``name``; XckptError once ``source`` is closed."""
+        if self.blob is None:
             raise XckptError(f"checkpoint {source!r} is closed; open it again to read {name!r}")
-        return self.fd
+        return self.blob
+
+    def current_size(self) -> int | None:
+        """The file's size now (a local file may have changed since it was opened)."""
+        fd = self.blob.local_fd if self.blob is not None else None
+        if fd is not None:
+            return os.fstat(fd).st_size
+        return self.blob.size if self.blob is not None else None
 
 
 def _close_all(files: list[_File]) -> None:
     for f in files:
-        if f.fd is not None:
-            os.close(f.fd)
-            f.fd = None
+        if f.blob is not None:
+            f.blob.close()
+            f.blob = None
 
 
 class SafetensorsSource(Source):
@@ -300,7 +323,7 @@ class SafetensorsSource(Source):
 
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
         for name, _c, _r, _o in jobs:
-            self._tensors[name][0].descriptor(self.path, name)  # closed: an error before any read
+            self._tensors[name][0].reader(self.path, name)  # closed: an error before any read
         total = sum(j.chunk.nbytes if j.req is None else j.req.box.volume * j.out.itemsize for j in jobs)
         if len(jobs) > 1 and total > _PARALLEL_BYTES:
             with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
@@ -324,7 +347,7 @@ class SafetensorsSource(Source):
             box = req.box.shape
             dst = out[req.target_slices]
         buf = dst if dst.flags.c_contiguous else np.empty(box, dtype=out.dtype)
-        self._fill(name, f, f.descriptor(self.path, name), t, start, box, buf)
+        self._fill(name, f, f.reader(self.path, name), t, start, box, buf)
         if buf is not dst:
             dst[...] = buf
         return buf.nbytes
@@ -333,7 +356,7 @@ class SafetensorsSource(Source):
         self,
         name: str,
         f: _File,
-        fd: int,
+        blob: Blob,
         t: TensorInfo,
         start: tuple[int, ...],
         box: tuple[int, ...],
@@ -343,10 +366,10 @@ class SafetensorsSource(Source):
 
         The box is ``R`` runs of contiguous bytes (dims from the innermost partial
         one outwards). One run, or runs of at least :data:`PREAD_RUN` bytes: one
-        pread each, straight into ``buf``. Many small runs (a column slice): the
-        byte span is memory-mapped in windows of at most :data:`MAP_WINDOW` bytes
-        and copied with numpy strides, so only the pages holding the runs are
-        touched and no syscall is made per run; each window is unmapped at once.
+        byte-range read each, straight into ``buf``. Many small runs (a column slice):
+        the byte span is taken in windows of at most :data:`MAP_WINDOW` bytes (memory-
+        mapped for a local file, so only the pages holding the runs are touched; read
+        elsewhere) and copied with numpy strides; each window is released at once.
         """
         nd = len(shape := t.shape)
         isz = buf.itemsize
@@ -361,53 +384,56 @@ class SafetensorsSource(Source):
                 offs = (offs[:, None] + np.arange(box[i], dtype=np.int64) * strides[i]).reshape(-1)
             rows = buf.reshape(runs, -1).view(np.uint8)
             for r, off in enumerate((t.begin + (offs + base) * isz).tolist()):
-                self._pread(name, f, fd, t, rows[r], off)
+                self._readinto(name, f, blob, t, rows[r], off)
             return
         last = sum((b - 1) * st for b, st in zip(box[1:], strides[1:])) + 1  # elements of one dim-0 slab
         per = max(1, MAP_WINDOW // (strides[0] * isz))
+        fd = blob.local_fd
         for i0 in range(0, box[0], per):
             n0 = min(per, box[0] - i0)
             first = t.begin + (base + i0 * strides[0]) * isz
             end = first + ((n0 - 1) * strides[0] + last) * isz
-            at = first - first % mmap.ALLOCATIONGRANULARITY
-            try:
-                m = mmap.mmap(fd, end - at, prot=mmap.PROT_READ, offset=at)
-            except (OSError, ValueError) as e:  # ValueError: the file is now shorter than the window
-                raise self._short(name, f, fd, t, e) from None
+            at = first - first % mmap.ALLOCATIONGRANULARITY if fd is not None else first
+            window: Any
+            if fd is not None:
+                try:
+                    window = mmap.mmap(fd, end - at, prot=mmap.PROT_READ, offset=at)
+                except (OSError, ValueError) as e:  # ValueError: the file is now shorter than the window
+                    raise self._short(name, f, t, e) from None
+            else:
+                window = bytearray(end - at)
+                self._readinto(name, f, blob, t, np.frombuffer(window, np.uint8), at)
             try:
                 view = np.ndarray(
-                    (n0, *box[1:]), dtype=buf.dtype, buffer=m, offset=first - at, strides=[s * isz for s in strides]
+                    (n0, *box[1:]), dtype=buf.dtype, buffer=window, offset=first - at, strides=[s * isz for s in strides]
                 )
                 buf[i0 : i0 + n0] = view
                 del view
             finally:
-                m.close()
-        with self._lock:
-            self.bytes_read += buf.nbytes
+                if fd is not None:
+                    window.close()
+        if fd is not None:
+            with self._lock:
+                self.bytes_read += buf.nbytes
 
-    def _short(self, name: str, f: _File, fd: int, t: TensorInfo, why: object) -> CorruptChunkError:
+    def _short(self, name: str, f: _File, t: TensorInfo, why: object) -> CorruptChunkError:
         return CorruptChunkError(
-            f"checkpoint {self.path!r}, tensor {name!r}: {f.name} now holds {os.fstat(fd).st_size} bytes, "
+            f"checkpoint {self.path!r}, tensor {name!r}: {f.name} now holds {f.current_size()} bytes, "
             f"but its header puts the tensor at bytes [{t.begin}, {t.end}) ({why}); the file is truncated or "
             "was changed after it was opened: re-download or re-save it"
         )
 
-    def _pread(self, name: str, f: _File, fd: int, t: TensorInfo, dst: np.ndarray, off: int) -> None:
-        view = memoryview(dst)
-        got = 0
-        while got < len(view):
-            try:
-                n = os.preadv(fd, [view[got:]], off + got)
-            except OSError as e:
-                raise CorruptChunkError(
-                    f"checkpoint {self.path!r}, tensor {name!r}: reading {f.name} at byte {off + got} "
-                    f"failed ({e.strerror})"
-                ) from None
-            if n == 0:
-                raise self._short(name, f, fd, t, f"nothing at byte {off + got}")
-            got += n
+    def _readinto(self, name: str, f: _File, blob: Blob, t: TensorInfo, dst: np.ndarray, off: int) -> None:
+        try:
+            blob.readinto(off, memoryview(dst))
+        except CorruptChunkError as e:
+            raise self._short(name, f, t, e if blob.local_fd is None else f"nothing at byte {off}") from None
+        except OSError as e:
+            raise CorruptChunkError(
+                f"checkpoint {self.path!r}, tensor {name!r}: reading {f.name} at byte {off} failed ({e})"
+            ) from None
         with self._lock:
-            self.bytes_read += got
+            self.bytes_read += dst.nbytes
 
     # -- verification and lifetime --------------------------------------------
 
@@ -417,7 +443,9 @@ class SafetensorsSource(Source):
         for f in self.files:
             need = max((t.end for t in f.header.tensors.values()), default=f.header.data_start)
             try:
-                size = os.stat(f.path).st_size
+                size = f.current_size()
+                if size is None:  # a kvstore file: probe the last byte the header claims
+                    size = need if f.blob is not None and f.blob.reaches(need) else need - 1
             except OSError as e:
                 problems.append(f"checkpoint {self.path!r}: {f.name} cannot be read ({e.strerror})")
                 continue
@@ -435,45 +463,52 @@ class SafetensorsSource(Source):
 # -- locations ----------------------------------------------------------------
 
 
-def detect(path: str) -> bool:
+def detect(path: str | Place) -> bool:
     """A ``.safetensors`` file (or one whose first bytes parse as a header), an index, or a
-    directory holding an index or ``*.safetensors`` files."""
-    if os.path.isdir(path):
-        try:
-            return any(e.endswith((".safetensors", ".safetensors.index.json")) for e in os.listdir(path))
-        except OSError:
-            return False
-    if not os.path.isfile(path):
-        return False
-    if path.endswith((".safetensors", ".safetensors.index.json")):
-        return True
+    directory holding an index or ``*.safetensors`` files (over http: the probed names)."""
+    place = as_place(path)
     try:
-        with builtins.open(path, "rb") as fh:
-            head = fh.read(9)
-            size = os.fstat(fh.fileno()).st_size
-    except OSError:
+        kind = place.kind()
+        if kind == "dir":
+            if place.listable:
+                return any(e.endswith((".safetensors", ".safetensors.index.json")) for e in place.entries())
+            return any(place.isfile(p) for p in HTTP_PROBES)
+        if kind != "file":
+            return False
+        if place.base.endswith((".safetensors", ".safetensors.index.json")):
+            return True
+        blob = place.open(where=place.name)
+    except XckptError:
         return False
+    try:
+        head = blob.head(9)
+        size = blob.size if blob.size is not None else 1 << 62
+    except XckptError:
+        return False
+    finally:
+        blob.close()
     if len(head) < 9:
         return False
     n = int.from_bytes(head[:8], "little")
     return 2 <= n <= min(HEADER_CAP, size - 8) and head[8:9] == b"{"
 
 
-def _listing(path: str) -> str:
-    try:
-        entries = sorted(os.listdir(path))
-    except OSError as e:
-        return f"an unreadable directory ({e.strerror})"
-    return ", ".join(entries[:12]) + (f", ... ({len(entries)} entries)" if len(entries) > 12 else "") or "nothing"
+def _listing(place: Place) -> str:
+    return _shown(place.entries()) or "nothing"
 
 
-def _open(path: str, paths: list[str], fix: str) -> tuple[list[_File], dict[str, tuple[_File, TensorInfo]]]:
-    """Open ``paths`` (writer = position) and map every tensor name to its file; a name in two is an error."""
+def _shown(entries: list[str]) -> str:
+    return ", ".join(entries[:12]) + (f", ... ({len(entries)} entries)" if len(entries) > 12 else "")
+
+
+def _open(path: str, place: Place, rels: list[str], fix: str) -> tuple[list[_File], dict[str, tuple[_File, TensorInfo]]]:
+    """Open files ``rels`` below ``place`` (writer = position) and map every tensor name to its
+    file; a name in two is an error."""
     files: list[_File] = []
     tensors: dict[str, tuple[_File, TensorInfo]] = {}
     try:
-        for rank, p in enumerate(paths):
-            files.append(f := _File(p, rank))
+        for rank, rel in enumerate(rels):
+            files.append(f := _File(place, rel, rank))
             for name, t in f.header.tensors.items():
                 if name in tensors:
                     raise ManifestError(
@@ -495,36 +530,34 @@ def _metadata(files: list[_File]) -> dict[str, str]:
     return meta
 
 
-def _open_index(path: str, index: str) -> SafetensorsSource:
-    d = os.path.dirname(index)
-    try:
-        size = os.path.getsize(index)
-        if size > HEADER_CAP:
-            raise ManifestError(f"{index!r}: an index of {size} bytes is over the {HEADER_CAP}-byte limit")
-        with builtins.open(index, "rb") as fh:
-            raw = fh.read(HEADER_CAP + 1)
-    except OSError as e:
-        raise XckptError(f"{index!r}: cannot read the index ({e.strerror})") from None
+def _open_index(path: str, d: Place, rel: str) -> SafetensorsSource:
+    """The Hugging Face directory ``d`` whose index is file ``rel`` in it."""
+    index = d.child(rel).name
+    raw = d.read(rel, limit=HEADER_CAP)
+    if raw is None:
+        raise XckptError(f"{index!r}: cannot read the index (it is gone)")
+    if len(raw) > HEADER_CAP:
+        raise ManifestError(f"{index!r}: an index of over {HEADER_CAP} bytes is over the {HEADER_CAP}-byte limit")
     obj = _json(raw, index, "index")
     wmap = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise ManifestError(f"{index!r}: the index needs a \"weight_map\" object from tensor names to file names")
     shards = sorted(set(wmap.values()))
     for shard in shards:
-        if not shard or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
-            raise ManifestError(f"{index!r}: shard {shard!r} is not a file inside {d!r}; the index is unsafe")
-        if not os.path.isfile(os.path.join(d, shard)):
+        parts = shard.replace("\\", "/").split("/")
+        if not shard or shard.startswith("/") or os.path.isabs(shard) or any(p in ("", ".", "..") for p in parts):
+            raise ManifestError(f"{index!r}: shard {shard!r} is not a file inside {d.name!r}; the index is unsafe")
+        if not d.isfile(shard):
             example = next(n for n, s in wmap.items() if s == shard)
             raise IncompleteCheckpointError(
-                f"{index!r} names shard {shard!r} (holding {example!r}), which is not in {d!r}; the "
+                f"{index!r} names shard {shard!r} (holding {example!r}), which is not in {d.name!r}; the "
                 "download is incomplete: fetch the missing shard"
             )
-    paths = [os.path.join(d, s) for s in shards]
-    files, found = _open(path, paths, "Remove it from one shard (or re-save the model)")
+    files, found = _open(path, d, shards, "Remove it from one shard (or re-save the model)")
     tensors = {}
     for name, shard in wmap.items():
         t = found.get(name)
-        if t is None or t[0].path != os.path.join(d, shard):
+        if t is None or t[0].rel != shard:
             _close_all(files)
             raise IncompleteCheckpointError(
                 f"{index!r} puts tensor {name!r} in {shard!r}, whose header does not hold it; the index "
@@ -538,12 +571,15 @@ def _open_index(path: str, index: str) -> SafetensorsSource:
     return SafetensorsSource(path, files, tensors, meta)
 
 
-def open(path: str, *, allow_pickle: bool = False) -> SafetensorsSource:  # noqa: A001
-    """Open a safetensors file, a Hugging Face directory, or an index file (headers only).
+def open(path: str | Place, *, allow_pickle: bool = False) -> SafetensorsSource:  # noqa: A001
+    """Open a safetensors file, a Hugging Face directory, or an index file (headers only), at any
+    location (a local path, a kvstore URL or spec, an ``http(s)://`` URL).
 
     Args:
         path: a ``.safetensors`` file; a directory with ``model.safetensors.index.json`` (or one
             other ``*.safetensors.index.json``) or with ``*.safetensors`` files; an index file.
+            Over http, a directory is found by probing ``model.safetensors.index.json``, then
+            ``model.safetensors`` (it cannot be listed).
         allow_pickle: unused (safetensors holds no pickles).
 
     Raises:
@@ -551,32 +587,41 @@ def open(path: str, *, allow_pickle: bool = False) -> SafetensorsSource:  # noqa
         IncompleteCheckpointError: the index names a missing shard, or a tensor its shard lacks.
         ManifestError: a header or the index is damaged (each check names file and tensor).
     """
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        if path.endswith(".index.json"):
-            return _open_index(path, path)
-        files, tensors = _open(path, [path], "")
-        return SafetensorsSource(path, files, tensors, _metadata(files))
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"{path!r}: no such safetensors file or directory")
-    try:
-        entries = sorted(os.listdir(path))
-    except OSError as e:
-        raise XckptError(f"{path!r}: cannot list the directory ({e.strerror})") from None
+    place = as_place(path)
+    name = place.name
+    kind = place.kind()
+    if kind == "file":
+        if place.base.endswith(".index.json"):
+            return _open_index(name, place.parent(), place.base)
+        files, tensors = _open(name, place, [""], "")
+        return SafetensorsSource(name, files, tensors, _metadata(files))
+    if kind != "dir":
+        raise CheckpointNotFoundError(f"{name!r}: no such safetensors file or directory")
+    if not place.listable:  # http(s): probe what a Hugging Face directory holds
+        if place.isfile(INDEX_NAME):
+            return _open_index(name, place, INDEX_NAME)
+        if place.isfile(HTTP_PROBES[-1]):
+            files, tensors = _open(name, place, [HTTP_PROBES[-1]], "")
+            return SafetensorsSource(name, files, tensors, _metadata(files))
+        raise CheckpointNotFoundError(
+            f"{name!r} holds no safetensors checkpoint: an http(s) location cannot be listed, and neither "
+            f"{INDEX_NAME} nor {HTTP_PROBES[-1]} is there. Open the file by its URL"
+        )
+    entries = place.entries()
     indexes = [e for e in entries if e.endswith(".safetensors.index.json")]
     if INDEX_NAME in indexes or len(indexes) == 1:
-        return _open_index(path, os.path.join(path, INDEX_NAME if INDEX_NAME in indexes else indexes[0]))
+        return _open_index(name, place, INDEX_NAME if INDEX_NAME in indexes else indexes[0])
     if indexes:
         raise ManifestError(
-            f"{path!r} holds several safetensors indexes ({', '.join(indexes)}) and no {INDEX_NAME}; "
+            f"{name!r} holds several safetensors indexes ({', '.join(indexes)}) and no {INDEX_NAME}; "
             "open the one you mean by its path"
         )
-    shards = [e for e in entries if e.endswith(".safetensors") and os.path.isfile(os.path.join(path, e))]
+    shards = [e for e in entries if e.endswith(".safetensors") and place.isfile(e)]
     if not shards:
         raise CheckpointNotFoundError(
-            f"{path!r} holds no safetensors checkpoint: no {INDEX_NAME} and no *.safetensors file (found "
-            f"{_listing(path)}). If it is another format, open it without format= to detect it"
+            f"{name!r} holds no safetensors checkpoint: no {INDEX_NAME} and no *.safetensors file (found "
+            f"{_listing(place)}). If it is another format, open it without format= to detect it"
         )
     fix = f"Move one of the files away (or write a {INDEX_NAME} that says which file holds what)"
-    files, tensors = _open(path, [os.path.join(path, e) for e in shards], fix)
-    return SafetensorsSource(path, files, tensors, _metadata(files))
+    files, tensors = _open(name, place, shards, fix)
+    return SafetensorsSource(name, files, tensors, _metadata(files))

@@ -8,6 +8,9 @@ Layouts (REFERENCE.md sections 2 and 9):
   (replicated tensors, written by every rank) are treated as one, the union must
   tile each tensor. torch's own loader cannot reshard these; xckpt can.
 
+The directory is read at any location (:class:`~xckpt.storage.Place`: a local path,
+a kvstore URL or spec; it is listed to find the metadata files), by byte ranges.
+
 Every metadata file goes through the restricted unpickler (DCP's metadata
 classes, sizes, dtypes, layouts, paths; nothing else is called). A tensor
 chunk is a complete torch.save archive at ``[offset, offset + length)`` of a
@@ -37,7 +40,6 @@ identical bytes is one value; differing values are per-rank objects.
 
 from __future__ import annotations
 
-import builtins
 import math
 import os
 import re
@@ -54,9 +56,9 @@ from xckpt.errors import (
 from xckpt.layout import check_coverage
 from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.storage import Blob, Place, as_place
 
 from . import _dcp_items as items
-from ._torchzip import FileBytes
 from ._unpickle import METADATA_GLOBALS, Record, TorchDtype, field, restricted_load
 from .torch_save import run_jobs
 
@@ -69,13 +71,14 @@ _DATA = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _MAX_METADATA = 1 << 31
 
 
-def detect(path: str) -> bool:
+def detect(path: str | Place) -> bool:
     """A directory holding ``.metadata`` or ``__<r>.metadata`` beside ``*.distcp`` files."""
-    if not os.path.isdir(path):
-        return False
+    place = as_place(path)
     try:
-        entries = os.listdir(path)
-    except OSError:
+        if not place.listable or place.kind() != "dir":
+            return False
+        entries = place.entries()
+    except XckptError:
         return False
     has_md = any(e == ".metadata" or _RANK_MD.match(e) for e in entries)
     return has_md and any(e.endswith(".distcp") for e in entries)
@@ -213,12 +216,16 @@ class DcpSource(Source):
 
     format = FORMAT
 
-    def __init__(self, path: str, *, allow_pickle: bool = False) -> None:
-        self.path = path
+    def __init__(self, path: str | Place, *, allow_pickle: bool = False) -> None:
+        place = as_place(path)
+        self._place = place
+        self.path = path = place.name
         self.allow_pickle = allow_pickle
-        if not os.path.isdir(path):
-            raise XckptError(_what(f"{path!r}") + (f" ({path!r} is a file)" if os.path.isfile(path) else ""))
-        entries = os.listdir(path)
+        kind = place.kind()
+        if kind != "dir" or not place.listable:
+            why = f" ({path!r} is a file)" if kind == "file" else " (an http(s) location cannot be listed)" if kind else ""
+            raise XckptError(_what(f"{path!r}") + why)
+        entries = place.entries()
         rank_files = sorted((int(m.group(1)), e) for e in entries if (m := _RANK_MD.match(e)))
         if ".metadata" in entries:
             self.layout = "coordinated"
@@ -239,16 +246,15 @@ class DcpSource(Source):
         parsed = _Parsed()
         for r, name in mds:
             where = f"torch DCP checkpoint {path!r} ({name})"
-            fp = os.path.join(path, name)
-            size = os.path.getsize(fp)
-            if size > _MAX_METADATA:
-                raise XckptError(f"{where}: {size} bytes is too large for DCP metadata")
-            with builtins.open(fp, "rb") as f:
-                data = f.read()
+            data = place.read(name, limit=_MAX_METADATA)
+            if data is None:
+                raise IncompleteCheckpointError(f"{where}: the file is gone; open the checkpoint again")
+            if len(data) > _MAX_METADATA:
+                raise XckptError(f"{where}: over {_MAX_METADATA} bytes is too large for DCP metadata")
             _parse_one(restricted_load(data, METADATA_GLOBALS, where), r, where, parsed)
         self._parsed = parsed
         self._world = len(mds) if self.layout == "rank-local" else self._coordinated_world(entries)
-        self._files: dict[str, FileBytes] = {}
+        self._files: dict[str, Blob] = {}
         self._files_lock = threading.Lock()
         self._check_ranges()
         self._entries: dict[str, TensorEntry] = {}
@@ -267,24 +273,34 @@ class DcpSource(Source):
         return max(ranks, default=0) + 1
 
     def _check_ranges(self) -> None:
-        sizes: dict[str, int] = {}
+        """Every item's file exists and holds its bytes (checked before anything is read)."""
+        ends: dict[str, tuple[int, str, _Item]] = {}  # file -> the item reaching furthest
         all_items = [(fqn, it) for fqn, (_, _, cs) in self._parsed.tensors.items() for _, _, it in cs]
         all_items += [(fqn, it) for fqn, its in self._parsed.objects.items() for it in its]
         for fqn, it in all_items:
-            if it.rel not in sizes:
-                try:
-                    sizes[it.rel] = os.path.getsize(os.path.join(self.path, it.rel))
-                except OSError:
+            if it.rel not in ends:
+                if not self._place.isfile(it.rel):
                     raise IncompleteCheckpointError(
                         f"torch DCP checkpoint {self.path!r}: {fqn!r} is stored in {it.rel}, which is "
                         "missing; the save did not finish (or the file was removed): re-save or restore it"
-                    ) from None
-            if it.offset + it.length > sizes[it.rel]:
-                raise CorruptChunkError(
-                    f"torch DCP checkpoint {self.path!r}, {fqn!r}: its bytes [{it.offset}, "
-                    f"{it.offset + it.length}) lie past the end of {it.rel} ({sizes[it.rel]} bytes); "
-                    "the file is truncated: restore it from a copy or re-save the checkpoint"
-                )
+                    )
+                ends[it.rel] = (-1, fqn, it)
+            if it.offset + it.length > ends[it.rel][0]:
+                ends[it.rel] = (it.offset + it.length, fqn, it)
+        for rel, (end, fqn, it) in ends.items():
+            local = self._place.local
+            size = os.path.getsize(os.path.join(local, rel)) if local is not None else self.file(rel).size
+            if size is None:
+                if self.file(rel).reaches(end):
+                    continue
+            elif end <= size:
+                continue
+            held = f"{size} bytes" if size is not None else "a shorter file"
+            raise CorruptChunkError(
+                f"torch DCP checkpoint {self.path!r}, {fqn!r}: its bytes [{it.offset}, "
+                f"{it.offset + it.length}) lie past the end of {it.rel} ({held}); "
+                "the file is truncated: restore it from a copy or re-save the checkpoint"
+            )
 
     def _entry(self, fqn: str, dtype: TorchDtype, size: tuple[int, ...], chunks: list[Any]) -> TensorEntry:
         name = dtype.xckpt
@@ -336,14 +352,14 @@ class DcpSource(Source):
 
     # -- reading ----------------------------------------------------------------
 
-    def file(self, rel: str) -> FileBytes:
+    def file(self, rel: str) -> Blob:
         """The open data file ``rel`` (opened once)."""
         f = self._files.get(rel)
         if f is None:
             with self._files_lock:
                 f = self._files.get(rel)
                 if f is None:
-                    f = FileBytes(os.path.join(self.path, rel), f"torch DCP checkpoint {self.path!r} ({rel})")
+                    f = self._place.open(rel, where=f"torch DCP checkpoint {self.path!r} ({rel})")
                     self._files[rel] = f
         return f
 
@@ -378,6 +394,17 @@ class DcpSource(Source):
 
     def pickled_objects(self) -> set[str]:
         return set(self._groups)
+
+    def nesting(self) -> Mapping[str, tuple[Any, ...]]:
+        """Key paths from DCP's ``planner_data`` (what ``dcp_to_torch_save`` nests by): each
+        tensor's, and each object's (the tensor-free subtree it is)."""
+        paths = self._parsed.paths
+        out = {n: items.path_of(n, paths) for n in self._entries}
+        for name, group in self._groups.items():
+            sub, fqn, _ = group[0]
+            leaf = items.path_of(fqn, paths)
+            out[name] = leaf[: len(leaf) - len(sub)]
+        return out
 
     def per_rank_objects(self) -> set[str]:
         if self.layout != "rank-local":
@@ -420,6 +447,6 @@ class DcpSource(Source):
             self._files.clear()
 
 
-def open(path: str, *, allow_pickle: bool = False) -> DcpSource:  # noqa: A001
-    """Open a torch DCP checkpoint directory (coordinated or rank-local layout)."""
+def open(path: str | Place, *, allow_pickle: bool = False) -> DcpSource:  # noqa: A001
+    """Open a torch DCP checkpoint directory (coordinated or rank-local layout) at any location."""
     return DcpSource(path, allow_pickle=allow_pickle)

@@ -4,12 +4,25 @@ The file's ``data.pkl`` is read with the restricted unpickler (tensor rebuild
 functions, storages, plain containers and scalars; nothing else is called) and
 flattened as ``xckpt.torch`` flattens a state dict (``xckpt/torch/_state_dict.py``): dicts,
 lists and tuples that hold a tensor somewhere inside are walked and their keys
-joined with "."; anything else (an int ``step``, a list of floats) is one
-object, returned as it was saved. Each tensor is one chunk (the whole tensor,
-written by rank 0); tensors sharing a storage (tied weights) and views with a
-storage offset or non-row-major strides (``t.t()``, ``t[2:]``, channels_last)
-are read from their storage as ``data.pkl`` describes them. Reads are
-``os.pread`` calls of only the byte span a box touches.
+joined with "."; anything else (an int ``step``, a list of floats, a tensor-free
+``meta`` dict) is one object under its parent's name, returned as it was saved. Each
+tensor is one chunk (the whole tensor, written by rank 0); tensors sharing a storage
+(tied weights) and views with a storage offset or non-row-major strides (``t.t()``,
+``t[2:]``, channels_last) are read from their storage as ``data.pkl`` describes them.
+Reads are byte ranges of only the span a box touches, from any location
+(:class:`~xckpt.storage.Place`: a local path, a kvstore URL or spec, ``http(s)://``).
+
+Classes outside the allow-list (an ``argparse.Namespace`` of training arguments, numpy
+scalars and RNG states, ``torch.device``, a user's class; Lightning ``.ckpt`` files) do
+not make the file unreadable: while ``data.pkl`` is read they become inert placeholders
+(:mod:`._foreign`: nothing of theirs is imported or called). Every tensor still lists
+and reads. An object holding a placeholder is listed by :meth:`~TorchSaveSource.pickled_objects`
+and read only when the file was opened with ``allow_pickle=True``: then it is rebuilt
+from what the pickle recorded, with the real classes, exactly as ``torch.load`` would
+build it (this runs the code the file names, for the objects asked for only; tensors
+inside it come back as numpy arrays). Objects of allow-listed plain types read without
+the flag, as before. A tensor inside a foreign object (``Namespace(w=tensor)``) is part
+of that object, as the flattening rule has it.
 
 Decisions where torch is silent: a file holding one bare tensor presents it as
 the tensor ``"tensor"``; one bare non-tensor value as the object ``"value"``.
@@ -20,17 +33,20 @@ re-save it; a compressed or otherwise non-torch zip is refused too.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from xckpt.errors import XckptError
-from xckpt.layout import check_coverage
-from xckpt.manifest import Chunk, TensorEntry
-from xckpt.source import ChunkRead, Source, whole_request
+import numpy as np
 
-from ._torchzip import LEGACY_MAGIC, ZIP_MAGIC, Archive, FileBytes, first_record_name, read_boxes
+from xckpt.errors import ObjectError, XckptError
+from xckpt.layout import check_coverage
+from xckpt.manifest import Chunk, TensorEntry, numpy_dtype
+from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.storage import Blob, Place, as_place
+
+from ._foreign import describe, find_foreign, holds_foreign, rebuild
+from ._torchzip import LEGACY_MAGIC, ZIP_MAGIC, Archive, first_record_name, read_box, read_boxes
 from ._unpickle import TensorRef
 
 __all__ = ["FORMAT", "detect", "open", "TorchSaveSource", "flatten_refs", "entry_for", "run_jobs"]
@@ -40,38 +56,32 @@ FORMAT = "torch"
 _MAX_DEPTH = 200
 
 
-def detect(path: str) -> bool:
-    """A zip file with an ``<archive>/data.pkl`` record (torch writes it first), or a legacy torch.save pickle."""
-    if not os.path.isfile(path):
-        return False
-    head = _read_head(path, 512)
-    if head.startswith(LEGACY_MAGIC):
-        return True
-    name = first_record_name(head)
-    if name is None:
-        return False
-    if name.endswith("/data.pkl") and name.count("/") == 1:
-        return True  # torch writes data.pkl first
-    # Another zip writer may order records differently: look in the central directory.
-    f = FileBytes(path, path)
+def detect(path: str | Place) -> bool:
+    """A zip file with an ``<archive>/data.pkl`` record (torch writes it first), or a legacy
+    torch.save pickle, at any location."""
+    place = as_place(path)
     try:
-        Archive(f, 0, f.size, path, unpickle=False)
+        if place.kind() != "file":
+            return False
+        f = place.open(where=place.name)
+    except XckptError:
+        return False
+    try:
+        head = f.head(512)
+        if head.startswith(LEGACY_MAGIC):
+            return True
+        name = first_record_name(head)
+        if name is None:
+            return False
+        if name.endswith("/data.pkl") and name.count("/") == 1:
+            return True  # torch writes data.pkl first
+        # Another zip writer may order records differently: look in the central directory.
+        Archive.of_file(f, place.name, unpickle=False)
         return True
     except XckptError:
         return False
     finally:
         f.close()
-
-
-def _read_head(path: str, n: int) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return b""
-    try:
-        return os.pread(fd, n, 0)
-    finally:
-        os.close(fd)
 
 
 def _holds_tensor(v: Any, depth: int = 0) -> bool:
@@ -157,38 +167,42 @@ class TorchSaveSource(Source):
 
     format = FORMAT
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        where = f"torch.save file {path!r}"
+    def __init__(self, path: str | Place, *, allow_pickle: bool = False) -> None:
+        place = as_place(path)
+        self.path = place.name
+        self.allow_pickle = allow_pickle
+        where = f"torch.save file {self.path!r}"
         self._where = where
-        if not os.path.isfile(path):
+        kind = place.kind()
+        if kind != "file":
             raise XckptError(
-                f"{path!r} is not a torch.save file: "
-                + ("a directory" if os.path.isdir(path) else "nothing is there")
+                f"{self.path!r} is not a torch.save file: "
+                + ("a directory" if kind == "dir" else "nothing is there")
                 + "; format='torch' reads one file written by torch.save"
             )
-        head = _read_head(path, 64)
-        if head.startswith(LEGACY_MAGIC):
-            raise XckptError(
-                f"{where} uses torch's legacy (pre-1.6) serialization, which is a plain pickle "
-                "xckpt will not read. Re-save it with torch>=1.6's default zip serialization: load it "
-                "with torch (weights_only=True) in a trusted environment and torch.save it again"
-            )
-        if not head.startswith(ZIP_MAGIC):
-            raise XckptError(
-                f"{where} is not a torch.save zip archive (it starts with {head[:8]!r}); expected a file "
-                "written by torch.save (torch>=1.6)"
-            )
-        self._file = FileBytes(path, where)
+        self._file: Blob = place.open(where=where)
         try:
-            self._archive = Archive(self._file, 0, self._file.size, where)
+            head = self._file.head(64)
+            if head.startswith(LEGACY_MAGIC):
+                raise XckptError(
+                    f"{where} uses torch's legacy (pre-1.6) serialization, which is a plain pickle "
+                    "xckpt will not read. Re-save it with torch>=1.6's default zip serialization: load it "
+                    "with torch (weights_only=True) in a trusted environment and torch.save it again"
+                )
+            if not head.startswith(ZIP_MAGIC):
+                raise XckptError(
+                    f"{where} is not a torch.save zip archive (it starts with {head[:8]!r}); expected a file "
+                    "written by torch.save (torch>=1.6)"
+                )
+            self._archive = Archive.of_file(self._file, where, foreign=True)
             self._tensors, self._objects = flatten_refs(self._archive.root, where)
+            self._foreign = {n for n, v in self._objects.items() if holds_foreign(v)}
             self._entries: dict[str, TensorEntry] = {}
             self._starts: dict[str, int] = {}
             for name, t in self._tensors.items():
                 e = entry_for(name, t, f"{self._archive.prefix}/data/{t.storage.key}", 0, where)
                 self._starts[name] = self._archive.storage_range(t, name)[0]
-                check_coverage(e.shape, e.boxes, name=name, where=path)
+                check_coverage(e.shape, e.boxes, name=name, where=self.path)
                 self._entries[name] = e
         except BaseException:
             self._file.close()
@@ -221,16 +235,50 @@ class TorchSaveSource(Source):
     def object_names(self) -> list[str]:
         return list(self._objects)
 
+    def pickled_objects(self) -> set[str]:
+        """Objects holding classes outside the allow-list: read only with ``allow_pickle=True``."""
+        return set(self._foreign)
+
     def _has_object(self, name: str) -> bool:
         return name in self._objects
 
     def _object_value(self, name: str, rank: int | None) -> Any:
-        return self._objects[name]
+        value = self._objects[name]
+        if name not in self._foreign:
+            return value
+        # allow_pickle=True (checked by objects()): rebuild it with the real classes.
+        return rebuild(value, f"{self._where}, object {name!r}", self._tensor_value)
+
+    def _tensor_value(self, v: Any) -> Any:
+        """A tensor inside a foreign object, as a numpy array (other leaves as they are)."""
+        if not isinstance(v, TensorRef):
+            return v
+        dtype = v.dtype.xckpt
+        if dtype is None:
+            raise XckptError(f"{self._where}: a tensor of dtype torch.{v.dtype.name} cannot be read by xckpt")
+        out = np.empty(v.size, dtype=numpy_dtype(dtype))
+        start = self._archive.storage_range(v, "<object>")[0]
+        read_box(self._archive, v, start, tuple(slice(0, n) for n in v.size), out)
+        return out
+
+    def _pickle_refused(self, names: Sequence[str]) -> ObjectError:
+        first = names[0]
+        return ObjectError(
+            f"{self._where}: object {first!r}"
+            + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+            + f" holds {describe(find_foreign(self._objects[first]))}, which is not on xckpt's "
+            "allow-list; rebuilding it runs code the file names. The file's tensors read without it: "
+            "read the object only from a trusted file, by opening with allow_pickle=True"
+        )
 
     def close(self) -> None:
         self._file.close()
 
 
-def open(path: str, *, allow_pickle: bool = False) -> TorchSaveSource:  # noqa: A001
-    """Open a torch.save zip file (``allow_pickle`` is unused: its pickle is always read restricted)."""
-    return TorchSaveSource(path)
+def open(path: str | Place, *, allow_pickle: bool = False) -> TorchSaveSource:  # noqa: A001
+    """Open a torch.save zip file at any location.
+
+    ``data.pkl`` is always read restricted (classes outside the allow-list become inert
+    placeholders); ``allow_pickle=True`` lets the objects holding them be rebuilt.
+    """
+    return TorchSaveSource(path, allow_pickle=allow_pickle)

@@ -11,6 +11,12 @@ to tensor (``torch._utils._rebuild_tensor_v2`` over a typed storage, or
 itself pickles them) or object (None, bool, int, float, str, bytes, list, tuple,
 dict, as the weights-only unpickler accepts them).
 
+A source that says where its names sit in a nested state dict
+(:meth:`~xckpt.source.Source.nesting`: torch DCP's ``planner_data``) is written as that
+nested dict, as ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` writes
+it (``torch.load(f)["model"]["layer.weight"]``; integer keys make lists); any other
+source, or one whose names a rules view renamed, as the flat dict.
+
 Each tensor's bytes stream into its record in row-major order
 (:meth:`WriteJob.rows`): a row-sharded tensor moves one chunk at a time. The
 zip's central directory is written last, so an interrupted write is not a zip
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -29,7 +36,9 @@ from xckpt.errors import ObjectError, XckptError
 from xckpt.manifest import numpy_dtype
 from xckpt.sink import Sink, WriteJob
 
-__all__ = ["TorchSaveSink", "pickle_state"]
+from ._nesting import nest_paths
+
+__all__ = ["TorchSaveSink", "pickle_state", "pickle_nested"]
 
 FORMAT = "torch"
 ALIGN = 64
@@ -145,6 +154,37 @@ def _tensor(key: str, dtype: str, shape: tuple[int, ...]) -> bytes:
     return _global("torch._utils", rebuild) + _tuple(args) + b"R"
 
 
+class _Tensor(tuple[int, str, tuple[int, ...]]):
+    """A tensor leaf of a nested state dict: (storage index, dtype, shape)."""
+
+
+def _nested(v: Any, name: str) -> bytes:
+    """A nested state dict (dicts and lists from :func:`._nesting.nest_paths`) by opcode."""
+    if isinstance(v, _Tensor):
+        return _tensor(str(v[0]), v[1], v[2])
+    if type(v) is dict:
+        body = b"".join(_value(k, name) + _nested(x, name) for k, x in v.items())
+        return b"}" + (b"(" + body + b"u" if v else b"")
+    if type(v) is list:
+        return b"]" + (b"(" + b"".join(_nested(x, name) for x in v) + b"e" if v else b"")
+    return _value(v, name)
+
+
+def pickle_nested(
+    tensors: list[tuple[str, str, tuple[int, ...]]],
+    objects: dict[str, Any],
+    paths: Mapping[str, tuple[Any, ...]],
+    where: str,
+) -> bytes:
+    """``data.pkl`` of the nested state dict with every tensor (storages "0", "1", ... in order)
+    and object at its key path in ``paths``."""
+    leaves: list[tuple[tuple[Any, ...], Any]] = [
+        (paths[n], _Tensor((i, dtype, shape))) for i, (n, dtype, shape) in enumerate(tensors)
+    ]
+    leaves += [(paths[n], v) for n, v in objects.items()]
+    return b"\x80\x02" + _nested(nest_paths(leaves, where), where) + b"."
+
+
 def pickle_state(tensors: list[tuple[str, str, tuple[int, ...]]], objects: dict[str, Any]) -> bytes:
     """``data.pkl`` of a flat dict: ``tensors`` as (name, dtype, shape) on storages "0", "1", ...
     in order, then ``objects``."""
@@ -181,6 +221,11 @@ def _data_pkl(job: WriteJob) -> bytes:
             "dict holds one value per key; rename or exclude one of them"
         )
     tensors = [(n, job.src.info(n).dtype, tuple(job.src.info(n).shape)) for n in job.names]
+    paths = job.src.nesting()
+    names = [*job.names, *job.objects]
+    if paths is not None and all(n in paths for n in names) and any(len(paths[n]) > 1 for n in names):
+        where = f"torch.save output of {job.src.path!r}"
+        return pickle_nested(tensors, dict(job.objects), paths, where)
     return pickle_state(tensors, dict(job.objects))
 
 

@@ -449,9 +449,13 @@ class Storage:
         """Every key that starts with ``prefix``, sorted."""
         if self.root is not None and prefix.endswith("/"):
             return self._list_local(self.root, prefix)
-        keys = self._result(
-            self._kv.list(self._ts.KvStore.KeyRange(prefix, _prefix_end(prefix))), f"listing {prefix}"
-        )
+        try:
+            keys = self._result(self._kv.list(self._ts.KvStore.KeyRange(prefix, _prefix_end(prefix))), f"listing {prefix}")
+        except NotImplementedError as e:  # a kvstore that cannot list (http)
+            raise XckptError(
+                f"checkpoint {self.path!r}: this location cannot be listed ({e}), and an xckpt "
+                "checkpoint is found by listing ranks/; copy it to a local disk or an object store"
+            ) from e
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
     def _list_local(self, root: str, prefix: str) -> list[str]:

@@ -1,0 +1,494 @@
+"""A checkpoint location seen as a tree of files, wherever it is.
+
+Foreign formats are files in directories (DCP's ``.metadata`` beside ``*.distcp``,
+orbax's item directories, a Hugging Face directory, one torch.save file). A
+:class:`Place` lets their readers detect and open them at any location with one
+code path: it lists, probes and opens files (:class:`~._blob.Blob`) below it, and
+gives tensorstore the kvstore spec of a directory (orbax's arrays). Three kinds,
+chosen by :func:`as_place`:
+
+* :class:`LocalPlace`: a local path, or a ``file://`` URL (plain file I/O);
+* :class:`KvPlace`: a tensorstore kvstore URL (``s3://``, ``gs://``, ``memory://``)
+  or a kvstore spec dict (how an S3-compatible endpoint, a region or credentials are
+  given). Listing is the kvstore's (one recursive listing of the location, made once
+  and shared with the places below it); a key is probed with a zero-length read;
+* :class:`HttpPlace`: an ``http(s)://`` URL, or ``{"driver": "http", "base_url": ...,
+  "path": ..., "headers": [...]}`` (tensorstore's http kvstore spec, whose headers,
+  e.g. ``Authorization``, go with every request to that host). An http location
+  cannot be listed: files are found by probing their names.
+
+File or directory: a local path is what the OS says. A kvstore location whose path
+is empty or ends in "/" is a directory; otherwise it is a file when that key exists,
+else a directory when keys lie below it. An http URL ending in "/" is a directory;
+otherwise it is a file when the server has it, else a directory.
+
+Paths below a place (``rel``) use "/" and never start with it; "" is the place itself.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from xckpt.errors import CheckpointNotFoundError, StorageError, XckptError
+
+from ._blob import Blob, KvBlob, LocalBlob
+from ._http import HttpBlob, http_headers
+from ._kvstore import default_context, location_name, storage_error
+
+__all__ = ["Place", "LocalPlace", "KvPlace", "HttpPlace", "as_place"]
+
+#: Largest file :meth:`Place.read` returns whole (metadata, indexes, manifests).
+READ_CAP = 1 << 31
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}/{b}" if a and b else a or b
+
+
+def _shown(entries: list[str]) -> str:
+    return ", ".join(entries[:12]) + (f", ... ({len(entries)} entries)" if len(entries) > 12 else "")
+
+
+class Place:
+    """A location seen as files (see the module docstring).
+
+    Attributes:
+        name: the location as messages name it (a spec dict as JSON, secrets hidden).
+        local: the local path, for a place on a local disk (else None).
+        listable: whether :meth:`entries` and :meth:`files` can list (not over http).
+    """
+
+    name: str = ""
+    local: str | None = None
+    listable: bool = True
+
+    def kind(self) -> str | None:
+        """``"dir"``, ``"file"``, or None when nothing is there."""
+        raise NotImplementedError
+
+    @property
+    def base(self) -> str:
+        """The last component of the location's path ("" for a bucket's root)."""
+        raise NotImplementedError
+
+    def child(self, rel: str) -> Place:
+        """The place ``rel`` below this one."""
+        raise NotImplementedError
+
+    def parent(self) -> Place:
+        """The directory holding this place."""
+        raise NotImplementedError
+
+    def entries(self, rel: str = "") -> list[str]:
+        """Names directly below directory ``rel``, sorted ([] when it is not a directory or
+        cannot be listed)."""
+        raise NotImplementedError
+
+    def files(self, rel: str = "") -> list[str]:
+        """Every file below directory ``rel``, as paths relative to it, sorted."""
+        raise NotImplementedError
+
+    def isfile(self, rel: str = "") -> bool:
+        raise NotImplementedError
+
+    def isdir(self, rel: str = "") -> bool:
+        raise NotImplementedError
+
+    def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
+        """File ``rel`` whole (a small file: metadata, an index), or None when it does not exist.
+
+        A file over ``limit`` bytes comes back longer than ``limit`` (at least ``limit + 1``
+        bytes, where the location can bound a read): the caller refuses it.
+        """
+        raise NotImplementedError
+
+    def open(self, rel: str = "", where: str | None = None) -> Blob:
+        """File ``rel`` for byte-range reads; ``where`` names the reader in messages."""
+        raise NotImplementedError
+
+    def kvstore(self, rel: str = "") -> Any:
+        """The tensorstore kvstore spec of directory ``rel`` (its path ends in "/")."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What is there, in words (for messages)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class LocalPlace(Place):
+    """A local path (plain file I/O)."""
+
+    def __init__(self, path: str) -> None:
+        self.name = path
+        self.local = path
+
+    def _p(self, rel: str) -> str:
+        return os.path.join(self.name, rel) if rel else self.name
+
+    def kind(self) -> str | None:
+        return "dir" if os.path.isdir(self.name) else "file" if os.path.isfile(self.name) else None
+
+    @property
+    def base(self) -> str:
+        return os.path.basename(self.name.rstrip(os.sep)) or self.name
+
+    def child(self, rel: str) -> LocalPlace:
+        return LocalPlace(self._p(rel))
+
+    def parent(self) -> LocalPlace:
+        return LocalPlace(os.path.dirname(os.path.abspath(self.name)))
+
+    def entries(self, rel: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(rel)))
+        except OSError:
+            return []
+
+    def files(self, rel: str = "") -> list[str]:
+        top = self._p(rel)
+        out = []
+        for d, _dirs, names in os.walk(top):
+            sub = os.path.relpath(d, top).replace(os.sep, "/")
+            out += [n if sub == "." else f"{sub}/{n}" for n in names]
+        return sorted(out)
+
+    def isfile(self, rel: str = "") -> bool:
+        return os.path.isfile(self._p(rel))
+
+    def isdir(self, rel: str = "") -> bool:
+        return os.path.isdir(self._p(rel))
+
+    def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
+        p = self._p(rel)
+        try:
+            with open(p, "rb") as f:
+                return f.read(limit + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise XckptError(f"{p!r}: cannot read it ({e.strerror})") from None
+
+    def open(self, rel: str = "", where: str | None = None) -> Blob:
+        p = self._p(rel)
+        return LocalBlob(p, where or p)
+
+    def kvstore(self, rel: str = "") -> Any:
+        return {"driver": "file", "path": os.path.abspath(self._p(rel)).rstrip(os.sep) + "/"}
+
+    def describe(self) -> str:
+        p = self.name
+        if not os.path.exists(p):
+            return "nothing (the path does not exist)"
+        if os.path.isfile(p):
+            return f"a file of {os.path.getsize(p)} bytes"
+        try:
+            entries = sorted(os.listdir(p))
+        except OSError as e:
+            return f"an unreadable directory ({e.strerror})"
+        return f"a directory holding {_shown(entries)}" if entries else "an empty directory"
+
+
+class KvPlace(Place):
+    """A location in a tensorstore kvstore: ``spec`` is its kvstore spec (a dict with ``path``)."""
+
+    def __init__(self, spec: Mapping[str, Any], name: str, context: Any = None) -> None:
+        self.spec = dict(spec)
+        path = self.spec.get("path", "")
+        if not isinstance(path, str):
+            raise XckptError(f"kvstore spec {name}: path must be a string")
+        self.name = name
+        self._path = path
+        self._dir = path if not path or path.endswith("/") else path + "/"
+        self._context = context if context is not None else default_context()
+        self._listing: list[str] | None = None
+        self._kind: str | None = None
+        self._known = False
+        self._stores: dict[str, Any] = {}
+
+    # -- tensorstore ------------------------------------------------------------------------
+
+    def _store(self, path: str) -> Any:
+        """The kvstore at ``path`` (opened once per place and path)."""
+        store = self._stores.get(path)
+        if store is None:
+            import tensorstore as ts
+
+            try:
+                store = ts.KvStore.open({**self.spec, "path": path}, context=self._context).result()
+            except ValueError as e:
+                raise storage_error(self.name, "opening the location", e) from e
+            self._stores[path] = store
+        return store
+
+    def _exists(self, key: str, shown: str) -> bool:
+        """Whether ``key`` (relative to the bucket) exists: a zero-length read (a HEAD on S3)."""
+        try:
+            r = self._store("").read(key, byte_range=slice(0, 0)).result()
+        except ValueError as e:
+            raise storage_error(self.name, f"reading {shown}", e) from e
+        return r.state == "value"
+
+    def _keys(self) -> list[str]:
+        """Every key below the location (relative to it), listed once."""
+        if self._listing is None:
+            store = self._store(self._dir)
+            try:
+                keys = store.list().result()
+            except ValueError as e:
+                raise storage_error(self.name, "listing the location", e) from e
+            self._listing = sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
+        return self._listing
+
+    # -- the Place protocol -------------------------------------------------------------------
+
+    def kind(self) -> str | None:
+        if not self._known:
+            self._known = True
+            if self._path and not self._path.endswith("/") and self._exists(self._path, "it"):
+                self._kind = "file"
+            else:
+                self._kind = "dir" if self._keys() else None
+        return self._kind
+
+    @property
+    def base(self) -> str:
+        return self._path.rstrip("/").rsplit("/", 1)[-1]
+
+    def _sub_name(self, rel: str) -> str:
+        spec = {**self.spec, "path": self._dir + rel}
+        if self.name.startswith("{"):
+            return location_name(spec)
+        return self.name.rstrip("/") + "/" + rel
+
+    def child(self, rel: str) -> KvPlace:
+        c = KvPlace({**self.spec, "path": self._dir + rel}, self._sub_name(rel), self._context)
+        if self._listing is not None:  # known from this listing: no request
+            pre = rel.rstrip("/") + "/"
+            c._listing = [k[len(pre) :] for k in self._listing if k.startswith(pre)]
+            c._known = True
+            c._kind = "file" if rel in self._listing else "dir" if c._listing else None
+        return c
+
+    def parent(self) -> KvPlace:
+        head = self._path.rstrip("/").rpartition("/")[0]
+        spec = {**self.spec, "path": head + "/" if head else ""}
+        name = location_name(spec) if self.name.startswith("{") else self.name.rstrip("/").rpartition("/")[0] + "/"
+        return KvPlace(spec, name, self._context)
+
+    def entries(self, rel: str = "") -> list[str]:
+        pre = rel.rstrip("/") + "/" if rel else ""
+        return sorted({k[len(pre) :].split("/", 1)[0] for k in self._keys() if k.startswith(pre) and k != pre})
+
+    def files(self, rel: str = "") -> list[str]:
+        pre = rel.rstrip("/") + "/" if rel else ""
+        return [k[len(pre) :] for k in self._keys() if k.startswith(pre)]
+
+    def isfile(self, rel: str = "") -> bool:
+        if not rel:
+            return self.kind() == "file"
+        if self._listing is not None:
+            return rel in self._listing
+        return self._exists(self._dir + rel, rel)
+
+    def isdir(self, rel: str = "") -> bool:
+        if not rel:
+            return self.kind() == "dir"
+        pre = rel.rstrip("/") + "/"
+        if self._listing is not None:
+            return any(k.startswith(pre) for k in self._listing)
+        import tensorstore as ts
+
+        end = pre[:-1] + chr(ord("/") + 1)
+        try:
+            keys = self._store(self._dir).list(ts.KvStore.KeyRange(pre, end)).result()
+        except ValueError as e:
+            raise storage_error(self.name, f"listing {pre}", e) from e
+        return bool(keys)
+
+    def _key(self, rel: str) -> tuple[Any, str]:
+        if not rel and self.kind() == "file":
+            return self._store(self._path), ""
+        return self._store(self._dir), rel
+
+    def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
+        store, key = self._key(rel)
+        try:
+            r = store.read(key).result()
+        except ValueError as e:
+            raise storage_error(self.name, f"reading {rel or 'it'}", e) from e
+        return bytes(r.value) if r.state == "value" else None
+
+    def open(self, rel: str = "", where: str | None = None) -> Blob:
+        store, key = self._key(rel)
+        path = self._sub_name(rel) if rel else self.name
+        return KvBlob(store, key, path, where or path)
+
+    def kvstore(self, rel: str = "") -> Any:
+        return {**self.spec, "path": self._dir + (rel.rstrip("/") + "/" if rel else "")}
+
+    def describe(self) -> str:
+        kind = self.kind()
+        if kind is None:
+            return "nothing (no key at or below it)"
+        if kind == "file":
+            return "an object (a file)"
+        return f"a location holding {_shown(self.entries())}"
+
+
+#: What a Hugging Face directory is probed for over http, in order (it cannot be listed).
+HTTP_PROBES = ("model.safetensors.index.json", "model.safetensors")
+
+
+class HttpPlace(Place):
+    """An ``http(s)://`` location (files probed by name; nothing listed)."""
+
+    listable = False
+
+    def __init__(self, url: str, headers: Mapping[str, str] | None = None, name: str | None = None) -> None:
+        self.url = url
+        self.name = name or url
+        self._headers = dict(headers or {})
+        self._dir = url if url.endswith("/") else url + "/"
+        self._blobs: dict[str, HttpBlob | None] = {}
+        self._kind: str | None = None
+        self._known = False
+
+    def _probe(self, rel: str) -> HttpBlob | None:
+        """File ``rel`` opened (its head read), or None when the server does not have it."""
+        if rel not in self._blobs:
+            url = self._dir + urllib.parse.quote(rel) if rel else self.url
+            try:
+                self._blobs[rel] = HttpBlob(url, f"{self.name}", self._headers)
+            except CheckpointNotFoundError:
+                self._blobs[rel] = None
+        return self._blobs[rel]
+
+    def kind(self) -> str | None:
+        if not self._known:
+            failed: StorageError | None = None
+            if not self.url.endswith("/"):
+                try:
+                    if self._probe("") is not None:
+                        self._kind = "file"
+                except StorageError as e:  # a server may refuse a directory's URL (400, 403)
+                    failed = e
+            if self._kind is None and (self.url.endswith("/") or any(self._probe(p) is not None for p in HTTP_PROBES)):
+                self._kind = "dir"
+            if self._kind is None and failed is not None:
+                raise failed
+            self._known = True
+        return self._kind
+
+    @property
+    def base(self) -> str:
+        return urllib.parse.urlsplit(self.url).path.rstrip("/").rsplit("/", 1)[-1]
+
+    def child(self, rel: str) -> HttpPlace:
+        return HttpPlace(self._dir + urllib.parse.quote(rel), self._headers)
+
+    def parent(self) -> HttpPlace:
+        return HttpPlace(self.url.rstrip("/").rpartition("/")[0] + "/", self._headers)
+
+    def entries(self, rel: str = "") -> list[str]:
+        return []
+
+    def files(self, rel: str = "") -> list[str]:
+        return []
+
+    def isfile(self, rel: str = "") -> bool:
+        if not rel:
+            return self.kind() == "file"
+        return self._probe(rel) is not None
+
+    def isdir(self, rel: str = "") -> bool:
+        return not rel and self.kind() == "dir"
+
+    def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
+        blob = self._probe(rel)
+        if blob is None:
+            return None
+        return blob.pread(0, min(blob.size or 0, limit + 1))
+
+    def open(self, rel: str = "", where: str | None = None) -> Blob:
+        blob = self._probe(rel)
+        self._blobs.pop(rel, None)  # the caller owns it now
+        if blob is None:
+            url = self._dir + rel if rel else self.url
+            raise CheckpointNotFoundError(f"{where or self.name}: {url!r} does not exist (HTTP 404)")
+        if where is not None:
+            blob.where = where
+        return blob
+
+    def kvstore(self, rel: str = "") -> Any:
+        raise XckptError(
+            f"{self.name!r}: an http(s) location cannot be listed, so this format cannot be read from "
+            "it; copy the checkpoint to a local disk or an object store"
+        )
+
+    def describe(self) -> str:
+        kind = self.kind()
+        if kind == "file":
+            blob = self._probe("")
+            return f"an http(s) file of {blob.size if blob else '?'} bytes"
+        if kind == "dir":
+            return (
+                "an http(s) location, which cannot be listed: probed "
+                + ", ".join(f"{p} ({'found' if self._probe(p) else 'absent'})" for p in HTTP_PROBES)
+            )
+        return f"nothing (the server has no file there, nor {' nor '.join(HTTP_PROBES)} below it)"
+
+
+def as_place(location: Any, context: Any = None) -> Place:
+    """The :class:`Place` of a location: a :class:`Place`, a local path (or ``file://`` URL),
+    an ``http(s)://`` URL, another kvstore URL, or a kvstore spec dict.
+
+    Raises:
+        XckptError: ``location`` is none of these.
+    """
+    if isinstance(location, Place):
+        return location
+    if isinstance(location, os.PathLike):
+        return LocalPlace(os.fspath(location))
+    if isinstance(location, str):
+        if location.startswith("file://"):
+            return LocalPlace(location[len("file://") :])
+        if location.startswith(("http://", "https://")):
+            return HttpPlace(location)
+        if "://" not in location:
+            return LocalPlace(location)
+        import tensorstore as ts
+
+        try:
+            spec = ts.KvStore.Spec(location).to_json()
+        except ValueError as e:
+            raise XckptError(f"{location!r} is not a kvstore URL tensorstore knows ({e})") from None
+        return KvPlace(spec, location, context)
+    if isinstance(location, Mapping):
+        spec = dict(location)
+        driver = spec.get("driver")
+        if not isinstance(driver, str):
+            raise XckptError(
+                f"kvstore spec {location_name(spec)} has no driver; a location given as a dict is a "
+                'tensorstore kvstore spec, e.g. {"driver": "s3", "bucket": "b", "path": "ckpt/", '
+                '"endpoint": "http://127.0.0.1:9000"}'
+            )
+        if driver == "http":
+            base = spec.get("base_url")
+            if not isinstance(base, str) or not base.startswith(("http://", "https://")):
+                raise XckptError(f"http spec {location_name(spec)} needs a base_url of http(s)://")
+            path = spec.get("path", "")
+            url = base.rstrip("/") + "/" + path.lstrip("/") if path else base
+            return HttpPlace(url, http_headers(spec.get("headers"), url), location_name(spec))
+        if driver == "file" and set(spec) <= {"driver", "path"} and isinstance(spec.get("path"), str):
+            return LocalPlace(spec["path"])
+        return KvPlace(spec, location_name(spec), context)
+    raise XckptError(
+        f"checkpoint location {location!r} ({type(location).__name__}) is not a path, a URL or a "
+        "kvstore spec dict"
+    )
