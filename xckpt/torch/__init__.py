@@ -1,7 +1,9 @@
 """PyTorch adapter: save and load state dicts of tensors, DTensors and ShardedTensors.
 
 ``save`` writes each rank's boxes (replicas once), with or without collectives;
-``load`` fills the caller's tensors in place whatever their layout now;
+``load`` fills the caller's tensors in place whatever their layout now (CUDA
+targets through a ``DeviceRing`` of host buffers; ``read_once=True`` reads each
+stored range once for the whole process group);
 ``load_full`` returns whole tensors for one process. Importing this module
 imports torch; ``import xckpt`` does not.
 
@@ -14,7 +16,7 @@ re-exported here.
 
 from __future__ import annotations
 
-from xckpt.torch._load import LoadResult, load, load_full
+from xckpt.torch._load import DeviceRing, LoadResult, load, load_full
 from xckpt.torch._save import save
 from xckpt.torch._state_dict import PerRank
 from xckpt.torch.redistribute import redistribute_by_value
@@ -26,6 +28,7 @@ __all__ = [
     "load_full",
     "PerRank",
     "LoadResult",
+    "DeviceRing",
     "ManagedCollision",
     "ValueGroup",
     "managed_collision_groups",

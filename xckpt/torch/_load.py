@@ -1,10 +1,13 @@
 """``xckpt.torch.load`` and ``load_full``: fill tensors in place, whatever their layout.
 
-Loading never talks to other ranks (value groups aside, see
+By default loading never talks to other ranks (value groups aside, see
 :mod:`xckpt.torch.value_groups`): each rank opens the checkpoint (manifests
 only), computes the boxes its targets hold, and reads only the saved chunks
-that overlap them, straight into the targets' CPU memory. CUDA targets are
-read into pinned host buffers and copied with ``non_blocking=True``.
+that overlap them, straight into the targets' CPU memory. Targets elsewhere
+(CUDA) are read through a bounded ring of pinned host buffers whose copies to
+the device overlap the next reads (:mod:`xckpt.torch._pipeline`). With
+``read_once=True`` the ranks read each stored range once between them and send
+it to the others over the process group (:mod:`xckpt.torch._read_once`).
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ from xckpt.source import Source
 from xckpt.storage import Location
 from xckpt.torch._dist import rank_world
 from xckpt.torch._dtypes import as_numpy, dtype_name, known_dtype_name, torch_dtype
+from xckpt.torch._pipeline import DeviceRing
 from xckpt.torch._placement import PLAIN_TENSORS, Piece, global_info, local_pieces
+from xckpt.torch._read_once import load_once
 from xckpt.torch._state_dict import PerRank, Slot, flatten
 from xckpt.torch.value_groups import load_value_groups
 
-__all__ = ["LoadResult", "load", "load_full"]
-
+__all__ = ["LoadResult", "DeviceRing", "load", "load_full"]
 
 
 @dataclass
@@ -102,44 +106,56 @@ def _set(slot: Slot, name: str, value: Any) -> None:
 
 
 class _Reads:
-    """Read requests into targets' memory, and the device copies to make afterwards."""
+    """Read requests into targets' CPU memory (``items``), and target parts read through
+    the device ring (``staged``: not in CPU memory, or every tensor when the ring has a
+    copy hook)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ring: DeviceRing) -> None:
+        self.ring = ring
         self.items: list[tuple[str, L.Box, np.ndarray]] = []
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device dst, host src)
+        self.staged: list[tuple[str, L.Box, torch.Tensor]] = []
 
     def add(self, name: str, piece: Piece) -> None:
         dst = piece.tensor
         if isinstance(dst, np.ndarray):
-            view = dst[piece.slices] if piece.slices else dst
+            view = dst[piece.slices] if piece.slices else dst[...]
             if not view.flags.writeable:
                 raise XckptError(f"target {name!r} is a read-only numpy array")
             self.items.append((name, piece.box, view))
             return
         dst = dst.detach()
         part = dst[piece.slices] if piece.slices else dst
-        if dst.device.type == "cpu":
-            self.items.append((name, piece.box, as_numpy(part)))
-            return
         if dst.device.type == "meta":
             raise XckptError(
                 f"target {name!r} is on the meta device and has no memory to load into; "
                 "materialise it first (e.g. module.to_empty(device=...))"
             )
-        host = torch.empty(piece.box.shape, dtype=dst.dtype, pin_memory=torch.cuda.is_available())
-        self.items.append((name, piece.box, as_numpy(host)))
-        self.copies.append((part, host))
+        if dst.device.type == "cpu" and self.ring.copy is None:
+            self.items.append((name, piece.box, as_numpy(part)))
+            return
+        self.staged.append((name, piece.box, part))
+
+    def targets(self) -> list[tuple[str, L.Box, Any]]:
+        return [*self.items, *self.staged]
 
     def run(self, ckpt: Source, show_progress: bool | None = None) -> None:
-        ckpt.read_into(self.items, show_progress=show_progress)
-        devices = set()
-        for dst, host in self.copies:
-            dst.copy_(host, non_blocking=True)
-            devices.add(dst.device)
-        # Host buffers must outlive the copies.
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
+        if self.items:
+            ckpt.read_into(self.items, show_progress=show_progress)
+        if self.staged:
+            self.ring.run(ckpt, self.staged, show_progress)
+
+
+@dataclass
+class _Prepared:
+    """One rank's load, worked out and not yet read."""
+
+    reads: _Reads
+    later: list[tuple[str, Any]]
+    slots: dict[str, Slot]
+    missing: list[str]
+    unexpected: list[str]
+    evicted: dict[str, int]
+    skipped: list[str]
 
 
 @paused_gc()  # tens of thousands of small objects, none in a cycle (see paused_gc)
@@ -155,6 +171,8 @@ def load(
     rules: Rules = None,
     show_progress: bool | None = None,
     context: Any = None,
+    read_once: bool = False,
+    ring: DeviceRing | None = None,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from a checkpoint; put objects in place.
 
@@ -179,6 +197,24 @@ def load(
             :attr:`LoadResult.skipped`. A source opened here is closed before
             ``load`` returns; an open source passed in stays open.
         show_progress: progress bar (default: when stderr is a TTY).
+        read_once: every rank of ``process_group`` calls ``load`` with it, and the
+            ranks read each stored range once between them: a range several ranks
+            need (replicated tensors, data-parallel replicas) is read by one of them
+            and sent to the others over the group (gloo or NCCL), so storage serves
+            about one copy of what the group needs instead of one per replica. A
+            failure on any rank (a corrupt chunk it reads, a target that does not
+            fit) raises on every rank; a rank that stops answering makes the others
+            raise after ``xckpt.torch._read_once.TIMEOUT_S`` seconds. Off by default,
+            for non-local storage too: it makes ``load`` a collective every rank must
+            join (a default must not make a load on some ranks wait for the others),
+            and it trades storage reads for transfers, which pays only where storage
+            is the bottleneck. Measured (``bench/read_once.py``, 4 gloo ranks, 63 MiB,
+            replicated and dp x tp targets): storage serves 1.00x the checkpoint
+            instead of 4x and 3.6x; from an S3 server 3.4-3.9x faster, from a local
+            disk 1.8-2.4x slower (docs/guide/loading-at-scale.md).
+        ring: the :class:`DeviceRing` (host buffers) through which target parts that
+            are not in CPU memory are read; pass one to reuse its buffers across
+            loads. Default: one made for this load, its buffers no larger than needed.
 
     Returns:
         :class:`LoadResult` with missing, unexpected, evicted and skipped.
@@ -187,9 +223,20 @@ def load(
         MissingEntryError: ``strict`` and names are missing (nothing is read then).
         ShapeMismatchError, DtypeMismatchError: a target differs from the saved tensor.
         UnsupportedPlacementError: a target DTensor has a ``Partial`` placement.
+        XckptError: with ``read_once``, on every rank when any rank failed.
     """
     with opened(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context) as ckpt:
-        return _load(ckpt, state_dict, process_group, strict, strict_capacity, allow_pickle, show_progress)
+        return _load(
+            ckpt,
+            state_dict,
+            process_group,
+            strict,
+            strict_capacity,
+            allow_pickle,
+            show_progress,
+            read_once,
+            ring,
+        )
 
 
 def _load(
@@ -200,7 +247,55 @@ def _load(
     strict_capacity: bool,
     allow_pickle: bool,
     show_progress: bool | None,
+    read_once: bool = False,
+    ring: DeviceRing | None = None,
 ) -> LoadResult:
+    rank, world, group_rank = rank_world(process_group)
+    ring = ring if ring is not None else DeviceRing.for_load()
+    if not (read_once and world > 1):
+        prep = _prepare(ckpt, state_dict, process_group, strict, strict_capacity, allow_pickle, ring)
+        prep.reads.run(ckpt, show_progress)
+    else:
+        # Every rank reaches the first exchange, its failure so far in hand, so a rank
+        # that cannot load makes the others raise instead of waiting for it.
+        err: Exception | None = None
+        try:
+            prep = _prepare(ckpt, state_dict, process_group, strict, strict_capacity, allow_pickle, ring)
+            targets = prep.reads.targets()
+        except Exception as e:
+            err, targets = e, []
+        load_once(
+            ckpt,
+            targets,
+            err,
+            group=process_group,
+            rank=rank,
+            world=world,
+            ring=ring,
+            show_progress=show_progress,
+        )
+    later = prep.later
+    whole = [n for n, v in later if v is None and n in ckpt]
+    if whole:
+        full = _load_full(ckpt, whole, torch.device("cpu"), show_progress, ring)
+        later = [(n, full[n] if n in full else v) for n, v in later]
+    for name, value in later:
+        _set(prep.slots[name], name, value)
+    return LoadResult(
+        missing=prep.missing, unexpected=prep.unexpected, evicted=dict(prep.evicted), skipped=prep.skipped
+    )
+
+
+def _prepare(
+    ckpt: Source,
+    state_dict: Mapping[str, Any],
+    process_group: Any,
+    strict: bool,
+    strict_capacity: bool,
+    allow_pickle: bool,
+    ring: DeviceRing,
+) -> _Prepared:
+    """Check the targets and work out every read; objects read here, tensors not yet."""
     rank, world, group_rank = rank_world(process_group)
     flat, slots = flatten(state_dict)
     handled: set[str] = set()
@@ -223,13 +318,14 @@ def _load(
             f"{' ...' if len(missing) > 10 else ''}. Load with strict=False to skip them, or "
             "remove them from the state dict"
         )
-    reads = _Reads()
+    reads = _Reads(ring)
+    direct = ring.copy is None
     later: list[tuple[str, Any]] = []
     meshes: dict[int, Any] = {}
     for name, target in flat.items():
         if name in handled or name in missing_set:
             continue
-        if type(target) in PLAIN_TENSORS and name in saved_tensors and target.device.type == "cpu":
+        if type(target) in PLAIN_TENSORS and name in saved_tensors and target.device.type == "cpu" and direct:
             # A whole CPU tensor (the many-small-tensors case): no placement to work out.
             t = ckpt.info(name)
             if tuple(target.shape) == t.shape and known_dtype_name(target.dtype) == t.dtype:
@@ -255,14 +351,7 @@ def _load(
                 skipped.append(name)
                 continue
             later.append((name, _object_value(ckpt, name, target, world, rank)))
-    reads.run(ckpt, show_progress)
-    whole = [n for n, v in later if v is None and n in saved_tensors]
-    if whole:
-        full = _load_full(ckpt, whole, torch.device("cpu"), show_progress)
-        later = [(n, full[n] if n in full else v) for n, v in later]
-    for name, value in later:
-        _set(slots[name], name, value)
-    return LoadResult(missing=missing, unexpected=unexpected, evicted=dict(evicted), skipped=skipped)
+    return _Prepared(reads, later, slots, missing, unexpected, evicted, skipped)
 
 
 @paused_gc()
@@ -276,6 +365,7 @@ def load_full(
     rules: Rules = None,
     show_progress: bool | None = None,
     context: Any = None,
+    ring: DeviceRing | None = None,
 ) -> dict[str, Any]:
     """Whole tensors (and objects) for one process, by flat name.
 
@@ -286,6 +376,8 @@ def load_full(
         format, allow_pickle, rules, context: as for :func:`xckpt.open` (a source
             opened here is closed before ``load_full`` returns).
         show_progress: progress bar (default: when stderr is a TTY).
+        ring: the :class:`DeviceRing` through which tensors for a device other than
+            the CPU are read (default: one made for this call); see :func:`load`.
 
     Returns:
         ``{name: torch.Tensor or object}``; a per-rank object comes back as the
@@ -295,25 +387,32 @@ def load_full(
     if dev.type == "meta":
         raise UnsupportedPlacementError("load_full cannot load into the meta device")
     with opened(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context) as ckpt:
-        return _load_full(ckpt, names, dev, show_progress)
+        return _load_full(ckpt, names, dev, show_progress, ring)
 
 
 def _load_full(
-    ckpt: Source, names: Sequence[str] | None, dev: torch.device, show_progress: bool | None
+    ckpt: Source,
+    names: Sequence[str] | None,
+    dev: torch.device,
+    show_progress: bool | None,
+    ring: DeviceRing | None = None,
 ) -> dict[str, Any]:
     saved_objects = ckpt.object_names()
     if names is None:
         names = ckpt.names() + saved_objects
     out: dict[str, Any] = {}
-    reads = _Reads()
+    reads = _Reads(ring if ring is not None else DeviceRing.for_load())
     objects = []
     for name in names:
         if name in ckpt:
             t = ckpt.info(name)
-            host = torch.empty(t.shape, dtype=torch_dtype(t.dtype), pin_memory=dev.type == "cuda")
-            if host.numel():
-                reads.items.append((name, L.Box.full(t.shape), as_numpy(host)))
-            out[name] = host
+            dst = torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=dev)
+            if dst.numel():
+                if dev.type == "cpu":
+                    reads.items.append((name, L.Box.full(t.shape), as_numpy(dst)))
+                else:
+                    reads.staged.append((name, L.Box.full(t.shape), dst))
+            out[name] = dst
         elif name in saved_objects:
             objects.append(name)
             out[name] = None
@@ -325,8 +424,4 @@ def _load_full(
     if objects:
         out.update(ckpt.objects(objects, per_rank="list"))
     reads.run(ckpt, show_progress)
-    if dev.type != "cpu":
-        out = {n: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for n, v in out.items()}
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
     return out

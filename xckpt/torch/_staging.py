@@ -37,9 +37,9 @@ import torch
 from xckpt.errors import XckptError
 from xckpt.torch._dtypes import as_numpy
 
-__all__ = ["HostBuffers", "Stager", "wait_events"]
+__all__ = ["HostBuffers", "Stager", "side_stream", "wait_events"]
 
-#: One side stream per CUDA device for this process's staging copies.
+#: One side stream per CUDA device for this process's staging and load copies.
 _side_streams: dict[Any, Any] = {}
 
 
@@ -57,7 +57,9 @@ class HostBuffers(Protocol):
     def end(self) -> None: ...
 
 
-def _side_stream(device: Any) -> Any:
+def side_stream(device: Any) -> Any:
+    """This process's side stream on CUDA ``device`` (made once; saves' staging copies and
+    loads' device copies, :mod:`xckpt.torch._pipeline`, run on it)."""
     stream = _side_streams.get(device)
     if stream is None:
         stream = _side_streams[device] = torch.cuda.Stream(device)
@@ -103,7 +105,7 @@ class Stager:
     def _cuda_copy(self, host: torch.Tensor, t: torch.Tensor) -> None:
         stream = self._streams.get(t.device)
         if stream is None:
-            stream = _side_stream(t.device)
+            stream = side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             self._streams[t.device] = stream
         with torch.cuda.stream(stream):
