@@ -15,11 +15,21 @@ claim (:class:`~xckpt.manifest.Claim`) has not committed.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from xckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, ManifestError
 from xckpt.layout import check_coverage
-from xckpt.manifest import Claim, Manifest, merge_manifests, parse_claim
+from xckpt.manifest import (
+    Claim,
+    GridChunks,
+    Manifest,
+    RankMerge,
+    parse_claim,
+    parse_document,
+    parse_header,
+    paused_gc,
+)
 from xckpt.storage import Storage
 
 __all__ = ["read_rank_manifests", "validate"]
@@ -32,6 +42,25 @@ def _first(ranks: Any, n: int = 20) -> str:
     return str(shown)[:-1] + (f", ... ({len(ranks)} ranks)]" if len(ranks) > n else "]")
 
 
+#: Rank manifests read at once (concurrently); each batch's bytes are let go once merged.
+_BATCH = 512
+
+
+def _read_batched(storage: Storage, ranks: list[int], world: Callable[[], int | None]) -> Iterator[tuple[int, bytes | None]]:
+    """``(rank, bytes or None)`` for ``ranks`` in order, read :data:`_BATCH` at a time; ranks
+    at or above ``world()`` (once known) are not read."""
+    for start in range(0, len(ranks), _BATCH):
+        w = world()
+        batch = [r for r in ranks[start : start + _BATCH] if w is None or r < w]
+        datas = storage.read_keys([f"ranks/{r}.json" for r in batch])
+        for i, r in enumerate(batch):
+            data, datas[i] = datas[i], None
+            w = world()
+            if w is None or r < w:
+                yield r, data
+
+
+@paused_gc()  # (every manifest's JSON is many small objects, none in a cycle)
 def read_rank_manifests(
     storage: Storage,
     *,
@@ -41,7 +70,9 @@ def read_rank_manifests(
     """Read, check and merge ``ranks/0..W-1.json`` into one validated manifest.
 
     W and the save are rank 0's (or ``expect_*``); manifests of ranks >= W are
-    leftovers of an earlier, larger save and are not read.
+    leftovers of an earlier, larger save and are not read. Each manifest is merged as
+    it is parsed (:class:`~xckpt.manifest.RankMerge`: chunks as columns, grids
+    recognised), so 4,096 rank manifests never exist as objects at once.
     """
     where = storage.path
     keys = [k for k in storage.list_prefix("ranks/") if k.endswith(".json")]
@@ -52,33 +83,43 @@ def read_rank_manifests(
         )
     if expect_world_size is not None:
         ranks = [r for r in ranks if r < expect_world_size]
-    datas = storage.read_keys([f"ranks/{r}.json" for r in ranks])
-    parts: dict[int, Manifest] = {}
     claims: dict[int, Claim] = {}
-    for r, data in zip(ranks, datas):
+    present: dict[int, tuple[str, int]] = {}  # rank -> (save_id, world_size) of its manifest
+    merge: RankMerge | None = None
+    world = save_id = None
+    known: list[int] = []  # the world size, once the save read is known (ranks above it are not read)
+    for r, data in _read_batched(storage, ranks, lambda: known[0] if known else None):
         if data is None:
             continue
-        claim = parse_claim(data, f"{where}/ranks/{r}.json")
+        wh = f"{where}/ranks/{r}.json"
+        claim = parse_claim(data, wh)
         if claim is not None:
             claims[r] = claim
             continue
-        parts[r] = Manifest.loads(data, f"{where}/ranks/{r}.json")
-        if parts[r].rank != r:
-            raise ManifestError(f"{where}/ranks/{r}.json says it is rank {parts[r].rank}")
-    if not parts:
+        h = parse_header(parse_document(data, wh), wh)
+        del data
+        if h.rank != r:
+            raise ManifestError(f"{where}/ranks/{r}.json says it is rank {h.rank}")
+        if merge is None:  # the save read: rank 0's (the lowest present), unless expected
+            world = expect_world_size or h.world_size
+            known.append(world)
+            save_id = expect_save_id if expect_save_id is not None else h.save_id
+            merge = RankMerge(where, world)
+            if r >= world:
+                continue
+        present[r] = (h.save_id, h.world_size)
+        if h.save_id == save_id and h.world_size == world:
+            merge.add(h, wh)
+    if merge is None or world is None:
         raise CheckpointNotFoundError(
             f"no xckpt checkpoint at {where!r}: a save has claimed it (ranks {_first(claims)}, save "
             f"{next(iter(claims.values())).save_id!r}) and not committed; it is still running or it "
             "failed. Wait for it to finish, or save again with overwrite=True"
         )
-    ref = parts[0] if 0 in parts else parts[min(parts)]
-    world = expect_world_size or ref.world_size
-    save_id = expect_save_id if expect_save_id is not None else ref.save_id
     # Bounded by what storage holds: nothing below loops over range(world).
-    present = {r: m for r, m in parts.items() if r < world}
     pending = sorted(r for r in claims if r < world)
-    stale = {r: m.save_id for r, m in present.items() if m.save_id != save_id}
-    other_w = {r: m.world_size for r, m in present.items() if m.world_size != world}
+    stale = {r: s for r, (s, _) in present.items() if s != save_id}
+    other_w = {r: w for r, (_, w) in present.items() if w != world}
     if len(present) < world or stale or other_w:
         bits = []
         n_missing = world - len(present) - len(pending)
@@ -107,14 +148,17 @@ def read_rank_manifests(
             "save did not finish on every rank (or was overwritten part way); re-run the save, "
             "or load an earlier checkpoint"
         )
-    merged = merge_manifests([parts[r] for r in range(world)], where)
+    merged = merge.result()
     validate(merged, where)
     return merged
 
 
 def validate(m: Manifest, where: str) -> None:
-    """Check every tensor's chunks tile its shape exactly (LayoutError otherwise)."""
+    """Check every tensor's chunks tile its shape exactly (LayoutError otherwise). A grid's
+    tiling is its split points' arithmetic, checked when it was read or recognised."""
     for name, t in m.tensors.items():
+        if isinstance(t.chunks, GridChunks):
+            continue
         if len(t.chunks) == 1 and t.chunks[0].offset == (0,) * len(t.shape):
             if t.chunks[0].shape == t.shape and 0 not in t.shape:
                 continue

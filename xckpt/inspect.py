@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from xckpt.errors import XckptError
-from xckpt.layout import Box, chunk_sizes
+from xckpt.layout import Box, GridIndex, chunk_sizes
 from xckpt.targets import Entries, target_boxes
 
 
@@ -111,6 +111,9 @@ def glyph(t: Any) -> str:
         return "-"
     if not t.shape:
         return "1"
+    index = getattr(t, "chunk_index", None) if getattr(t, "is_grid", False) else None
+    if isinstance(index, GridIndex):  # a grid's counts, without building its cells
+        return "x".join(map(str, index.counts))
     return "x".join(str(len({c.offset[d] for c in t.chunks})) for d in range(len(t.shape)))
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from xckpt.formats import opened
 from xckpt.inspect import human_bytes, plot_plan
-from xckpt.layout import plan_reads
+from xckpt.manifest import Chunk, paused_gc
 from xckpt.source import Source
 from xckpt.targets import target_boxes
 
@@ -172,6 +172,7 @@ def plan_load(
         return _plan(src, target, host_budget)
 
 
+@paused_gc()  # (millions of small objects, no cycles: the collector would walk them again and again)
 def _plan(src: Source, target: Any, host_budget: int) -> LoadPlan:
     kind, boxes = target_boxes(src, target)
     ranks = sorted({r for per in boxes.values() for r in per})
@@ -181,12 +182,22 @@ def _plan(src: Source, target: Any, host_budget: int) -> LoadPlan:
     for name, per in boxes.items():
         t = src.info(name)
         itemsize = t.np_dtype.itemsize
+        # One index per tensor serves every rank: each lookup is O(log chunks), and only the
+        # chunks a rank's boxes meet are built (once per tensor, whichever ranks share them).
+        index, chunks = t.chunk_index, t.chunks
+        built: dict[int, Chunk] = {}
         for rank, bs in per.items():
             share = 0
+            got = units[rank]
             for box in bs:
                 share += box.volume * itemsize
-                for req in plan_reads(t.boxes, box):
-                    units[rank].update(src.read_units(name, t.chunks[req.chunk], req.box, itemsize))
+                if box.empty:
+                    continue
+                for i, _b, common in index.overlaps(box):
+                    c = built.get(i)
+                    if c is None:
+                        c = built[i] = chunks[i]
+                    got.update(src.read_units(name, c, common, itemsize))
             kept[rank] += share
             largest[rank] = max(largest[rank], share)
     plans = []

@@ -17,7 +17,8 @@ Call contract (who calls what, what an implementation may assume):
    ``key`` is a human-readable location (for messages, tables, ``xckpt show``).
 2. Callers read through :meth:`Source.read_into` (or :meth:`read` /
    :meth:`read_all`, which call it). The base class checks dtypes and shapes,
-   plans which chunks each target box touches (:func:`xckpt.layout.plan_reads`)
+   plans which chunks each target box touches (:func:`xckpt.layout.plan_reads` over
+   the entry's :attr:`~xckpt.manifest.TensorEntry.chunk_index`: a lookup, not a scan)
    and calls :meth:`Source._read_chunks` once per ``read_into`` with every
    :class:`ChunkRead`. An implementation fills ``out[req.target_slices]`` from
    ``chunk[req.chunk_slices]`` for each, reading only those bytes where its
@@ -193,13 +194,16 @@ class Source:
                 f"checkpoint {self.path!r}, tensor {name!r}: target box {box} (out shape "
                 f"{tuple(out.shape)}) does not fit the saved shape {t.shape}"
             )
-        if whole and len(t.chunks) == 1 and out.flags.c_contiguous:
+        chunks = t.chunks
+        if whole and len(chunks) == 1 and out.flags.c_contiguous:
             # A whole tensor stored as one chunk (the many-small-tensors case): no planning.
-            jobs.append(ChunkRead(name, t.chunks[0], None, out))
-            return t.chunks[0].nbytes
+            jobs.append(ChunkRead(name, chunks[0], None, out))
+            return chunks[0].nbytes
         total = 0
-        for req in plan_reads(t.boxes, box):
-            jobs.append(ChunkRead(name, t.chunks[req.chunk], req, out))
+        # The chunks the box meets, found by lookup (grid arithmetic or sorted intervals);
+        # only those are built (a grid's cells are made on demand).
+        for req in plan_reads(t.chunk_index, box):
+            jobs.append(ChunkRead(name, chunks[req.chunk], req, out))
             total += req.box.volume * out.itemsize
         return total
 

@@ -75,6 +75,8 @@ def fit_placements(placements: Sequence[Placement], ndim: int) -> tuple[Placemen
 def torch_target_boxes(src: Entries, target: Mapping[str, Any]) -> RankBoxes:
     """name -> rank -> boxes, for targets given as names/globs -> (mesh_shape, placements)."""
     out: RankBoxes = {}
+    # Tensors of one shape and target share their boxes (a model's layers): computed once.
+    by_layout: dict[tuple[Any, ...], dict[int, tuple[Box, ...]]] = {}
     for name in src.names():
         spec = target.get(name)
         if spec is None:
@@ -95,9 +97,16 @@ def torch_target_boxes(src: Entries, target: Mapping[str, Any]) -> RankBoxes:
                 f"plan target for {name!r}: {len(placements)} placements for a mesh of {len(mesh_shape)} axes"
             )
         shape = src.info(name).shape
-        by_coord = mesh_boxes(shape, mesh_shape, fit_placements(placements, len(shape)))
-        strides = [math.prod(mesh_shape[i + 1 :]) for i in range(len(mesh_shape))]
-        out[name] = {sum(c * s for c, s in zip(coord, strides)): boxes for coord, boxes in by_coord.items()}
+        fitted = fit_placements(placements, len(shape))
+        layout = (tuple(shape), mesh_shape, fitted)
+        per = by_layout.get(layout)
+        if per is None:
+            by_coord = mesh_boxes(shape, mesh_shape, fitted)
+            strides = [math.prod(mesh_shape[i + 1 :]) for i in range(len(mesh_shape))]
+            per = by_layout[layout] = {
+                sum(c * s for c, s in zip(coord, strides)): boxes for coord, boxes in by_coord.items()
+            }
+        out[name] = per
     return out
 
 

@@ -78,7 +78,7 @@ from xckpt.manifest import (
 )
 from xckpt.storage import Location, Storage, _fileio, inner_chunk_shape, packed_grid, storage_error
 
-__all__ = ["Writer", "save", "finalize", "derived_save_id", "ALL_HELD"]
+__all__ = ["Writer", "save", "finalize", "derived_save_id", "tensor_key_id", "ALL_HELD"]
 
 #: Chunks at most this large are packed as byte ranges of one array per rank.
 PACK_THRESHOLD = 256 << 10
@@ -98,6 +98,11 @@ ALL_HELD = 1 << 62
 
 #: Attempts of an overwriting save to claim a rank over saves that keep claiming it.
 _CLAIM_TRIES = 20
+
+
+def tensor_key_id(name: str) -> str:
+    """The id of a tensor's arrays in every rank's key space (48 bits of its name's BLAKE2b)."""
+    return hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
 
 
 def derived_save_id(url: Any) -> str:
@@ -174,6 +179,7 @@ class Writer:
         self._overwrite = overwrite
         self._prepare(overwrite, explicit)
         self._key_names: dict[str, str] = {}
+        self._boxes: dict[str, int] = {}  # array chunks written per tensor
         self._tensors: dict[str, dict[str, Any]] = {}
         self._chunks: dict[str, list[Chunk]] = {}
         self._pending: list[_Pending] = []
@@ -396,9 +402,8 @@ class Writer:
                 self._seal_packed()
                 self._flush()
         else:
-            key = f"{self._dir}/t/{self._n}"
+            key = self._array_key(name)
             self._key_names[key] = name
-            self._n += 1
             grid = inner_chunk_shape(shape, arr.itemsize)
             chunk = Chunk(
                 offset=off,
@@ -418,6 +423,20 @@ class Writer:
             if self._pending_bytes >= self.inflight_bytes:
                 self._flush()  # a chunk as large as the budget is written at once, not held
         self._chunks[name].append(chunk)
+
+    def _array_key(self, name: str) -> str:
+        """The key of a new array chunk of ``name``: ``<dir>/t/<id of the name>`` (``.<j>`` for
+        the rank's j-th box of it), the same on every rank, so a merged manifest stores a
+        tensor's keys by one rule (format version 5). A rare clash of ids takes a counter."""
+        key = f"{self._dir}/t/{tensor_key_id(name)}"
+        j = self._boxes.get(name, 0)
+        self._boxes[name] = j + 1
+        if j:
+            key = f"{key}.{j}"
+        if key in self._key_names:
+            key = f"{self._dir}/t/{self._n}"
+            self._n += 1
+        return key
 
     def _bar_update(self, n: int) -> None:
         if self._bar is None:
@@ -610,6 +629,7 @@ class Writer:
             objects=tuple(self._objects.values()),
             storage={self.rank: self.kind},
             metadata=self.metadata,
+            dirs={} if self._dir == f"data/{self.rank}" else {self.rank: self._dir},
         )
 
 

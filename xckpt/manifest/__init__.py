@@ -9,7 +9,10 @@ read, before anything is sized from it. The family:
 * ``_rows``: packed rows, the compact form of a whole tensor packed in its rank's array;
 * ``_objects``: non-tensor values as tagged JSON (never pickle);
 * ``_signed``: the manifest's own checksum and the claim written before a save;
-* ``_document``: :class:`Manifest`, one rank's or the merged document, and merging.
+* ``_chunks``: :class:`Chunk`, one stored box and where its bytes live;
+* ``_grids``: grid entries (version 5), :class:`GridChunks`: chunks as a grid, built on demand;
+* ``_document``: :class:`Manifest`, one rank's or the merged document, and merging;
+* ``_merge``: :class:`RankMerge`, rank manifests merged as they are parsed (grids recognised).
 
 Code outside this folder imports from here.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 from xckpt.manifest._checks import (
     DTYPES,
     FORMAT,
+    GRID_VERSION,
     MAX_CHUNKS,
     MAX_ELEMENTS,
     MAX_EXTENT,
@@ -37,8 +41,11 @@ from xckpt.manifest._checks import (
     shared_shape,
     unchecked,
 )
-from xckpt.manifest._document import Manifest, merge_manifests
-from xckpt.manifest._entries import Chunk, ObjectEntry, PlacementInfo, TensorEntry, ValueRange, paused_gc
+from xckpt.manifest._chunks import Chunk
+from xckpt.manifest._document import Header, Manifest, merge_manifests, parse_document, parse_header
+from xckpt.manifest._entries import ObjectEntry, PlacementInfo, TensorEntry, ValueRange, paused_gc
+from xckpt.manifest._grids import GRID_MIN_CELLS, GridChunks
+from xckpt.manifest._merge import RankMerge
 from xckpt.manifest._objects import MAX_OBJECT_DEPTH, decode_value, encode_value
 from xckpt.manifest._signed import CLAIM_PREFIX, Claim, claim_bytes, dumps_json, manifest_bytes, parse_claim
 
@@ -46,6 +53,8 @@ __all__ = [
     "CLAIM_PREFIX",
     "DTYPES",
     "FORMAT",
+    "GRID_MIN_CELLS",
+    "GRID_VERSION",
     "MAX_CHUNKS",
     "MAX_ELEMENTS",
     "MAX_EXTENT",
@@ -62,9 +71,12 @@ __all__ = [
     "ZEROS",
     "Chunk",
     "Claim",
+    "GridChunks",
+    "Header",
     "Manifest",
     "ObjectEntry",
     "PlacementInfo",
+    "RankMerge",
     "TensorEntry",
     "ValueRange",
     "claim_bytes",
@@ -76,6 +88,8 @@ __all__ = [
     "merge_manifests",
     "numpy_dtype",
     "parse_claim",
+    "parse_document",
+    "parse_header",
     "paused_gc",
     "shared_shape",
     "unchecked",

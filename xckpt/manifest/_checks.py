@@ -14,12 +14,14 @@ import numpy as np
 from xckpt.errors import ManifestError, ObjectError
 
 FORMAT = "xckpt"
-VERSION = 4
+VERSION = 5
 #: Versions this xckpt reads (1: no checksum; 2: checksummed manifests; 3: storage "files";
-#: 4: packed rows).
-READ_VERSIONS = (1, 2, 3, 4)
+#: 4: packed rows; 5: grid entries and "dirs").
+READ_VERSIONS = (1, 2, 3, 4, 5)
 #: The first version whose "tensors" may hold packed rows (see :mod:`xckpt.manifest._rows`).
 ROWS_VERSION = 4
+#: The first version whose entries may be grids (see :mod:`xckpt.manifest._grids`).
+GRID_VERSION = 5
 #: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
 STORAGE_KINDS = ("files", "plain", "ocdbt")
 

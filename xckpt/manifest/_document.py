@@ -7,14 +7,16 @@ checkpoint, byte counts that agree with the boxes) before anything is allocated
 or opened, and raises :class:`~xckpt.errors.ManifestError` (or
 :class:`~xckpt.errors.FormatVersionError`) naming the checkpoint and tensor.
 
-Format (version 4), one JSON object::
+Format (version 5), one JSON object::
 
-    {"format": "xckpt", "version": 4, "save_id": "...", "world_size": W,
+    {"format": "xckpt", "version": 5, "save_id": "...", "world_size": W,
      "rank": r | null,                       # null in the merged xckpt.json
      "storage": {"<rank>": "files" | "plain" | "ocdbt"},  # how data/<rank>/ is organised
      "packed": {"<rank>": key},              # each rank's packed byte array (version 4)
+     "dirs": {"<rank>": "data/<rank>.<token>"},  # data directories other than data/<rank> (5)
      "tensors": {name: {"dtype", "shape", "chunks": [chunk...],
                         "placement"?: {...}, "value_range"?: {...}}
+                       | {"dtype", "shape", "grid": {...}, ...}   # a grid (version 5)
                        | [dtype, shape, rank, byte_offset, crc32]},   # a packed row
      "objects": [{"name", "kind": "json" | "bytes", "per_rank", "rank", ...}],
      "metadata": {...},
@@ -34,7 +36,10 @@ Version 4 adds packed rows: a tensor whose one chunk is the whole tensor, packed
 in its rank's byte array (``"packed"`` names the array's key per rank), is the
 array ``[dtype, shape, rank, byte_offset, crc32]`` instead of an entry object
 (a third of the bytes: manifests of many small tensors parse and write about 4x
-faster); a version 3 reader would reject the array, so the version says it.
+faster); a version 3 reader would reject the array, so the version says it. Version 5
+adds grid entries (:mod:`xckpt.manifest._grids`): a tensor whose chunks form a rectilinear
+grid over its writers is its split points, the writer of each cell by rule and its key
+relative to the writer's data directory (``"dirs"``), not one chunk object per writer.
 
 Limits come before allocation: every claim (number of dimensions, each extent, a
 tensor's elements and bytes, world size, chunks per tensor, key and name lengths,
@@ -50,13 +55,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 from xckpt.errors import FormatVersionError, ManifestError
 from xckpt.manifest._checks import (
     FORMAT,
+    GRID_VERSION,
     MAX_KEY_LEN,
     MAX_WORLD_SIZE,
     READ_VERSIONS,
@@ -66,10 +72,11 @@ from xckpt.manifest._checks import (
     _str,
 )
 from xckpt.manifest._entries import Chunk, ObjectEntry, TensorEntry, paused_gc
+from xckpt.manifest._grids import GridChunks, check_dirs
 from xckpt.manifest._rows import _packed_keys, _tensor_entries, _tensors_to_json
 from xckpt.manifest._signed import _checksum_state, manifest_bytes
 
-__all__ = ["Manifest", "merge_manifests"]
+__all__ = ["Manifest", "Header", "merge_manifests", "parse_document", "parse_header"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,10 +90,21 @@ class Manifest:
     objects: tuple[ObjectEntry, ...] = ()
     storage: Mapping[int, str] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    #: Data directories other than ``data/<rank>`` (an overwriting save's ``data/<rank>.<token>``),
+    #: by rank: what a grid's keys are relative to (version 5).
+    dirs: Mapping[int, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         tensors, packed = _tensors_to_json(self.tensors)
-        return {
+        dirs = dict(self.dirs)
+        for t in self.tensors.values():
+            if isinstance(t.chunks, GridChunks):
+                for r, d in t.chunks.dirs.items():
+                    if dirs.setdefault(r, d) != d:
+                        raise ManifestError(
+                            f"tensor {t.name!r}: rank {r}'s data directory is both {dirs[r]!r} and {d!r}"
+                        )
+        doc = {
             "format": FORMAT,
             "version": VERSION,
             "save_id": self.save_id,
@@ -98,6 +116,9 @@ class Manifest:
             "objects": [o.to_json() for o in self.objects],
             "metadata": dict(self.metadata),
         }
+        if dirs:
+            doc["dirs"] = {str(r): d for r, d in sorted(dirs.items())}
+        return doc
 
     def dumps(self) -> bytes:
         """The manifest's bytes, checksum included."""
@@ -113,111 +134,146 @@ class Manifest:
                 claim over the fixed bounds, or any malformed entry.
             FormatVersionError: another format, or a version this xckpt does not read.
         """
-        try:
-            d = orjson.loads(data)
-        except orjson.JSONDecodeError as e:
-            raise ManifestError(
-                f"{where} is not valid JSON ({e}); the file is truncated or corrupt. Re-save the "
-                "checkpoint, or load an earlier one"
-            ) from None
-        state = _checksum_state(data)
-        if state is False:
-            raise ManifestError(
-                f"{where} fails its checksum: the file is corrupt (a changed byte can rename a tensor "
-                "or drop objects, so nothing of it is trusted). Restore it from a copy, or load an "
-                "earlier checkpoint"
-            )
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: a manifest must be a JSON object")
-        if state is None and (d.get("version") != 1 or "checksum" in d):
-            if d.get("format") == FORMAT and d.get("version") in READ_VERSIONS:
-                raise ManifestError(
-                    f"{where} lacks its checksum (version {d.get('version')} manifests end with "
-                    '"checksum"): the file is corrupt or was edited. Restore it from a copy, or '
-                    "load an earlier checkpoint"
-                )
-        return cls.from_json(d, where)
+        return cls.from_json(parse_document(data, where), where)
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> Manifest:
         """Validate a parsed manifest document (the checksum is :meth:`loads`' business)."""
         try:
-            return cls._from_json(d, where)
+            h = parse_header(d, where)
+            return cls(
+                save_id=h.save_id,
+                world_size=h.world_size,
+                rank=h.rank,
+                tensors=_tensor_entries(
+                    h.tensors, h.packed, where, h.world_size, h.dirs if h.version >= GRID_VERSION else None
+                ),
+                objects=tuple(ObjectEntry.from_json(o, where) for o in h.objects),
+                storage=h.storage,
+                metadata=h.metadata,
+                dirs=h.dirs,
+            )
         except ManifestError:
             raise
         except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
-            # Every field is checked on its own; this is the backstop for shapes of JSON
-            # that no check foresaw, so a hostile manifest still ends in a ManifestError.
-            raise ManifestError(f"{where}: malformed manifest ({type(e).__name__}: {e})"[:400]) from None
-
-    @classmethod
-    def _from_json(cls, d: Any, where: str) -> Manifest:
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: a manifest must be a JSON object")
-        if d.get("format") != FORMAT:
-            raise FormatVersionError(
-                f"{where}: format is {d.get('format')!r}, not {FORMAT!r}; this is not an xckpt "
-                "manifest"[:300]
-            )
-        if d.get("version") not in READ_VERSIONS or type(d.get("version")) is not int:
-            raise FormatVersionError(
-                f"{where}: format version {d.get('version')!r} is not supported by this xckpt "
-                f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade xckpt to read it"[:400]
-            )
-        missing = [k for k in ("save_id", "world_size", "rank", "storage", "tensors", "objects") if k not in d]
-        if missing:
-            raise ManifestError(
-                f"{where} lacks the required field{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(map(repr, missing))}: the file is corrupt or was not written by xckpt"
-            )
-        world_size = _int(d.get("world_size"), "world_size", where, lo=1, hi=MAX_WORLD_SIZE + 1)
-        rank = d.get("rank")
-        if rank is not None:
-            rank = _int(rank, "rank", where)
-            if rank >= world_size:
-                raise ManifestError(f"{where}: rank {rank} is not below world_size {world_size}")
-        save_id = d.get("save_id")
-        if not isinstance(save_id, str) or not save_id or len(save_id) > MAX_KEY_LEN:
-            raise ManifestError(f"{where}: save_id must be a non-empty string of at most {MAX_KEY_LEN} characters")
-        tensors_raw = d["tensors"]
-        if not isinstance(tensors_raw, dict):
-            raise ManifestError(f"{where}: tensors must be an object")
-        objects_raw = d["objects"]
-        if not isinstance(objects_raw, list):
-            raise ManifestError(f"{where}: objects must be a list")
-        storage_raw = d["storage"]
-        if not isinstance(storage_raw, dict) or len(storage_raw) > world_size:
-            raise ManifestError(f"{where}: storage must be an object with at most one entry per rank")
-        metadata = d.get("metadata", {})
-        if metadata is None:
-            metadata = {}
-        if not isinstance(metadata, dict):
-            raise ManifestError(f"{where}: metadata must be an object")
-        storage = {}
-        for r, s in storage_raw.items():
-            if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in STORAGE_KINDS:
-                raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}"[:300])
-            storage[int(r)] = s
-        for n in tensors_raw:
-            _str(n, "a tensor name", where)
-        packed = _packed_keys(d.get("packed"), where, world_size, d["version"])
-        return cls(
-            save_id=save_id,
-            world_size=world_size,
-            rank=rank,
-            tensors=_tensor_entries(tensors_raw, packed, where, world_size),
-            objects=tuple(ObjectEntry.from_json(o, where) for o in objects_raw),
-            storage=storage,
-            metadata=metadata,
-        )
+            raise _malformed(e, where) from None
 
     def with_rank(self, rank: int | None) -> Manifest:
         return replace(self, rank=rank)
 
 
+def _malformed(e: Exception, where: str) -> ManifestError:
+    # Every field is checked on its own; this is the backstop for shapes of JSON
+    # that no check foresaw, so a hostile manifest still ends in a ManifestError.
+    return ManifestError(f"{where}: malformed manifest ({type(e).__name__}: {e})"[:400])
+
+
+def parse_document(data: bytes, where: str) -> Any:
+    """A manifest's bytes as JSON, its checksum checked (a ManifestError otherwise)."""
+    try:
+        d = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise ManifestError(
+            f"{where} is not valid JSON ({e}); the file is truncated or corrupt. Re-save the "
+            "checkpoint, or load an earlier one"
+        ) from None
+    state = _checksum_state(data)
+    if state is False:
+        raise ManifestError(
+            f"{where} fails its checksum: the file is corrupt (a changed byte can rename a tensor "
+            "or drop objects, so nothing of it is trusted). Restore it from a copy, or load an "
+            "earlier checkpoint"
+        )
+    if not isinstance(d, dict):
+        raise ManifestError(f"{where}: a manifest must be a JSON object")
+    if state is None and (d.get("version") != 1 or "checksum" in d):
+        if d.get("format") == FORMAT and d.get("version") in READ_VERSIONS:
+            raise ManifestError(
+                f"{where} lacks its checksum (version {d.get('version')} manifests end with "
+                '"checksum"): the file is corrupt or was edited. Restore it from a copy, or '
+                "load an earlier checkpoint"
+            )
+    return d
+
+
+class Header(NamedTuple):
+    """A manifest document's members, checked, with its tensors and objects still raw JSON."""
+
+    version: int
+    save_id: str
+    world_size: int
+    rank: int | None
+    storage: dict[int, str]
+    packed: dict[int, str]
+    dirs: dict[int, str]
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]
+    objects: list[Any]
+
+
+def parse_header(d: Any, where: str) -> Header:
+    """Check a manifest document's format, version and every member but its tensors and objects."""
+    if not isinstance(d, dict):
+        raise ManifestError(f"{where}: a manifest must be a JSON object")
+    if d.get("format") != FORMAT:
+        raise FormatVersionError(
+            f"{where}: format is {d.get('format')!r}, not {FORMAT!r}; this is not an xckpt "
+            "manifest"[:300]
+        )
+    if d.get("version") not in READ_VERSIONS or type(d.get("version")) is not int:
+        raise FormatVersionError(
+            f"{where}: format version {d.get('version')!r} is not supported by this xckpt "
+            f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade xckpt to read it"[:400]
+        )
+    missing = [k for k in ("save_id", "world_size", "rank", "storage", "tensors", "objects") if k not in d]
+    if missing:
+        raise ManifestError(
+            f"{where} lacks the required field{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(map(repr, missing))}: the file is corrupt or was not written by xckpt"
+        )
+    world_size = _int(d.get("world_size"), "world_size", where, lo=1, hi=MAX_WORLD_SIZE + 1)
+    rank = d.get("rank")
+    if rank is not None:
+        rank = _int(rank, "rank", where)
+        if rank >= world_size:
+            raise ManifestError(f"{where}: rank {rank} is not below world_size {world_size}")
+    save_id = d.get("save_id")
+    if not isinstance(save_id, str) or not save_id or len(save_id) > MAX_KEY_LEN:
+        raise ManifestError(f"{where}: save_id must be a non-empty string of at most {MAX_KEY_LEN} characters")
+    tensors_raw = d["tensors"]
+    if not isinstance(tensors_raw, dict):
+        raise ManifestError(f"{where}: tensors must be an object")
+    objects_raw = d["objects"]
+    if not isinstance(objects_raw, list):
+        raise ManifestError(f"{where}: objects must be a list")
+    storage_raw = d["storage"]
+    if not isinstance(storage_raw, dict) or len(storage_raw) > world_size:
+        raise ManifestError(f"{where}: storage must be an object with at most one entry per rank")
+    metadata = d.get("metadata", {})
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise ManifestError(f"{where}: metadata must be an object")
+    storage = {}
+    for r, s in storage_raw.items():
+        if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in STORAGE_KINDS:
+            raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}"[:300])
+        storage[int(r)] = s
+    for n in tensors_raw:
+        _str(n, "a tensor name", where)
+    packed = _packed_keys(d.get("packed"), where, world_size, d["version"])
+    if "dirs" in d and d["version"] < GRID_VERSION:
+        raise ManifestError(f"{where}: a version {d['version']} manifest has no dirs member; the file was edited")
+    dirs = check_dirs(d.get("dirs"), where, world_size)
+    return Header(d["version"], save_id, world_size, rank, storage, packed, dirs, metadata, tensors_raw, objects_raw)
+
+
 @paused_gc()
 def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
-    """Merge rank manifests 0..W-1 into one (chunks concatenated in rank order).
+    """Merge rank manifests 0..W-1 into one (chunks concatenated in rank order), as objects.
+
+    Readers merge rank manifests as they parse them (:mod:`xckpt.manifest._merge`, which
+    also recognises grids); this is the same merge of manifests already built.
 
     Tensors must agree on dtype and shape across ranks; replicated objects must
     agree in value (they are then stored once).
@@ -228,8 +284,10 @@ def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
     objects: dict[tuple[str, int | None], ObjectEntry] = {}
     storage: dict[int, str] = {}
     metadata: dict[str, Any] = {}
+    dirs: dict[int, str] = {}
     for m in parts:
         storage.update(m.storage)
+        dirs.update(m.dirs)
         metadata.update(m.metadata)
         for name, t in m.tensors.items():
             prev = tensors.get(name)
@@ -267,4 +325,5 @@ def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
         objects=tuple(objects.values()),
         storage=storage,
         metadata=metadata,
+        dirs=dirs,
     )

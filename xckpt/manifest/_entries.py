@@ -7,8 +7,10 @@ Every claim is checked against the bounds of :mod:`._checks` while the JSON is
 read, before anything is sized from it. The document that holds them is
 :class:`~xckpt.manifest.Manifest` (:mod:`._document`).
 
-A chunk is ``{"offset", "shape", "key", "rank", "nbytes"}`` plus, for a chunk
-packed into its rank's byte array, ``"form": "packed", "byte_offset", "crc32"``.
+A tensor's chunks are a list of :class:`Chunk` boxes (:mod:`._chunks`), or, for a grid
+(format version 5, :mod:`._grids`), a lazy :class:`~xckpt.manifest._grids.GridChunks`
+whose cells are built on demand; either way :attr:`TensorEntry.chunk_index` finds the
+chunks a box meets without a scan.
 """
 
 from __future__ import annotations
@@ -17,213 +19,37 @@ import contextlib
 import functools
 import gc
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from xckpt.errors import ManifestError
-from xckpt.layout import Box
+from xckpt.layout import Box, BoxIndex, ChunkIndex
 from xckpt.manifest._checks import (
     _ITEMSIZES,
     DTYPES,
     MAX_CHUNKS,
     MAX_ELEMENTS,
-    MAX_EXTENT,
-    MAX_KEY_LEN,
     MAX_NDIM,
     MAX_TENSOR_BYTES,
     MAX_WORLD_SIZE,
-    ZEROS,
     _build,
     _check_key,
     _dims,
     _int,
     _ints,
-    _key_ok,
-    _new,
-    _set,
     _shape,
     _str,
     numpy_dtype,
     shared_shape,
 )
+from xckpt.manifest._chunks import Chunk, _chunks_fast
+from xckpt.manifest._grids import GRID_MIN_CELLS, GridChunks
 from xckpt.manifest._objects import decode_checked
 
 __all__ = ["Chunk", "PlacementInfo", "ValueRange", "TensorEntry", "ObjectEntry", "paused_gc"]
-
-
-def _chunks_fast(raw: list[Any], shape: tuple[int, ...], itemsize: int, world_size: int) -> tuple[Chunk, ...] | None:
-    """The chunks of a tensor entry when every one passes every check of
-    :meth:`Chunk.from_json` and :meth:`TensorEntry.from_json`; None when any might
-    not (the checked path then raises the precise error)."""
-    ndim = len(shape)
-    zeros = ZEROS[ndim]
-    out = []
-    for d in raw:
-        if type(d) is not dict:
-            return None
-        get = d.get
-        off, shp, key, rank, nbytes = get("offset"), get("shape"), get("key"), get("rank"), get("nbytes")
-        if (
-            type(off) is not list
-            or type(shp) is not list
-            or len(off) != ndim
-            or len(shp) != ndim
-            or type(key) is not str
-            or len(key) > MAX_KEY_LEN
-            or type(rank) is not int
-            or not 0 <= rank < world_size
-            or type(nbytes) is not int
-            or nbytes >= MAX_TENSOR_BYTES
-        ):
-            return None
-        for x in off:
-            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
-                return None
-        for x in shp:
-            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
-                return None
-        shp = tuple(shp)
-        if nbytes != math.prod(shp) * itemsize or not _key_ok(key):
-            return None
-        off = tuple(off)
-        # Shared tuples (a whole-tensor chunk's shape is the tensor's): fewer objects to
-        # allocate, and fewer for the garbage collector to walk once the manifest is built.
-        if off == zeros:
-            off = zeros
-        if shp == shape:
-            shp = shape
-        form = get("form", "array")
-        if form == "packed":
-            bo, crc = get("byte_offset"), get("crc32")
-            if type(bo) is not int or not 0 <= bo < MAX_TENSOR_BYTES or type(crc) is not int or not 0 <= crc < 1 << 32:
-                return None
-            grid = None
-        elif form == "array":
-            bo = crc = None
-            grid = get("grid")
-            if grid is not None:
-                grid = _dims(grid)
-                if grid is None or len(grid) != ndim or (grid and min(grid) < 1):
-                    return None
-        else:
-            return None
-        vr = get("value_range")
-        if vr is not None:
-            if type(vr) is not list or len(vr) != 2 or type(vr[0]) is not int or type(vr[1]) is not int:
-                return None
-            vr = tuple(vr)
-        c = _new(Chunk)
-        _set(
-            c,
-            "__dict__",
-            {
-                "offset": off,
-                "shape": shp,
-                "key": key,
-                "rank": rank,
-                "nbytes": nbytes,
-                "form": form,
-                "byte_offset": bo,
-                "crc32": crc,
-                "grid": grid,
-                "value_range": vr,
-            },
-        )
-        out.append(c)
-    return tuple(out)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Chunk:
-    """One stored box of a tensor and where its bytes live."""
-
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    key: str
-    rank: int
-    nbytes: int
-    form: str = "array"  # "array": its own zarr v3 array; "packed": bytes of data/<rank>/packed
-    byte_offset: int | None = None
-    crc32: int | None = None
-    grid: tuple[int, ...] | None = None  # zarr chunk shape inside an "array" chunk
-    value_range: tuple[int, int] | None = None
-
-    @functools.cached_property
-    def box(self) -> Box:
-        return Box(self.offset, self.shape)
-
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "offset": list(self.offset),
-            "shape": list(self.shape),
-            "key": self.key,
-            "rank": self.rank,
-            "nbytes": self.nbytes,
-        }
-        if self.grid is not None:
-            d["grid"] = list(self.grid)
-        if self.form != "array":
-            d["form"] = self.form
-            d["byte_offset"] = self.byte_offset
-            d["crc32"] = self.crc32
-        if self.value_range is not None:
-            d["value_range"] = list(self.value_range)
-        return d
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> Chunk:
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: a chunk must be an object, got {d!r}")
-        try:
-            offset = _shape(d["offset"], "offset", where)
-            shape = _shape(d["shape"], "shape", where)
-            form = d.get("form", "array")
-            if form not in ("array", "packed"):
-                raise ManifestError(f"{where}: unknown chunk form {form!r}")
-            vr = d.get("value_range")
-            raw_grid = d.get("grid")
-            key = _check_key(d["key"], where)
-            rank = _int(d["rank"], "rank", where, hi=MAX_WORLD_SIZE)
-            nbytes = _int(d["nbytes"], "nbytes", where, hi=MAX_TENSOR_BYTES)
-            byte_offset = (
-                None if form == "array" else _int(d["byte_offset"], "byte_offset", where, hi=MAX_TENSOR_BYTES)
-            )
-            crc32 = None if form == "array" else _int(d["crc32"], "crc32", where, hi=1 << 32)
-            grid = (None if raw_grid is None else _shape(raw_grid, "grid", where)) if form == "array" else None
-            value_range = None if vr is None else _ints(vr, "value_range", where)
-        except KeyError as e:
-            raise ManifestError(f"{where}: chunk lacks field {e.args[0]!r}") from None
-        if len(offset) != len(shape) or any(x < 0 for x in offset + shape):
-            raise ManifestError(f"{where}: chunk offset {offset} / shape {shape} is invalid")
-        if grid is not None and (len(grid) != len(shape) or any(g < 1 for g in grid)):
-            raise ManifestError(f"{where}: chunk grid {grid} does not fit shape {shape}")
-        if value_range is not None and len(value_range) != 2:
-            raise ManifestError(f"{where}: value_range must be [lo, hi)")
-        return cls(
-            offset=offset,
-            shape=shape,
-            key=key,
-            rank=rank,
-            nbytes=nbytes,
-            form=form,
-            byte_offset=byte_offset,
-            crc32=crc32,
-            grid=grid,
-            value_range=value_range,
-        )
-
-    @classmethod
-    def from_json_unchecked(cls, d: Any, where: str) -> Chunk:
-        """:meth:`from_json` with every malformed field a :class:`ManifestError` (never a raw error)."""
-        try:
-            return cls.from_json(d, where)
-        except (TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, ManifestError):
-                raise
-            raise ManifestError(f"{where}: malformed chunk ({type(e).__name__}: {e})"[:400]) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,12 +170,17 @@ class ValueRange:
 
 @dataclass(frozen=True, kw_only=True)
 class TensorEntry:
-    """A tensor: dtype, global shape and its global chunk layout."""
+    """A tensor: dtype, global shape and its global chunk layout.
+
+    ``chunks`` is a tuple of :class:`Chunk`, or a :class:`GridChunks` (a lazy sequence:
+    its cells are built when asked for). Hot paths look chunks up through
+    :attr:`chunk_index` and :meth:`chunk`, never by walking ``chunks``.
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
+    chunks: Sequence[Chunk]
     placement: PlacementInfo | None = None
     value_range: ValueRange | None = None
 
@@ -364,19 +195,48 @@ class TensorEntry:
 
     @functools.cached_property
     def boxes(self) -> tuple[Box, ...]:
-        """The chunks' boxes, in chunk order."""
+        """The chunks' boxes, in chunk order (every chunk: use :attr:`chunk_index` to look up)."""
         return tuple(c.box for c in self.chunks)
+
+    @functools.cached_property
+    def chunk_index(self) -> ChunkIndex:
+        """The chunks' boxes, indexed: ``find(box)`` gives the ids of the chunks a box meets
+        (grid arithmetic for a grid, sorted intervals otherwise); built once per entry."""
+        chunks = self.chunks
+        if isinstance(chunks, GridChunks):
+            return chunks.grid_index
+        return BoxIndex(self.boxes)
+
+    def chunk(self, i: int) -> Chunk:
+        """Chunk ``i`` (of a grid: built now)."""
+        return self.chunks[i]
+
+    @functools.cached_property
+    def chunks_by_rank(self) -> Mapping[int, tuple[Chunk, ...]]:
+        """Each writer's chunks, in chunk order: one pass over the chunks, kept (a caller
+        taking every rank's chunks in turn, as a conversion does, walks them once, not once
+        per rank)."""
+        by: dict[int, list[Chunk]] = {}
+        for c in self.chunks:
+            by.setdefault(c.rank, []).append(c)
+        return {r: tuple(cs) for r, cs in by.items()}
+
+    @property
+    def is_grid(self) -> bool:
+        """Whether the chunks are stored as a grid (:class:`GridChunks`)."""
+        return isinstance(self.chunks, GridChunks)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.np_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "chunks": [c.to_json() for c in self.chunks],
-        }
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        chunks = self.chunks
+        if isinstance(chunks, GridChunks) and len(chunks) >= GRID_MIN_CELLS:
+            d["grid"] = chunks.to_json()
+        else:
+            d["chunks"] = [c.to_json() for c in chunks]
         if self.placement is not None:
             d["placement"] = self.placement.to_json()
         if self.value_range is not None:
@@ -384,13 +244,51 @@ class TensorEntry:
         return d
 
     @classmethod
-    def from_json(cls, name: str, d: Any, where: str, world_size: int) -> TensorEntry:
-        """Validate tensor ``name``'s entry (ManifestError naming it and the field otherwise)."""
+    def from_json(
+        cls, name: str, d: Any, where: str, world_size: int, dirs: Mapping[int, str] | None = None
+    ) -> TensorEntry:
+        """Validate tensor ``name``'s entry (ManifestError naming it and the field otherwise).
+
+        ``dirs`` (the manifest's data directories) is given for manifests that may hold grid
+        entries (version 5 on); a grid elsewhere is refused."""
         if type(d) is dict:
+            if "grid" in d:
+                return cls._grid_from_json(name, d, where, world_size, dirs)
             e = cls._from_json_fast(name, d, where, world_size)
             if e is not None:
                 return e
         return cls._from_json_checked(name, d, where, world_size)
+
+    @classmethod
+    def _grid_from_json(
+        cls, name: str, d: dict[str, Any], where: str, world_size: int, dirs: Mapping[int, str] | None
+    ) -> TensorEntry:
+        w = f"{where}, tensor {name!r}"
+        if dirs is None:
+            raise ManifestError(f"{w}: a grid entry in a manifest older than version 5; the file was edited")
+        if "chunks" in d:
+            raise ManifestError(f"{w}: an entry has chunks or a grid, not both")
+        dtype = d.get("dtype")
+        if type(dtype) is not str or dtype not in DTYPES:
+            raise ManifestError(f"{w}: unknown dtype {dtype!r}"[:300])
+        shape = _shape(d.get("shape"), "shape", w)
+        itemsize = numpy_dtype(dtype).itemsize
+        elements = math.prod(shape)
+        if elements > MAX_ELEMENTS or elements * itemsize > MAX_TENSOR_BYTES:
+            raise ManifestError(
+                f"{w}: shape {list(shape)} ({dtype}) claims {elements * itemsize} bytes, over the "
+                f"limit of {MAX_TENSOR_BYTES}; the manifest is corrupt or hostile"
+            )
+        grid = GridChunks.from_json(d["grid"], shape, itemsize, world_size, dirs, w)
+        pl, vr = d.get("placement"), d.get("value_range")
+        return cls(
+            name=name,
+            dtype=dtype,
+            shape=shared_shape(shape),
+            chunks=grid,
+            placement=None if pl is None else PlacementInfo.from_json(pl, w),
+            value_range=None if vr is None else ValueRange.from_json(vr, w),
+        )
 
     @classmethod
     def _from_json_checked(cls, name: str, d: Any, where: str, world_size: int) -> TensorEntry:

@@ -1,0 +1,530 @@
+"""Grid entries (format version 5): a tensor whose chunks form a rectilinear grid over its
+writers is stored as the grid, not one chunk object per writer.
+
+A grid entry is ``{"dtype", "shape", "grid": {...}}`` with, in ``"grid"``:
+
+* ``"splits"``: per dimension, an integer step ``s`` (cells ``[i s, min((i + 1) s, extent))``)
+  or the split points ``[0, ..., extent]``, strictly increasing;
+* ``"ranks"``: the writer of each cell, ``{"base": b, "strides": [s0, s1, ...]}`` (cell
+  ``(i0, i1, ...)`` is rank ``b + i0 s0 + i1 s1 + ...``) or a list, one rank per cell in
+  row-major cell order;
+* ``"key"``: the array cells' key relative to their writer's data directory (``"t/<id>"``:
+  the key is ``data/<rank>/t/<id>``, or under ``dirs[rank]`` where the manifest's ``"dirs"``
+  names one), or ``"keys"``: one full key per cell (every cell, packed ones too);
+* ``"inner"`` (optional): ``[[cell shape, zarr chunk shape], ...]``: the zarr chunk shape
+  inside the array cells of each shape listed (a cell of a shape not listed has none: its
+  whole box is one zarr chunk);
+* ``"packed"`` (optional): cells that are packed chunks of their writer's packed byte array,
+  ``{"cells": [cell ids, increasing] (absent: every cell), "key": that array's key relative
+  to the writer's data directory (with ``"key"``), "byte_offset": int | [int per packed
+  cell], "crc32": [int per packed cell]}``. (A split by ``torch.chunk`` leaves the last
+  writers short: their cells may fall under the packing threshold while the others do not.)
+
+:class:`GridChunks` is the grid as a lazy ``Sequence[Chunk]``: a cell's :class:`Chunk`
+is built when asked for, lookups go through its :class:`~xckpt.layout.GridIndex` (bisect
+on the split points), and coverage is the split points' arithmetic. Every claim is
+checked against fixed bounds before anything is sized from it: the cell count is the
+product of the split counts, checked against ``MAX_CHUNKS`` as it is formed.
+:func:`grid_from_columns` recognises a grid in chunk columns (a merge of rank manifests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, overload
+
+import numpy as np
+
+from xckpt.errors import LayoutError, ManifestError
+from xckpt.layout import GridAxis, GridIndex
+from xckpt.manifest._checks import (
+    MAX_CHUNKS,
+    MAX_KEY_LEN,
+    MAX_TENSOR_BYTES,
+    MAX_WORLD_SIZE,
+    _check_key,
+    _new,
+    _set,
+)
+from xckpt.manifest._chunks import Chunk
+
+__all__ = ["GRID_MIN_CELLS", "GridChunks", "Packed", "check_dirs", "data_dir", "grid_from_columns", "split_key"]
+
+#: Tensors of fewer chunks keep the chunk list (as small, and readable by eye).
+GRID_MIN_CELLS = 8
+#: Distinct cell shapes an ``"inner"`` map may list.
+MAX_GRID_SHAPES = 4096
+#: A data directory: ``data/<rank>`` or ``data/<rank>.<token>`` (an overwriting save's).
+_DIR_RE = re.compile(r"^data/[0-9]{1,7}(\.[0-9a-f]{1,32})?$")
+_SUFFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+#: The longest data directory, so a key suffix leaves room for it within MAX_KEY_LEN.
+_MAX_DIR_LEN = len("data/1048575.") + 32
+
+
+def data_dir(rank: int, dirs: Mapping[int, str]) -> str:
+    """Rank ``rank``'s data directory: ``dirs[rank]``, else ``data/<rank>``."""
+    d = dirs.get(rank)
+    return d if d is not None else f"data/{rank}"
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _suffix_ok(s: str) -> bool:
+    return (
+        len(s) <= MAX_KEY_LEN - _MAX_DIR_LEN - 1
+        and bool(_SUFFIX_RE.match(s))
+        and not any(p in (".", "..") for p in s.split("/"))
+    )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _dir_ok(d: str) -> bool:
+    return bool(_DIR_RE.match(d))
+
+
+def split_key(key: Any) -> tuple[str, str] | None:
+    """A chunk key as (its data directory, the rest), or None when it is not a valid key
+    (what :func:`~xckpt.manifest._checks._check_key` accepts, checked in two cached parts)."""
+    if type(key) is not str or len(key) > MAX_KEY_LEN:
+        return None
+    i = key.find("/", 5)
+    if i < 0:
+        return None
+    d, s = key[:i], key[i + 1 :]
+    if not (_dir_ok(d) and _suffix_ok(s)):
+        return None
+    return d, s
+
+
+def check_dirs(raw: Any, where: str, world_size: int) -> dict[int, str]:
+    """The manifest's ``"dirs"`` member: ``{"<rank>": "data/<rank>.<token>"}``."""
+    if raw is None:
+        return {}
+    if type(raw) is not dict or len(raw) > world_size:
+        raise ManifestError(f"{where}: dirs must be an object with at most one entry per rank")
+    out = {}
+    for r, d in raw.items():
+        if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size):
+            raise ManifestError(f"{where}: dirs names rank {r[:20]!r}, not a rank below {world_size}")
+        if type(d) is not str or not _dir_ok(d):
+            raise ManifestError(f"{where}: dirs[{r}] is {str(d)[:80]!r}, not a data directory data/<rank>[.<token>]")
+        out[int(r)] = d
+    return out
+
+
+class Packed(NamedTuple):
+    """A grid's packed cells: which (None: all), their array's key suffix (None with explicit
+    keys), and each one's byte offset (one for all, or per packed cell) and crc32."""
+
+    cells: np.ndarray | None
+    key: str | None
+    byte_offset: int | np.ndarray
+    crc32: np.ndarray
+
+
+
+class GridChunks(Sequence[Chunk]):
+    """A tensor's chunks as a grid: a lazy sequence whose cell ``i`` (row-major) is built on
+    demand. ``grid_index`` finds the cells a box meets; nothing here is O(cells) but
+    :meth:`to_json`, equality and iteration (which builds every cell once and keeps them,
+    as a chunk tuple would)."""
+
+    def __init__(
+        self,
+        index: GridIndex,
+        itemsize: int,
+        *,
+        dirs: Mapping[int, str],
+        rank_rule: tuple[int, tuple[int, ...]] | None = None,
+        rank_list: np.ndarray | None = None,
+        key: str | None = None,
+        keys: Sequence[str] | None = None,
+        inner: Mapping[tuple[int, ...], tuple[int, ...]] | None = None,
+        packed: Packed | None = None,
+    ) -> None:
+        self.grid_index = index
+        self.itemsize = itemsize
+        self.dirs = dirs
+        self.rank_rule, self.rank_list = rank_rule, rank_list
+        self.key, self.keys = key, keys
+        self.inner = dict(inner) if inner else None
+        self.packed = packed
+        self._all: tuple[Chunk, ...] | None = None
+        #: Packed cell -> its position among the packed cells (all cells: None).
+        self._packed_at = None if packed is None or packed.cells is None else {
+            c: j for j, c in enumerate(packed.cells.tolist())
+        }
+
+    def _position(self, i: int) -> int:
+        """Cell ``i``'s position among the packed cells, or -1 when it is an array cell."""
+        if self.packed is None:
+            return -1
+        at = self._packed_at
+        return i if at is None else at.get(i, -1)
+
+    # -- the sequence -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.grid_index.n
+
+    @overload
+    def __getitem__(self, i: int) -> Chunk: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Chunk, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> Chunk | tuple[Chunk, ...]:
+        if isinstance(i, slice):
+            return tuple(self.chunk(j) for j in range(self.grid_index.n)[i])
+        if i < 0:
+            i += self.grid_index.n
+        return self.chunk(i)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        # A caller walking every chunk (verify, show, convert) gets them built once and kept:
+        # what a chunk list would hold. Lookups never walk them.
+        if self._all is None:
+            self._all = tuple(self.chunk(i) for i in range(self.grid_index.n))
+        return iter(self._all)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GridChunks):
+            return self.itemsize == other.itemsize and self.dirs == other.dirs and self.to_json() == other.to_json()
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(other) == len(self) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))  # equal to the tuple of its chunks, so hashed as one
+
+    def __repr__(self) -> str:
+        return f"GridChunks({len(self)} cells, splits {self.splits_json()})"
+
+    def rank(self, i: int, idx: Sequence[int] | None = None) -> int:
+        """The writer of cell ``i`` (``idx``: its per-dimension index, when known)."""
+        if self.rank_list is not None:
+            return int(self.rank_list[i])
+        base, strides = self.rank_rule or (0, ())
+        return base + sum(j * s for j, s in zip(self.grid_index.cell(i) if idx is None else idx, strides))
+
+    def chunk(self, i: int) -> Chunk:
+        """Cell ``i`` as a :class:`Chunk` (built now, unless every cell was walked already)."""
+        if self._all is not None:
+            return self._all[i]
+        idx = self.grid_index.cell(i)
+        off, shp = self.grid_index.cell_box(idx)
+        rank = self.rank(i, idx)
+        p = self.packed
+        j = self._position(i)
+        if self.keys is not None:
+            key = self.keys[i]
+        else:
+            key = f"{data_dir(rank, self.dirs)}/{self.key if j < 0 or p is None else p.key}"
+        bo = crc = grid = None
+        if p is not None and j >= 0:
+            bo = p.byte_offset if type(p.byte_offset) is int else int(p.byte_offset[j])  # type: ignore[index]
+            crc = int(p.crc32[j])
+        elif self.inner:
+            grid = self.inner.get(shp)
+        c = _new(Chunk)
+        _set(c, "__dict__", {
+            "offset": off, "shape": shp, "key": key, "rank": rank, "nbytes": math.prod(shp) * self.itemsize,
+            "form": "array" if j < 0 else "packed", "byte_offset": bo, "crc32": crc, "grid": grid,
+            "value_range": None,
+        })
+        return c
+
+    def packed_ends(self) -> dict[str, int]:
+        """For packed cells: each packed array's key and the end of its last cell's bytes."""
+        p = self.packed
+        if p is None:
+            return {}
+        ids = np.arange(self.grid_index.n, dtype=np.int64) if p.cells is None else p.cells
+        nbytes = np.full(len(ids), self.itemsize, np.int64)
+        for a, s, c in zip(self.grid_index.axes, self.grid_index.strides, self.grid_index.counts):
+            sizes = np.array([a.size(j) for j in range(c)], np.int64)
+            nbytes *= sizes[(ids // s) % c]
+        ends = (np.asarray(p.byte_offset, np.int64) + nbytes).tolist()
+        out: dict[str, int] = {}
+        for i, e in zip(ids.tolist(), ends):
+            k = self.keys[i] if self.keys is not None else f"{data_dir(self.rank(i), self.dirs)}/{p.key}"
+            out[k] = max(out.get(k, 0), e)
+        return out
+
+    # -- JSON ---------------------------------------------------------------------
+
+    def splits_json(self) -> list[Any]:
+        return [a.step if a.step else list(a.points) for a in self.grid_index.axes]
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``"grid"`` member (keys relative to ``self.dirs``, which the manifest writes)."""
+        d: dict[str, Any] = {"splits": self.splits_json()}
+        if self.rank_list is not None:
+            d["ranks"] = self.rank_list.tolist()
+        else:
+            base, strides = self.rank_rule or (0, ())
+            d["ranks"] = {"base": base, "strides": list(strides)}
+        if self.keys is not None:
+            d["keys"] = list(self.keys)
+        elif self.key is not None:
+            d["key"] = self.key
+        if self.inner:
+            d["inner"] = [[list(s), list(g)] for s, g in sorted(self.inner.items())]
+        p = self.packed
+        if p is not None:
+            pd: dict[str, Any] = {}
+            if p.cells is not None:
+                pd["cells"] = p.cells.tolist()
+            if p.key is not None:
+                pd["key"] = p.key
+            pd["byte_offset"] = p.byte_offset if type(p.byte_offset) is int else np.asarray(p.byte_offset).tolist()
+            pd["crc32"] = p.crc32.tolist()
+            d["packed"] = pd
+        return d
+
+    @classmethod
+    def from_json(
+        cls, raw: Any, shape: tuple[int, ...], itemsize: int, world_size: int, dirs: Mapping[int, str], where: str
+    ) -> GridChunks:
+        """Validate a ``"grid"`` member; bounded work before anything is sized from a claim."""
+        if type(raw) is not dict:
+            raise ManifestError(f"{where}: grid must be an object")
+        unknown = set(raw) - {"splits", "ranks", "key", "keys", "inner", "packed"}
+        if unknown:
+            raise ManifestError(f"{where}: grid has unknown members {sorted(unknown)[:5]}")
+        index = _grid_index(raw.get("splits"), shape, where)
+        n = index.n
+        rank_rule, rank_list = _ranks(raw.get("ranks"), index, world_size, where)
+        key, keys = raw.get("key"), raw.get("keys")
+        if key is not None and keys is not None:
+            raise ManifestError(f"{where}: a grid has key (relative to the writer's data directory) or keys, not both")
+        if key is not None and (type(key) is not str or not _suffix_ok(key)):
+            raise ManifestError(f"{where}: grid key {str(key)[:80]!r} is not a relative key under a data directory")
+        if keys is not None:
+            if type(keys) is not list or len(keys) != n:
+                raise ManifestError(f"{where}: grid keys must list one key per cell ({n})")
+            keys = [_check_key(k, where) for k in keys]
+        packed = _packed(raw.get("packed"), n, keys is not None, where)
+        n_packed = 0 if packed is None else n if packed.cells is None else len(packed.cells)
+        if keys is None and key is None and n_packed < n:
+            raise ManifestError(f"{where}: a grid with array cells needs key (or keys)")
+        if key is not None and n_packed == n:
+            raise ManifestError(f"{where}: every cell is packed; key names array cells")
+        inner = _inner(raw.get("inner"), index, where)
+        return cls(index, itemsize, dirs=dirs, rank_rule=rank_rule, rank_list=rank_list, key=key, keys=keys,
+                   inner=inner, packed=packed)
+
+
+def _ranks(ranks: Any, index: GridIndex, world_size: int, where: str) -> tuple[Any, Any]:
+    """The ``"ranks"`` member: a rule (every cell's rank in range, by arithmetic) or a list."""
+    if type(ranks) is dict:
+        base, strides = ranks.get("base"), ranks.get("strides")
+        if (
+            set(ranks) != {"base", "strides"} or type(base) is not int or type(strides) is not list
+            or len(strides) != len(index.axes)
+            or not all(type(s) is int and abs(s) <= MAX_WORLD_SIZE for s in strides)
+        ):
+            raise ManifestError(f"{where}: grid ranks must be {{'base': int, 'strides': [int per dim]}}, got {ranks!r}"[:300])
+        lo = base + sum(min(0, s * (c - 1)) for s, c in zip(strides, index.counts))
+        hi = base + sum(max(0, s * (c - 1)) for s, c in zip(strides, index.counts))
+        if lo < 0 or hi >= world_size:
+            raise ManifestError(f"{where}: grid ranks run from {lo} to {hi}, outside [0, {world_size})")
+        return (base, tuple(strides)), None
+    if type(ranks) is list:
+        return None, _int_list(ranks, index.n, 0, world_size, "grid ranks", where)
+    raise ManifestError(f"{where}: grid lacks ranks (a rule {{'base', 'strides'}} or one rank per cell)")
+
+
+def _packed(raw: Any, n: int, explicit_keys: bool, where: str) -> Packed | None:
+    """The ``"packed"`` member."""
+    if raw is None:
+        return None
+    if type(raw) is not dict or not {"byte_offset", "crc32"} <= set(raw) <= {"cells", "key", "byte_offset", "crc32"}:
+        raise ManifestError(f"{where}: grid packed must be {{'cells'?, 'key'?, 'byte_offset', 'crc32'}}")
+    cells = raw.get("cells")
+    if cells is not None:
+        if type(cells) is not list or not 0 < len(cells) <= n:
+            raise ManifestError(f"{where}: grid packed cells must list between 1 and {n} cells")
+        cells = _int_list(cells, len(cells), 0, n, "grid packed cells", where)
+        if len(cells) > 1 and not bool((cells[1:] > cells[:-1]).all()):
+            raise ManifestError(f"{where}: grid packed cells must be strictly increasing")
+    m = n if cells is None else len(cells)
+    key = raw.get("key")
+    if explicit_keys != (key is None) or (key is not None and (type(key) is not str or not _suffix_ok(key))):
+        raise ManifestError(
+            f"{where}: grid packed key {str(key)[:80]!r}: a packed array's key relative to the writer's data "
+            "directory is needed, unless the grid lists keys (then none is given)"
+        )
+    b = raw["byte_offset"]
+    if type(b) is int:
+        if not 0 <= b < MAX_TENSOR_BYTES:
+            raise ManifestError(f"{where}: grid byte_offset {b} is out of range")
+        bo: int | np.ndarray = b
+    else:
+        bo = _int_list(b, m, 0, MAX_TENSOR_BYTES, "grid byte_offset", where)
+    crc = _int_list(raw["crc32"], m, 0, 1 << 32, "grid crc32", where)
+    return Packed(cells, key, bo, crc)
+
+
+def _int_list(v: Any, n: int, lo: int, hi: int, what: str, where: str) -> np.ndarray:
+    if type(v) is not list or len(v) != n or (v and set(map(type, v)) != {int}):
+        raise ManifestError(f"{where}: {what} must be a list of {n} integers (one per cell)")
+    if n and (min(v) < lo or max(v) >= hi):
+        raise ManifestError(f"{where}: {what} must lie in [{lo}, {hi})")
+    return np.array(v, dtype=np.int64)
+
+
+def _grid_index(splits: Any, shape: tuple[int, ...], where: str) -> GridIndex:
+    """The grid's axes from ``"splits"``; the cell count is checked as it is formed."""
+    if type(splits) is not list or len(splits) != len(shape) or not shape:
+        raise ManifestError(f"{where}: grid splits must give one entry per dimension of the shape {list(shape)}")
+    axes, n = [], 1
+    for d, (s, extent) in enumerate(zip(splits, shape)):
+        if extent == 0:
+            raise ManifestError(f"{where}: a tensor of shape {list(shape)} holds no cells; store it with no chunks")
+        if type(s) is int:
+            axis = GridAxis(extent, step=s)
+            if not 0 < s <= extent:
+                raise ManifestError(f"{where}: grid splits[{d}] step {s} must lie in [1, {extent}]")
+        elif type(s) is list and 2 <= len(s) <= MAX_CHUNKS + 1 and set(map(type, s)) == {int}:
+            axis = GridAxis(extent, points=tuple(s))
+        else:
+            raise ManifestError(f"{where}: grid splits[{d}] must be a step or a list of split points, got {str(s)[:80]}")
+        n *= axis.count
+        if n > MAX_CHUNKS:
+            raise ManifestError(f"{where}: the grid claims more than {MAX_CHUNKS} cells, over the limit")
+        try:
+            axis.check(f"{where}: grid splits[{d}]")
+        except LayoutError as e:
+            raise ManifestError(str(e)) from None
+        axes.append(axis)
+    return GridIndex(axes)
+
+
+def _inner(raw: Any, index: GridIndex, where: str) -> dict[tuple[int, ...], tuple[int, ...]] | None:
+    """The ``"inner"`` map: distinct cell shapes (each a combination of per-dim cell sizes)
+    and the zarr chunk shape of the array cells of that shape."""
+    if raw is None:
+        return None
+    ndim = len(index.axes)
+    if type(raw) is not list or len(raw) > MAX_GRID_SHAPES:
+        raise ManifestError(f"{where}: grid inner must be a list of at most {MAX_GRID_SHAPES} [cell shape, grid] pairs")
+    sizes = [a.sizes() for a in index.axes] if raw else []
+    out: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for pair in raw:
+        ok = type(pair) is list and len(pair) == 2 and all(
+            type(p) is list and len(p) == ndim and all(type(x) is int and x >= 1 for x in p) for p in pair
+        )
+        if not ok or not all(x in s for x, s in zip(pair[0], sizes)) or tuple(pair[0]) in out:
+            raise ManifestError(f"{where}: grid inner entry {str(pair)[:80]} is not [cell shape, grid] of a cell shape")
+        out[tuple(pair[0])] = tuple(pair[1])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Recognising a grid in chunk columns (a merge of rank manifests)
+
+
+def grid_from_columns(
+    shape: tuple[int, ...],
+    itemsize: int,
+    offs: np.ndarray,
+    shps: np.ndarray,
+    ranks: np.ndarray,
+    same_dir: np.ndarray,
+    sfx_ids: np.ndarray,
+    sfx_table: Sequence[str],
+    inner_ids: np.ndarray,
+    inner_table: Sequence[tuple[int, ...] | None],
+    byte_offset: np.ndarray,
+    crc32: np.ndarray,
+    dirs: Mapping[int, str],
+    full_keys: Callable[[], list[str]],
+) -> GridChunks | None:
+    """The chunks given as columns (one row per chunk) as a :class:`GridChunks`, or None
+    when they do not form a rectilinear grid covering ``shape`` exactly, cell by cell.
+
+    ``same_dir[i]``: chunk i's key lies in its writer's data directory (``dirs``) with
+    suffix ``sfx_table[sfx_ids[i]]``; ``full_keys()`` gives every key otherwise.
+    ``byte_offset`` and ``crc32`` are -1 for array chunks. O(n log n), in numpy.
+    """
+    n, k = offs.shape
+    if k == 0 or n < GRID_MIN_CELLS or n > MAX_CHUNKS:
+        return None
+    axes, idx = [], []
+    for d in range(k):
+        o = offs[:, d]
+        e = o + shps[:, d]
+        starts, inv = np.unique(o, return_inverse=True)
+        ends = np.empty(len(starts), np.int64)
+        ends[inv] = e
+        if (
+            starts[0] != 0 or ends[-1] != shape[d] or not (ends[inv] == e).all()
+            or not (ends > starts).all() or not (ends[:-1] == starts[1:]).all()
+        ):
+            return None
+        axes.append(GridAxis.of(shape[d], [*starts.tolist(), shape[d]]))
+        idx.append(inv.reshape(-1))
+    index = GridIndex(axes)
+    if index.n != n:
+        return None
+    cell = np.ravel_multi_index(tuple(idx), index.counts)
+    order = np.argsort(cell, kind="stable")
+    if not (cell[order] == np.arange(n)).all():
+        return None  # a cell held twice (and so another missing)
+    ranks = ranks[order]
+    base = int(ranks[0])
+    strides = tuple(int(ranks[s] - base) if c > 1 else 0 for s, c in zip(index.strides, index.counts))
+    pred = np.full(n, base, np.int64)
+    ar = np.arange(n)
+    for s, c, st in zip(index.strides, index.counts, strides):
+        if st:
+            pred += ((ar // s) % c) * st
+    rule = (base, strides) if (pred == ranks).all() else None
+    bo = byte_offset[order]
+    packed = bo >= 0
+    arrays = ~packed
+    sfx, same = sfx_ids[order], same_dir[order]
+    key = pkey = None
+    keys = None
+    ok = bool(same.all())
+    if ok and arrays.any():
+        a_sfx = sfx[arrays]
+        ok = bool((a_sfx == a_sfx[0]).all())
+        key = sfx_table[int(a_sfx[0])] if ok else None
+    if ok and packed.any():
+        p_sfx = sfx[packed]
+        ok = bool((p_sfx == p_sfx[0]).all())
+        pkey = sfx_table[int(p_sfx[0])] if ok else None
+    if not ok:
+        key = pkey = None
+        keys = [full_keys()[i] for i in order.tolist()]
+    inner = None
+    if arrays.any():
+        ids = inner_ids[order][arrays]
+        groups, g = np.unique(shps[order][arrays], axis=0, return_inverse=True)
+        g = g.reshape(-1)
+        first = np.full(len(groups), -1, np.int64)
+        first[g] = ids
+        if not (first[g] == ids).all():
+            return None  # cells of one shape with different inner grids
+        inner = {tuple(sh): inner_table[int(i)] for sh, i in zip(groups.tolist(), first.tolist())
+                 if inner_table[int(i)] is not None}
+        if len(inner) > MAX_GRID_SHAPES:
+            return None
+    pk = None
+    if packed.any():
+        b = bo[packed]
+        pk = Packed(
+            None if packed.all() else np.flatnonzero(packed).astype(np.int64),
+            pkey,
+            int(b[0]) if (b == b[0]).all() else b.copy(),
+            crc32[order][packed].copy(),
+        )
+    return GridChunks(
+        index, itemsize, dirs=dirs, rank_rule=rule, rank_list=None if rule is not None else ranks.copy(),
+        key=key, keys=keys, inner=inner,  # type: ignore[arg-type]
+        packed=pk,
+    )

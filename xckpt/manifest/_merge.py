@@ -1,0 +1,444 @@
+"""Rank manifests merged as they are parsed, their chunks kept as columns, grids recognised.
+
+A rank-local checkpoint of W writers has W rank manifests, each listing only its own
+boxes; a tensor split over all W writers has W chunks. Built as W :class:`Chunk`
+objects per tensor and checked box by box, 4,096 writers x 100 tensors cost seconds and
+most of a gigabyte. :class:`RankMerge` reads each rank's document (already checked by
+:func:`~xckpt.manifest._document.parse_header`) straight into per-tensor columns (offsets,
+shapes, ranks and interned key parts in ``array('q')``), with the checks of
+:meth:`Chunk.from_json` done inline; an entry the columns cannot take as it is (a first
+sighting, a grid, anything unusual) goes through :meth:`TensorEntry.from_json`, whose
+errors name the file and the field. At the end each tensor of at least
+:data:`~xckpt.manifest._grids.GRID_MIN_CELLS` chunks that forms a grid becomes a
+:class:`~xckpt.manifest._grids.GridChunks` (tiling checked arithmetically on the way);
+the rest become chunk tuples, checked by the caller as before.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any
+
+import numpy as np
+import orjson
+
+from xckpt.errors import ManifestError
+from xckpt.manifest._checks import (
+    GRID_VERSION,
+    MAX_EXTENT,
+    MAX_KEY_LEN,
+    MAX_TENSOR_BYTES,
+    ZEROS,
+    _build,
+    _dims,
+    numpy_dtype,
+)
+from xckpt.manifest._chunks import Chunk
+from xckpt.manifest._document import Header, Manifest
+from xckpt.manifest._entries import ObjectEntry, TensorEntry
+from xckpt.manifest._grids import GRID_MIN_CELLS, grid_from_columns, split_key
+from xckpt.manifest._rows import _tensor_entries
+
+__all__ = ["RankMerge"]
+
+_Row = tuple[Any, Any, int, str, str, Any, int, int, Any]
+
+
+#: An entry's members with nothing but chunks; an entry's members; a plain array chunk's and
+#: a packed chunk's members (as the writer writes them).
+_PLAIN = {"dtype", "shape", "chunks"}
+_ENTRY = {"dtype", "shape", "chunks", "placement", "value_range"}
+_ARRAY = {"offset", "shape", "key", "rank", "nbytes", "grid"}
+_PACKED = {"offset", "shape", "key", "rank", "nbytes", "form", "byte_offset", "crc32"}
+
+
+def _json(v: Any) -> bytes | None:
+    try:
+        return orjson.dumps(v)
+    except (TypeError, orjson.JSONEncodeError):
+        return None
+
+
+def _raw(entry: Any, member: str) -> bytes | None:
+    """An entry's raw ``member`` as JSON bytes (compared exactly: types, not values)."""
+    v = entry.get(member) if type(entry) is dict else None
+    return None if v is None else _json(v)
+
+
+class _Table:
+    """Interned values by id (key parts, inner grids): each distinct value stored once."""
+
+    __slots__ = ("ids", "values")
+
+    def __init__(self, first: Any = None) -> None:
+        self.values: list[Any] = [first]
+        self.ids: dict[Any, int] = {first: 0}
+
+    def id(self, v: Any) -> int:
+        i = self.ids.get(v)
+        if i is None:
+            i = self.ids[v] = len(self.values)
+            self.values.append(v)
+        return i
+
+
+class _Tensor:
+    """One tensor across rank manifests: its first entry, then (from a second rank's chunks
+    on) its chunks as columns."""
+
+    __slots__ = ("entry", "raw_shape", "raw_pl", "raw_vr", "itemsize", "n", "offs", "shps", "ranks",
+                 "dirs", "sfx", "inner", "packed", "vrs", "last_sfx", "last_sfx_id", "last_grid",
+                 "last_grid_id")
+
+    def __init__(self, e: TensorEntry, raw: Any) -> None:
+        self.entry = e
+        self.raw_shape = list(e.shape)
+        self.raw_pl = _raw(raw, "placement")
+        self.raw_vr = _raw(raw, "value_range")
+        self.itemsize = numpy_dtype(e.dtype).itemsize
+        self.n = -1  # columns not started
+        # The last key suffix and raw inner grid seen, with their ids (the next chunk reuses them).
+        self.last_sfx: str | None = None
+        self.last_grid: Any = None
+        self.last_sfx_id = self.last_grid_id = 0
+
+    def start(self, m: RankMerge) -> None:
+        self.n = 0
+        self.offs, self.shps, self.ranks = array("q"), array("q"), array("q")
+        self.dirs, self.sfx, self.inner = array("q"), array("q"), array("q")
+        self.packed: dict[int, tuple[int, int]] = {}  # chunk -> (byte_offset, crc32), packed chunks only
+        self.vrs: dict[int, tuple[int, int]] = {}
+        for c in self.entry.chunks:
+            self.push_chunk(m, c)
+
+    def push(self, m: RankMerge, row: _Row) -> None:
+        off, shp, rank, d, s, grid, bo, crc, vr = row
+        self.offs.extend(off)
+        self.shps.extend(shp)
+        self.ranks.append(rank)
+        self.dirs.append(m.dir_ids.id(d))
+        self.sfx.append(m.sfx_ids.id(s))
+        m.rank_dirs.setdefault(rank, d)
+        self.inner.append(m.inner_ids.id(grid))
+        if bo >= 0:
+            self.packed[self.n] = (bo, crc)
+        if vr is not None:
+            self.vrs[self.n] = vr
+        self.n += 1
+
+    def push_chunk(self, m: RankMerge, c: Chunk) -> None:
+        parts = split_key(c.key)
+        if parts is None:
+            raise ManifestError(f"{m.where}: chunk key {c.key[:80]!r} is not under a data directory")
+        packed = c.form == "packed"
+        self.push(m, (c.offset, c.shape, c.rank, parts[0], parts[1], c.grid,
+                      c.byte_offset if packed and c.byte_offset is not None else -1,
+                      c.crc32 if packed and c.crc32 is not None else -1, c.value_range))
+
+    def chunks(self, m: RankMerge) -> tuple[Chunk, ...]:
+        """The columns as chunk objects (a tensor that is not a grid)."""
+        e, nd, out = self.entry, len(self.entry.shape), []
+        shape, zeros = e.shape, ZEROS[nd]
+        offs, shps = self.offs, self.shps
+        dirs, sfx, inner = m.dir_ids.values, m.sfx_ids.values, m.inner_ids.values
+        for i in range(self.n):
+            off, shp = tuple(offs[i * nd : i * nd + nd]), tuple(shps[i * nd : i * nd + nd])
+            p = self.packed.get(i)
+            packed = p is not None
+            out.append(_build(Chunk, {
+                "offset": zeros if off == zeros else off, "shape": shape if shp == shape else shp,
+                "key": f"{dirs[self.dirs[i]]}/{sfx[self.sfx[i]]}", "rank": self.ranks[i],
+                "nbytes": math.prod(shp) * self.itemsize, "form": "packed" if packed else "array",
+                "byte_offset": p[0] if p is not None else None, "crc32": p[1] if p is not None else None,
+                "grid": None if packed else inner[self.inner[i]], "value_range": self.vrs.get(i),
+            }))
+        return tuple(out)
+
+
+class RankMerge:
+    """Rank manifests 0..W-1 merged into one :class:`Manifest` as each is parsed.
+
+    Call protocol: :meth:`add` once per rank, in rank order, with the rank's checked
+    :class:`~xckpt.manifest._document.Header` (of the save being read); then :meth:`result`.
+    Tensors must agree on dtype and shape across ranks; the first placement and value range
+    seen are kept; replicated objects must agree in value (they are then stored once).
+    """
+
+    def __init__(self, where: str, world_size: int) -> None:
+        self.where, self.world = where, world_size
+        self.tensors: dict[str, _Tensor] = {}
+        self.objects: dict[tuple[str, int | None], ObjectEntry] = {}
+        self.storage: dict[int, str] = {}
+        self.metadata: dict[str, Any] = {}
+        self.declared_dirs: dict[int, str] = {}
+        #: Each writer rank's data directory: the first its chunks' keys name.
+        self.rank_dirs: dict[int, str] = {}
+        self.dir_ids, self.sfx_ids, self.inner_ids = _Table(""), _Table(""), _Table(None)
+        self.save_id = ""
+        # The data directory of the chunk keys last seen (a rank manifest's chunks share one).
+        self._dir, self._dir_id, self._dir_rank = "", 0, -1
+
+    # -- adding a rank -------------------------------------------------------------
+
+    def add(self, h: Header, where: str) -> None:
+        """Merge the manifest of rank ``h.rank`` (``where`` names its file)."""
+        self.save_id = self.save_id or h.save_id
+        self.storage.update(h.storage)
+        self.metadata.update(h.metadata)
+        self.declared_dirs.update(h.dirs)
+        dirs = h.dirs if h.version >= GRID_VERSION else None
+        for name, t in h.tensors.items():
+            acc = self.tensors.get(name)
+            if acc is not None and type(t) is dict and self._fast(acc, t):
+                continue
+            if type(t) is list:
+                e = _tensor_entries({name: t}, h.packed, where, self.world)[name]
+            else:
+                e = TensorEntry.from_json(name, t, where, self.world, dirs)
+            self._add_entry(acc, e, t, h.rank)
+        for o in h.objects:
+            self._add_object(ObjectEntry.from_json(o, where))
+
+    def _fast(self, acc: _Tensor, t: dict[str, Any]) -> bool:
+        """Add entry ``t`` of a tensor seen before straight into its columns; False (nothing
+        added) when any check fails or the entry is not a plain chunk list."""
+        keys = t.keys()
+        if keys == _PLAIN:  # dtype, shape, chunks: nothing else to compare
+            pl = vr = None
+        elif keys <= _ENTRY and "chunks" in t:
+            pl, vr = t.get("placement"), t.get("value_range")
+        else:
+            return False
+        shape = t["shape"]
+        if t["dtype"] != acc.entry.dtype or shape != acc.raw_shape:
+            return False
+        for x in shape:  # (equal as numbers is not enough: 40.0 == 40 and True == 1)
+            if type(x) is not int:
+                return False
+        # A placement or value range is checked once; another rank's equal one (as JSON) is not
+        # checked again, any other one goes the checked way.
+        if (pl is not None and (acc.raw_pl is None or _json(pl) != acc.raw_pl)) or (
+            vr is not None and (acc.raw_vr is None or _json(vr) != acc.raw_vr)
+        ):
+            return False
+        raw = t["chunks"]
+        if type(raw) is not list:
+            return False
+        if len(raw) == 1 and acc.n >= 0 and type(raw[0]) is dict:
+            return self._push_one(acc, raw[0])
+        rows = []
+        for c in raw:
+            row = self._row(c, len(acc.raw_shape), acc.itemsize)
+            if row is None:
+                return False
+            rows.append(row)
+        if acc.n < 0:
+            acc.start(self)
+        for row in rows:
+            acc.push(self, row)
+        return True
+
+    def _push_one(self, acc: _Tensor, c: dict[str, Any]) -> bool:
+        """:meth:`_row` and :meth:`_Tensor.push` in one for a plain array or packed chunk
+        (exactly the members the writer writes): the checks of :meth:`Chunk.from_json`
+        inline, interned parts reused from this tensor's previous chunk. Anything else
+        takes the general path."""
+        keys = c.keys()
+        if keys == _ARRAY:
+            packed = False
+        elif keys == _PACKED and c["form"] == "packed":
+            packed = True
+        else:
+            return False
+        off, shp, rank, nbytes, key = c["offset"], c["shape"], c["rank"], c["nbytes"], c["key"]
+        nd = len(acc.raw_shape)
+        if (
+            type(off) is not list or type(shp) is not list or len(off) != nd or len(shp) != nd
+            or type(rank) is not int or not 0 <= rank < self.world or type(nbytes) is not int
+            or type(key) is not str or len(key) > MAX_KEY_LEN
+        ):
+            return False
+        for x in off:
+            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+                return False
+        for x in shp:
+            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+                return False
+        if nbytes != math.prod(shp) * acc.itemsize:
+            return False
+        i = key.find("/", 5)
+        if i < 0:
+            return False
+        d, sfx = key[:i], key[i + 1 :]
+        if d != self._dir:  # a rank's chunks share its directory: checked once per rank
+            if split_key(key) is None:
+                return False
+            self._dir, self._dir_id = d, self.dir_ids.id(d)
+            self.rank_dirs.setdefault(rank, d)
+            self._dir_rank = rank
+        elif rank != self._dir_rank:
+            return False
+        if sfx != acc.last_sfx:
+            if split_key(key) is None:
+                return False
+            acc.last_sfx, acc.last_sfx_id = sfx, self.sfx_ids.id(sfx)
+        if packed:
+            bo, crc, gid = c["byte_offset"], c["crc32"], 0
+            if type(bo) is not int or not 0 <= bo < MAX_TENSOR_BYTES or type(crc) is not int or not 0 <= crc < 1 << 32:
+                return False
+        else:
+            bo = crc = -1
+            g = c["grid"]
+            if g is not None:
+                if type(g) is not list or len(g) != nd:
+                    return False
+                for x in g:
+                    if type(x) is not int or not 1 <= x <= MAX_EXTENT:
+                        return False
+            if g != acc.last_grid:
+                acc.last_grid, acc.last_grid_id = g, self.inner_ids.id(None if g is None else tuple(g))
+            gid = acc.last_grid_id
+        acc.offs.extend(off)
+        acc.shps.extend(shp)
+        acc.ranks.append(rank)
+        acc.dirs.append(self._dir_id)
+        acc.sfx.append(acc.last_sfx_id)
+        acc.inner.append(gid)
+        if packed:
+            acc.packed[acc.n] = (bo, crc)
+        acc.n += 1
+        return True
+
+    def _row(self, c: Any, nd: int, itemsize: int) -> _Row | None:
+        """A chunk's fields when it passes every check of :meth:`Chunk.from_json`, else None."""
+        if type(c) is not dict:
+            return None
+        get = c.get
+        off, shp, rank, nbytes = get("offset"), get("shape"), get("rank"), get("nbytes")
+        if (
+            type(off) is not list or type(shp) is not list or len(off) != nd or len(shp) != nd
+            or type(rank) is not int or not 0 <= rank < self.world or type(nbytes) is not int
+        ):
+            return None
+        for x in off:
+            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+                return None
+        for x in shp:
+            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+                return None
+        if nbytes != math.prod(shp) * itemsize:
+            return None
+        parts = split_key(get("key"))
+        if parts is None:
+            return None
+        form = get("form", "array")
+        grid: tuple[int, ...] | None = None
+        bo: Any
+        crc: Any
+        if form == "array":
+            bo = crc = -1
+            raw_grid = get("grid")
+            if raw_grid is not None:
+                grid = _dims(raw_grid)
+                if grid is None or len(grid) != nd or (grid and min(grid) < 1):
+                    return None
+        elif form == "packed":
+            bo, crc = get("byte_offset"), get("crc32")
+            if type(bo) is not int or not 0 <= bo < MAX_TENSOR_BYTES or type(crc) is not int or not 0 <= crc < 1 << 32:
+                return None
+        else:
+            return None
+        vr = get("value_range")
+        if vr is not None:
+            if type(vr) is not list or len(vr) != 2 or type(vr[0]) is not int or type(vr[1]) is not int:
+                return None
+            vr = tuple(vr)
+        return off, shp, rank, parts[0], parts[1], grid, bo, crc, vr
+
+    def _add_entry(self, acc: _Tensor | None, e: TensorEntry, raw: Any, rank: int | None) -> None:
+        if acc is None:
+            self.tensors[e.name] = _Tensor(e, raw)
+            return
+        prev = acc.entry
+        if prev.dtype != e.dtype or prev.shape != e.shape:
+            raise ManifestError(
+                f"{self.where}: tensor {e.name!r} is {prev.dtype}{list(prev.shape)} on one rank and "
+                f"{e.dtype}{list(e.shape)} on rank {rank}; every rank must save the same global tensor"
+            )
+        if prev.placement is None and e.placement is not None:
+            acc.entry = _build(TensorEntry, {**prev.__dict__, "placement": e.placement})
+            acc.raw_pl = _raw(raw, "placement")
+        if acc.entry.value_range is None and e.value_range is not None:
+            acc.entry = _build(TensorEntry, {**acc.entry.__dict__, "value_range": e.value_range})
+            acc.raw_vr = _raw(raw, "value_range")
+        if acc.n < 0:
+            acc.start(self)
+        for c in e.chunks:
+            acc.push_chunk(self, c)
+
+    def _add_object(self, o: ObjectEntry) -> None:
+        k = (o.name, o.rank if o.per_rank else None)
+        prev = self.objects.get(k)
+        if prev is None:
+            self.objects[k] = o
+        elif o.kind == "json" and prev.kind == "json" and o.value != prev.value:
+            raise ManifestError(
+                f"{self.where}: replicated object {o.name!r} differs between rank {prev.rank} "
+                f"and rank {o.rank}; save it with per_rank=True if each rank has its own value"
+            )
+
+    # -- the result ----------------------------------------------------------------
+
+    def result(self) -> Manifest:
+        """The merged manifest (``rank`` None). Tensors that form grids are
+        :class:`~xckpt.manifest._grids.GridChunks`; the others' coverage is the caller's to check."""
+        dirs = dict(self.declared_dirs)
+        for r, d in self.rank_dirs.items():  # where the keys are, whatever a document declared
+            if d != f"data/{r}":
+                dirs[r] = d
+            else:
+                dirs.pop(r, None)
+        tensors: dict[str, TensorEntry] = {}
+        for name, acc in self.tensors.items():
+            e = acc.entry
+            if acc.n < 0:
+                tensors[name] = e
+                continue
+            chunks = self._grid(acc, dirs) if acc.n >= GRID_MIN_CELLS and not acc.vrs else None
+            tensors[name] = _build(TensorEntry, {**e.__dict__, "chunks": chunks if chunks is not None else acc.chunks(self)})
+        return Manifest(
+            save_id=self.save_id,
+            world_size=self.world,
+            rank=None,
+            tensors=tensors,
+            objects=tuple(self.objects.values()),
+            storage=self.storage,
+            metadata=self.metadata,
+            dirs=dirs,
+        )
+
+    def _grid(self, acc: _Tensor, dirs: dict[int, str]) -> Any:
+        n, nd = acc.n, len(acc.entry.shape)
+        ranks = np.frombuffer(acc.ranks, np.int64)
+        # Each chunk's key lies in its writer's data directory (the first its keys named)?
+        rank_dir = np.full(self.world, -1, np.int64)
+        for r, d in self.rank_dirs.items():
+            rank_dir[r] = self.dir_ids.ids[d]
+        same = rank_dir[ranks] == np.frombuffer(acc.dirs, np.int64)
+        bo, crc = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        if acc.packed:
+            at = np.fromiter(acc.packed, np.int64, len(acc.packed))
+            vals = np.array(list(acc.packed.values()), np.int64).reshape(-1, 2)
+            bo[at], crc[at] = vals[:, 0], vals[:, 1]
+
+        def full_keys() -> list[str]:
+            d, s = self.dir_ids.values, self.sfx_ids.values
+            return [f"{d[i]}/{s[j]}" for i, j in zip(acc.dirs, acc.sfx)]
+
+        return grid_from_columns(
+            acc.entry.shape, acc.itemsize,
+            np.frombuffer(acc.offs, np.int64).reshape(n, nd), np.frombuffer(acc.shps, np.int64).reshape(n, nd),
+            ranks, same, np.frombuffer(acc.sfx, np.int64), self.sfx_ids.values,
+            np.frombuffer(acc.inner, np.int64), self.inner_ids.values, bo, crc, dirs, full_keys,
+        )
