@@ -114,8 +114,8 @@ def main() -> None:
     print(f"bounces (A calls into B, B calls back into A): {len(bounces)}")
     for a, b in sorted(bounces):
         print(f"  {a} -> {b}")
-    print(f"files of the adapter calling into layout.py (calls made): "
-          f"{ {a: n for (a, b), n in calls_between.items() if b == 'layout.py' and a.startswith('torch')} }")
+    print(f"files of the adapter calling into layout (calls made): "
+          f"{ {a: n for (a, b), n in calls_between.items() if b.startswith('layout') and a.startswith('torch')} }")
     del files
     dist.destroy_process_group()
 
