@@ -508,7 +508,7 @@ def ten_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
 
 HOSTILE = [None, True, 1.0, -1, 2**63, 10**30, "x", [], [0], [0, 0, 0], [True, 0], [-1, 0], [2**62, 0], {},
            "data/1/t/../x", "data/1", "data/1/packed", "data/12/t/x", "data/1.zz/t/x", "array", "packed", "other",
-           [40.0, 3], [400, 300.0], [True, 3], "float16", {"framework": "torch", "mesh_shape": [2.0]},
+           [40.0, 3], [400, 300.0], [True, 3], [None, 0], ["a", 1], [[1], 0], "float16", {"framework": "torch", "mesh_shape": [2.0]},
            {"framework": "torch", "mesh_shape": [10], "placements": ["Shard(0)"]}, {"framework": 3}]
 
 

@@ -457,7 +457,10 @@ def grid_from_columns(
     for d in range(k):
         o = offs[:, d]
         e = o + shps[:, d]
-        starts, inv = np.unique(o, return_inverse=True)
+        if not o.any():  # a dimension no chunk splits (every offset 0)
+            starts, inv = np.zeros(1, np.int64), np.zeros(n, np.int64)
+        else:
+            starts, inv = np.unique(o, return_inverse=True)
         ends = np.empty(len(starts), np.int64)
         ends[inv] = e
         if (
@@ -465,15 +468,22 @@ def grid_from_columns(
             or not (ends > starts).all() or not (ends[:-1] == starts[1:]).all()
         ):
             return None
-        axes.append(GridAxis.of(shape[d], [*starts.tolist(), shape[d]]))
+        step = int(ends[0])
+        if len(starts) == 1 or (0 < shape[d] - int(starts[-1]) <= step and (starts == np.arange(len(starts)) * step).all()):
+            axes.append(GridAxis(shape[d], step=step))  # a regular split
+        else:
+            axes.append(GridAxis(shape[d], points=(*starts.tolist(), shape[d])))
         idx.append(inv.reshape(-1))
     index = GridIndex(axes)
     if index.n != n:
         return None
     cell = np.ravel_multi_index(tuple(idx), index.counts)
-    order = np.argsort(cell, kind="stable")
-    if not (cell[order] == np.arange(n)).all():
-        return None  # a cell held twice (and so another missing)
+    if (cell == np.arange(n)).all():  # (chunks in cell order already: writers in rank order)
+        order = np.arange(n)
+    else:
+        order = np.argsort(cell, kind="stable")
+        if not (cell[order] == np.arange(n)).all():
+            return None  # a cell held twice (and so another missing)
     ranks = ranks[order]
     base = int(ranks[0])
     strides = tuple(int(ranks[s] - base) if c > 1 else 0 for s, c in zip(index.strides, index.counts))

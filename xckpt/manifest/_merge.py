@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from xckpt.errors import ManifestError
+from xckpt.errors import ManifestError, XckptError
 from xckpt.manifest._checks import (
     GRID_VERSION,
     MAX_EXTENT,
@@ -51,6 +51,7 @@ _PLAIN = {"dtype", "shape", "chunks"}
 _ENTRY = {"dtype", "shape", "chunks", "placement", "value_range"}
 _ARRAY = {"offset", "shape", "key", "rank", "nbytes", "grid"}
 _PACKED = {"offset", "shape", "key", "rank", "nbytes", "form", "byte_offset", "crc32"}
+_INT = {int}
 
 
 def _json(v: Any) -> bytes | None:
@@ -88,7 +89,7 @@ class _Tensor:
     on) its chunks as columns."""
 
     __slots__ = ("entry", "raw_shape", "raw_pl", "raw_vr", "itemsize", "n", "offs", "shps", "ranks",
-                 "dirs", "sfx", "inner", "packed", "vrs", "last_sfx", "last_sfx_id", "last_grid",
+                 "dirs", "sfx", "inner", "bo", "crc", "vrs", "last_sfx", "last_sfx_id", "last_grid", "epoch", "n0",
                  "last_grid_id")
 
     def __init__(self, e: TensorEntry, raw: Any) -> None:
@@ -102,17 +103,20 @@ class _Tensor:
         self.last_sfx: str | None = None
         self.last_grid: Any = None
         self.last_sfx_id = self.last_grid_id = 0
+        self.epoch, self.n0 = -1, -1  # the rank being merged when first touched, and n then
 
     def start(self, m: RankMerge) -> None:
+        m.touch(self)
         self.n = 0
         self.offs, self.shps, self.ranks = array("q"), array("q"), array("q")
         self.dirs, self.sfx, self.inner = array("q"), array("q"), array("q")
-        self.packed: dict[int, tuple[int, int]] = {}  # chunk -> (byte_offset, crc32), packed chunks only
+        self.bo, self.crc = array("q"), array("q")  # byte offset and crc32 of packed chunks (else -1)
         self.vrs: dict[int, tuple[int, int]] = {}
         for c in self.entry.chunks:
             self.push_chunk(m, c)
 
     def push(self, m: RankMerge, row: _Row) -> None:
+        m.touch(self)
         off, shp, rank, d, s, grid, bo, crc, vr = row
         self.offs.extend(off)
         self.shps.extend(shp)
@@ -121,8 +125,8 @@ class _Tensor:
         self.sfx.append(m.sfx_ids.id(s))
         m.rank_dirs.setdefault(rank, d)
         self.inner.append(m.inner_ids.id(grid))
-        if bo >= 0:
-            self.packed[self.n] = (bo, crc)
+        self.bo.append(bo)
+        self.crc.append(crc)
         if vr is not None:
             self.vrs[self.n] = vr
         self.n += 1
@@ -144,13 +148,12 @@ class _Tensor:
         dirs, sfx, inner = m.dir_ids.values, m.sfx_ids.values, m.inner_ids.values
         for i in range(self.n):
             off, shp = tuple(offs[i * nd : i * nd + nd]), tuple(shps[i * nd : i * nd + nd])
-            p = self.packed.get(i)
-            packed = p is not None
+            packed = self.bo[i] >= 0
             out.append(_build(Chunk, {
                 "offset": zeros if off == zeros else off, "shape": shape if shp == shape else shp,
                 "key": f"{dirs[self.dirs[i]]}/{sfx[self.sfx[i]]}", "rank": self.ranks[i],
                 "nbytes": math.prod(shp) * self.itemsize, "form": "packed" if packed else "array",
-                "byte_offset": p[0] if p is not None else None, "crc32": p[1] if p is not None else None,
+                "byte_offset": self.bo[i] if packed else None, "crc32": self.crc[i] if packed else None,
                 "grid": None if packed else inner[self.inner[i]], "value_range": self.vrs.get(i),
             }))
         return tuple(out)
@@ -178,6 +181,14 @@ class RankMerge:
         self.save_id = ""
         # The data directory of the chunk keys last seen (a rank manifest's chunks share one).
         self._dir, self._dir_id, self._dir_rank = "", 0, -1
+        # This rank's merge so far, to undo it: its number, the tensors it touched and created,
+        # and the integers whose checks wait for its end (offsets and shapes; zarr chunk shapes).
+        self._epoch = 0
+        self._touched: list[_Tensor] = []
+        self._created: list[str] = []
+        self._ints: list[Any] = []
+        self._gints: list[Any] = []
+        self._checked = False
 
     # -- adding a rank -------------------------------------------------------------
 
@@ -188,17 +199,73 @@ class RankMerge:
         self.metadata.update(h.metadata)
         self.declared_dirs.update(h.dirs)
         dirs = h.dirs if h.version >= GRID_VERSION else None
+        self._entries(h, where, dirs)
+        for o in h.objects:
+            self._add_object(ObjectEntry.from_json(o, where))
+
+    def touch(self, acc: _Tensor) -> None:
+        """Record ``acc`` as changed by this rank (once), with its chunk count before."""
+        if acc.epoch != self._epoch:
+            acc.epoch, acc.n0 = self._epoch, acc.n
+            self._touched.append(acc)
+
+    def _entries(self, h: Header, where: str, dirs: dict[int, str] | None) -> None:
+        """The rank's entries one by one: straight into the columns where they allow it,
+        else through :meth:`TensorEntry.from_json` (whose errors name the field).
+
+        The integer checks of the fast path wait for the rank's end, made over all of its
+        integers at once (``set(map(type, ...))``, ``min``, ``max``); when they fail, the
+        rank's merge is undone and redone the checked way, which names the bad field."""
+        self._epoch += 1
+        self._touched, self._created, self._ints, self._gints = [], [], [], []
+        try:
+            self._merge_entries(h, where, dirs)
+            ints, gints = self._ints, self._gints
+            ok = not (ints and (set(map(type, ints)) != _INT or min(ints) < 0 or max(ints) > MAX_EXTENT)) and not (
+                gints and (set(map(type, gints)) != _INT or min(gints) < 1 or max(gints) > MAX_EXTENT)
+            )
+        except XckptError:
+            raise
+        except (TypeError, ValueError, OverflowError, KeyError, AttributeError):
+            ok = False  # (a shape of JSON the fast path did not foresee: the checked way names it)
+        if not ok:
+            self._undo()
+            self._checked = True
+            try:
+                self._merge_entries(h, where, dirs)
+            finally:
+                self._checked = False
+
+    def _undo(self) -> None:
+        """Take this rank's chunks out of the columns again."""
+        for name in self._created:
+            del self.tensors[name]
+        for acc in self._touched:
+            if acc.n0 < 0:
+                acc.n = -1  # columns not started: the first entry holds the chunks
+                continue
+            nd = len(acc.raw_shape)
+            for col in (acc.offs, acc.shps):
+                del col[acc.n0 * nd :]
+            for col in (acc.ranks, acc.dirs, acc.sfx, acc.inner, acc.bo, acc.crc):
+                del col[acc.n0 :]
+            for i in [i for i in acc.vrs if i >= acc.n0]:
+                del acc.vrs[i]
+            acc.n = acc.n0
+            acc.last_sfx = acc.last_grid = None
+            acc.last_sfx_id = acc.last_grid_id = 0
+        self._dir, self._dir_id, self._dir_rank = "", 0, -1
+
+    def _merge_entries(self, h: Header, where: str, dirs: dict[int, str] | None) -> None:
         for name, t in h.tensors.items():
             acc = self.tensors.get(name)
-            if acc is not None and type(t) is dict and self._fast(acc, t):
+            if acc is not None and type(t) is dict and not self._checked and self._fast(acc, t):
                 continue
             if type(t) is list:
                 e = _tensor_entries({name: t}, h.packed, where, self.world)[name]
             else:
                 e = TensorEntry.from_json(name, t, where, self.world, dirs)
             self._add_entry(acc, e, t, h.rank)
-        for o in h.objects:
-            self._add_object(ObjectEntry.from_json(o, where))
 
     def _fast(self, acc: _Tensor, t: dict[str, Any]) -> bool:
         """Add entry ``t`` of a tensor seen before straight into its columns; False (nothing
@@ -213,9 +280,7 @@ class RankMerge:
         shape = t["shape"]
         if t["dtype"] != acc.entry.dtype or shape != acc.raw_shape:
             return False
-        for x in shape:  # (equal as numbers is not enough: 40.0 == 40 and True == 1)
-            if type(x) is not int:
-                return False
+        self._ints.extend(shape)  # (equal as numbers is not enough: 40.0 == 40; checked at the rank's end)
         # A placement or value range is checked once; another rank's equal one (as JSON) is not
         # checked again, any other one goes the checked way.
         if (pl is not None and (acc.raw_pl is None or _json(pl) != acc.raw_pl)) or (
@@ -259,12 +324,6 @@ class RankMerge:
             or type(key) is not str or len(key) > MAX_KEY_LEN
         ):
             return False
-        for x in off:
-            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
-                return False
-        for x in shp:
-            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
-                return False
         if nbytes != math.prod(shp) * acc.itemsize:
             return False
         i = key.find("/", 5)
@@ -293,20 +352,27 @@ class RankMerge:
             if g is not None:
                 if type(g) is not list or len(g) != nd:
                     return False
-                for x in g:
-                    if type(x) is not int or not 1 <= x <= MAX_EXTENT:
-                        return False
+                self._gints.extend(g)
             if g != acc.last_grid:
                 acc.last_grid, acc.last_grid_id = g, self.inner_ids.id(None if g is None else tuple(g))
             gid = acc.last_grid_id
-        acc.offs.extend(off)
-        acc.shps.extend(shp)
+        if acc.epoch != self._epoch:
+            self.touch(acc)
+        ints = self._ints
+        ints.extend(off)
+        ints.extend(shp)
+        try:
+            acc.offs.extend(off)
+            acc.shps.extend(shp)
+        except (TypeError, OverflowError):  # not integers: the rank's end check undoes it all
+            acc.offs.extend([0] * nd)
+            acc.shps.extend([0] * nd)
         acc.ranks.append(rank)
         acc.dirs.append(self._dir_id)
         acc.sfx.append(acc.last_sfx_id)
         acc.inner.append(gid)
-        if packed:
-            acc.packed[acc.n] = (bo, crc)
+        acc.bo.append(bo)
+        acc.crc.append(crc)
         acc.n += 1
         return True
 
@@ -359,6 +425,7 @@ class RankMerge:
     def _add_entry(self, acc: _Tensor | None, e: TensorEntry, raw: Any, rank: int | None) -> None:
         if acc is None:
             self.tensors[e.name] = _Tensor(e, raw)
+            self._created.append(e.name)
             return
         prev = acc.entry
         if prev.dtype != e.dtype or prev.shape != e.shape:
@@ -399,13 +466,17 @@ class RankMerge:
                 dirs[r] = d
             else:
                 dirs.pop(r, None)
+        # Each writer's data directory (the first its keys named) by id, for every tensor's check.
+        rank_dir = np.full(self.world, -1, np.int64)
+        for r, d in self.rank_dirs.items():
+            rank_dir[r] = self.dir_ids.ids[d]
         tensors: dict[str, TensorEntry] = {}
         for name, acc in self.tensors.items():
             e = acc.entry
             if acc.n < 0:
                 tensors[name] = e
                 continue
-            chunks = self._grid(acc, dirs) if acc.n >= GRID_MIN_CELLS and not acc.vrs else None
+            chunks = self._grid(acc, dirs, rank_dir) if acc.n >= GRID_MIN_CELLS and not acc.vrs else None
             tensors[name] = _build(TensorEntry, {**e.__dict__, "chunks": chunks if chunks is not None else acc.chunks(self)})
         return Manifest(
             save_id=self.save_id,
@@ -418,19 +489,11 @@ class RankMerge:
             dirs=dirs,
         )
 
-    def _grid(self, acc: _Tensor, dirs: dict[int, str]) -> Any:
+    def _grid(self, acc: _Tensor, dirs: dict[int, str], rank_dir: np.ndarray) -> Any:
         n, nd = acc.n, len(acc.entry.shape)
         ranks = np.frombuffer(acc.ranks, np.int64)
-        # Each chunk's key lies in its writer's data directory (the first its keys named)?
-        rank_dir = np.full(self.world, -1, np.int64)
-        for r, d in self.rank_dirs.items():
-            rank_dir[r] = self.dir_ids.ids[d]
-        same = rank_dir[ranks] == np.frombuffer(acc.dirs, np.int64)
-        bo, crc = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
-        if acc.packed:
-            at = np.fromiter(acc.packed, np.int64, len(acc.packed))
-            vals = np.array(list(acc.packed.values()), np.int64).reshape(-1, 2)
-            bo[at], crc[at] = vals[:, 0], vals[:, 1]
+        same = rank_dir[ranks] == np.frombuffer(acc.dirs, np.int64)  # each key in its writer's directory?
+        bo, crc = np.frombuffer(acc.bo, np.int64), np.frombuffer(acc.crc, np.int64)
 
         def full_keys() -> list[str]:
             d, s = self.dir_ids.values, self.sfx_ids.values
