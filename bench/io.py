@@ -55,7 +55,7 @@ Usage, from the repository root::
     .venv/bin/python bench/io.py --profile [--strace]     # where xckpt's time goes (save, warm, cold)
 
 An xckpt variant is written ``xckpt[storage=files|ocdbt|plain,pack=BYTES,inner=BYTES]``
-(sizes accept K/M suffixes); ``inner`` overrides ``xckpt.storage.INNER_CHUNK_BYTES``.
+(sizes accept K/M suffixes); ``inner`` overrides ``xckpt.native._zarr.INNER_CHUNK_BYTES``.
 Results: markdown tables on stdout and ``bench/out/io.json``.
 """
 
@@ -169,7 +169,7 @@ class Xckpt(System):
     def __init__(self, opts: dict[str, str]) -> None:
         import tensorstore  # noqa: F401  (imported untimed, as torch and jax are for the others)
 
-        import xckpt.writer
+        import xckpt.native.writer
 
         self.options: dict[str, Any] = {}
         if "storage" in opts:
@@ -182,8 +182,8 @@ class Xckpt(System):
 
             import xckpt.storage
 
-            xckpt.writer.inner_chunk_shape = functools.partial(  # type: ignore[attr-defined]
-                xckpt.storage.inner_chunk_shape, target=parse_size(opts["inner"])
+            xckpt.native.writer.inner_chunk_shape = functools.partial(  # type: ignore[attr-defined]
+                xckpt.native._zarr.inner_chunk_shape, target=parse_size(opts["inner"])
             )
 
     def save(self, path: Path, tree: dict[str, Any]) -> None:

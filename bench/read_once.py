@@ -16,7 +16,7 @@ process. ``--ranks`` long-lived gloo ranks (4 by default) load it into two targe
 each with ``read_once=False`` and ``True``, alternating within every repeat. A timed
 load runs barrier to barrier, timed on rank 0; the table shows the median over
 ``--repeats``. Storage bytes are what every rank read from storage, summed over the
-ranks (chunk files: ``xckpt.storage._fileio.bytes_read``; S3: tensorstore's
+ranks (chunk files: ``xckpt.native._fileio.bytes_read``; S3: tensorstore's
 ``/tensorstore/kvstore/*/bytes_read`` metrics), as a multiple of the checkpoint's
 bytes. Every load is checked bit for bit (outside the timed region).
 
@@ -72,7 +72,7 @@ def _tp_placement(name: str, ndim: int) -> str:
 
 def _storage_bytes(storage: str) -> int:
     if storage == "local":
-        from xckpt.storage import _fileio
+        from xckpt.native import _fileio
 
         return _fileio.bytes_read()
     import tensorstore as ts

@@ -56,8 +56,8 @@ from _common import emit, markdown_table, median, out_dir, peak_rss_mib, run_chi
 import xckpt
 from xckpt.layout import Box, chunk_sizes
 from xckpt.manifest import Chunk, Manifest, TensorEntry
-from xckpt.storage import inner_chunk_shape
-from xckpt.writer import PACK_THRESHOLD, tensor_key_id
+from xckpt.native._zarr import inner_chunk_shape
+from xckpt.native.writer import PACK_THRESHOLD, tensor_key_id
 
 ROOT = Path("/dev/shm/xckpt-scale")
 ITEMSIZE = 4

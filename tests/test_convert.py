@@ -521,7 +521,7 @@ def test_verify_in_bands_of_rows(sources, tmp_path, monkeypatch):
 def test_verify_catches_a_corrupted_xckpt_write(sources, tmp_path, monkeypatch):
     # xckpt output is verified by its reader's own checksums over re-read bytes: damage on disk
     # after the writer is caught, and nothing reaches dst.
-    from xckpt.converters import xckpt_write
+    from xckpt.native import sink as xckpt_write
 
     real = xckpt_write.XckptSink.write
 

@@ -414,7 +414,7 @@ def test_choose_grid() -> None:
 
 
 def _irregular_source(path: str) -> dict[str, np.ndarray]:
-    from xckpt.writer import Writer, finalize
+    from xckpt.native.writer import Writer, finalize
 
     w_full = value("irr.w", (64, 8), "float32")
     e_full = value("irr.e", (20, 6), "bfloat16")

@@ -287,7 +287,7 @@ def test_coverage_errors_name_the_tensor_and_box():
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=3), st.sampled_from([1, 2, 4, 8]), st.integers(64, 1 << 22))
 def test_inner_chunks_respect_the_target_and_waste_little(shape, itemsize, target):
     """zarr pads edge chunks to full size: pieces are equal, so padding stays under one piece per dim."""
-    from xckpt.storage import inner_chunk_shape
+    from xckpt.native._zarr import inner_chunk_shape
 
     grid = inner_chunk_shape(shape, itemsize, target)
     assert len(grid) == len(shape) and all(1 <= g <= s for g, s in zip(grid, shape))

@@ -1,4 +1,4 @@
-"""Direct chunk-file I/O (xckpt.storage._fileio): byte-identical to tensorstore's zarr3 files,
+"""Direct chunk-file I/O (xckpt.native._fileio): byte-identical to tensorstore's zarr3 files,
 every region of every layout read exactly, and damage reported by type and file."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import xckpt
 from xckpt.errors import CorruptChunkError
-from xckpt.storage import _fileio, array_spec
+from xckpt.native import _fileio
+from xckpt.native._zarr import array_spec
 
 DTYPES = ["bool", "int8", "uint16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
           "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"]

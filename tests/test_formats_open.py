@@ -42,7 +42,7 @@ def test_open_source_with_another_format_is_refused(ck):
 
 def test_bad_rules_close_the_source(ck, monkeypatch):
     closed = []
-    monkeypatch.setattr(xckpt.reader.Checkpoint, "close", lambda self: closed.append(self.path))
+    monkeypatch.setattr(xckpt.native.reader.Checkpoint, "close", lambda self: closed.append(self.path))
     with pytest.raises(XckptError, match="transpose"):
         xckpt.open(ck, rules=[{"match": "fc.weight", "transpose": [0]}])
     assert closed == [ck]

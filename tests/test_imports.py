@@ -1,7 +1,7 @@
 """No core module imports torch or jax: each is imported alone in a fresh interpreter.
 
 The core is every module of the ``xckpt`` package outside the ``xckpt.torch`` and
-``xckpt.jax`` adapters (layout, manifest, storage, reader, writer, the value-group
+``xckpt.jax`` adapters (layout, manifest, storage, native, the value-group
 modules, inspect, cli, source, formats, ...), every module of its families
 (``manifest/``, ``storage/``, ``values/``, ``converters/``); the list is discovered, so a new core module is covered
 the day it is added.
@@ -20,7 +20,7 @@ import xckpt
 
 ADAPTERS = {"torch", "jax"}
 NAMED = {
-    "layout", "manifest", "storage", "reader", "writer", "values", "values.ranges", "inspect", "cli", "source",
+    "layout", "manifest", "storage", "native", "native.reader", "native.writer", "values", "values.ranges", "inspect", "cli", "source",
     "sink", "formats",
 }
 CORE = ["xckpt"] + [

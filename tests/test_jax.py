@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import xckpt  # noqa: E402
 import xckpt.jax as xj  # noqa: E402
 import xckpt.jax._load as jax_load  # noqa: E402
+import xckpt.native.writer  # noqa: E402
 import xckpt.storage  # noqa: E402
-import xckpt.writer  # noqa: E402
 from xckpt.errors import (  # noqa: E402
     CheckpointExistsError,
     CorruptChunkError,
@@ -410,7 +410,7 @@ def test_sharding_for_uneven_names_tensor_and_replicated_still_loads(tmp_path: o
 
 def file_bytes_read() -> int:
     """Chunk-file bytes read: by tensorstore (OCDBT, metadata) and directly (plain files)."""
-    from xckpt.storage import _fileio
+    from xckpt.native import _fileio
 
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
         if m["name"] == "/tensorstore/kvstore/file/bytes_read":
@@ -431,8 +431,8 @@ def test_bytes_read_one_eighth_of_whole_saved_tensor(tmp_path: object, monkeypat
     of several grid cells; the test lowers the writer's grid target to 1 MiB
     (our own tuning knob) instead of writing 128 MiB.
     """
-    monkeypatch.setattr(xckpt.writer, "inner_chunk_shape",
-                        functools.partial(xckpt.storage.inner_chunk_shape, target=1 << 20))
+    monkeypatch.setattr(xckpt.native.writer, "inner_chunk_shape",
+                        functools.partial(xckpt.native._zarr.inner_chunk_shape, target=1 << 20))
     path = str(tmp_path)
     full = data((1024, 2048))  # 8 MiB float32, one chunk, grid of 128-row cells
     xj.save({"w": jax.device_put(full, sharding("8"))}, path)  # replicated: one box, one chunk

@@ -1,6 +1,6 @@
 """xckpt.CheckpointManager on numpy mappings in one process: saving, skipping, refusing,
 retention, metrics, incomplete steps, restore, and reading a root without a manager
-(xckpt.steps). torch, JAX, signals and S3 have files of their own (tests/test_manager_*.py).
+(xckpt.native.steps). torch, JAX, signals and S3 have files of their own (tests/test_manager_*.py).
 
 The tests in ``TestLeadEdits`` need the two small edits of formats.py and cli.py that
 issue 23 hands to the lead (``xckpt.open(root, step=...)``, the manager-root error, and
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import xckpt
-import xckpt.steps as steps_mod
+import xckpt.native.steps as steps_mod
 from xckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
@@ -27,7 +27,7 @@ from xckpt.errors import (
     XckptError,
 )
 from xckpt.manager import CheckpointManager, HostBuffers, manager_steps, resolve_step
-from xckpt.steps import delete_step, manager_root_error, step_location, steps_table
+from xckpt.native.steps import delete_step, manager_root_error, step_location, steps_table
 
 
 def _state(v: float = 0.0) -> dict:
@@ -370,7 +370,7 @@ def test_memory_kvstore_root():
         assert m.restore()["step"] == 3
 
 
-# -- reading a root without a manager (xckpt.steps) ---------------------------------------
+# -- reading a root without a manager (xckpt.native.steps) ---------------------------------------
 
 
 def test_resolve_step_and_root_error(tmp_path):

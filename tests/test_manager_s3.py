@@ -14,7 +14,7 @@ from dist_utils import run_ranks
 import xckpt
 from xckpt.errors import CheckpointNotFoundError
 from xckpt.manager import CheckpointManager, manager_steps
-from xckpt.steps import step_location
+from xckpt.native.steps import step_location
 
 
 @pytest.fixture(scope="module")

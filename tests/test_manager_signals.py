@@ -100,8 +100,8 @@ KILLED = textwrap.dedent(
     """
     import os, sys, time
     import numpy as np
-    import xckpt.steps, xckpt.writer
-    from xckpt.storage import _fileio
+    import xckpt.native.steps, xckpt.native.writer
+    from xckpt.native import _fileio
     from xckpt.manager import CheckpointManager
 
     root, where = sys.argv[1], sys.argv[2]
@@ -118,7 +118,7 @@ KILLED = textwrap.dedent(
     m.save(1, state)
     m.wait()
     if where == "delete":
-        xckpt.steps.shutil.rmtree = stop_here(xckpt.steps.shutil.rmtree)   # retention removing step 1
+        xckpt.native.steps.shutil.rmtree = stop_here(xckpt.native.steps.shutil.rmtree)   # retention removing step 1
         state["step"] = 2
         m.save(2, state)
     else:
@@ -127,7 +127,7 @@ KILLED = textwrap.dedent(
         if where == "data":     # claimed, no data yet
             _fileio.write_arrays = stop_here(_fileio.write_arrays)
         else:                   # data durable, manifest not written
-            xckpt.writer.Writer.manifest = stop_here(xckpt.writer.Writer.manifest)
+            xckpt.native.writer.Writer.manifest = stop_here(xckpt.native.writer.Writer.manifest)
         m.save(3, {**state, "step": 3})
     m.wait()
     print("not killed", flush=True)

@@ -79,7 +79,7 @@ def _full(sd: dict) -> dict:
 def _save_ranks(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
-    import xckpt.writer
+    import xckpt.native.writer
 
     out: dict = {}
     # 1. A training loop saving every 2nd step; the state changes in place right after save returns.
@@ -125,13 +125,13 @@ def _save_ranks(rank: int, world: int, root: str) -> dict:
 
     # 3. Rank-local saves, rank 1 slow to commit: retention (rank 0) waits for both manifests.
     if rank == 1:
-        real = xckpt.writer.Writer.commit
+        real = xckpt.native.writer.Writer.commit
 
         def slow(self):
             time.sleep(0.4)
             return real(self)
 
-        xckpt.writer.Writer.commit = slow
+        xckpt.native.writer.Writer.commit = slow
     rl = os.path.join(root, "rl")
     seen = []
     with CheckpointManager(rl, keep_last=1, rank_local=True, handle_preemption=False) as m:

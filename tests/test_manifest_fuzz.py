@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xckpt
-from xckpt.commit import read_rank_manifests, validate
 from xckpt.errors import (
     CorruptChunkError,
     IncompleteCheckpointError,
@@ -38,7 +37,8 @@ from xckpt.manifest import (
     manifest_bytes,
     merge_manifests,
 )
-from xckpt.storage import Storage
+from xckpt.native._zarr import NativeStorage as Storage
+from xckpt.native.commit import read_rank_manifests, validate
 
 SOAK = os.environ.get("XCKPT_SOAK", "") not in ("", "0")
 FUZZ = settings(

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xckpt
-import xckpt.reader
-import xckpt.storage
+import xckpt.native._zarr
+import xckpt.native.reader
 from xckpt.errors import CorruptChunkError
 from xckpt.layout import Box
-from xckpt.storage import _fileio, _packedio
+from xckpt.native import _fileio, _packedio
 
 GRID = 4096  # packed zarr chunk length forced below: tensors straddle chunks and spans
 
@@ -38,8 +38,8 @@ def _tensors() -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def small_grid(monkeypatch):
-    monkeypatch.setattr(xckpt.storage._kvstore, "PACKED_CHUNK_BYTES", GRID)
-    monkeypatch.setattr(xckpt.reader, "_PACKED_SPAN", 2 * GRID)  # many spans, tensors across their ends
+    monkeypatch.setattr(xckpt.native._zarr, "PACKED_CHUNK_BYTES", GRID)
+    monkeypatch.setattr(xckpt.native.reader, "_PACKED_SPAN", 2 * GRID)  # many spans, tensors across their ends
 
 
 def _bits(a: np.ndarray) -> bytes:
@@ -95,7 +95,7 @@ def test_direct_packed_read_reads_each_zarr_chunk_once(tmp_path, small_grid):
 def _layout(ck: xckpt.Checkpoint, data: dict) -> tuple[int, int]:
     """The packed array's zarr chunk length and count (equal pieces of at most GRID)."""
     size = max(c.byte_offset + c.nbytes for n in data for c in ck.info(n).chunks)
-    grid = xckpt.storage.packed_grid(size)
+    grid = xckpt.native._zarr.packed_grid(size)
     assert grid <= GRID
     return grid, -(-size // grid)
 

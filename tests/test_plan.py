@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import xckpt
 import xckpt.jax as xj
+import xckpt.native.writer
 import xckpt.storage
-import xckpt.writer
 from xckpt.cli import main
 from xckpt.errors import UnsupportedPlacementError, XckptError
 from xckpt.layout import Replicate, Shard
@@ -23,7 +23,7 @@ from xckpt.layout import Replicate, Shard
 
 def file_bytes_read() -> int:
     """Chunk-file bytes read: by tensorstore (OCDBT, metadata) and directly (plain files)."""
-    from xckpt.storage import _fileio
+    from xckpt.native import _fileio
 
     for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
         if m["name"] == "/tensorstore/kvstore/file/bytes_read":
@@ -35,7 +35,7 @@ def file_bytes_read() -> int:
 def ckpt(tmp_path, monkeypatch):
     """Two writers of a 1024 x 512 f32 tensor (uneven rows), small inner zarr chunks, a packed bias."""
     monkeypatch.setattr(
-        xckpt.writer, "inner_chunk_shape", functools.partial(xckpt.storage.inner_chunk_shape, target=1 << 18)
+        xckpt.native.writer, "inner_chunk_shape", functools.partial(xckpt.native._zarr.inner_chunk_shape, target=1 << 18)
     )
     rng = np.random.default_rng(1)
     w = rng.standard_normal((1024, 512)).astype(np.float32)

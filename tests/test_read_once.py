@@ -223,7 +223,7 @@ def _bits(t):
 
 def _load(path, target, **kw):
     """(bytes read from chunk files, error or None)."""
-    from xckpt.storage import _fileio
+    from xckpt.native import _fileio
 
     before = _fileio.bytes_read()
     try:

@@ -22,8 +22,8 @@ import pytest
 import xckpt
 from xckpt.layout import Box, GridIndex, chunk_sizes
 from xckpt.manifest import Chunk, GridChunks, Manifest, TensorEntry
-from xckpt.storage import inner_chunk_shape
-from xckpt.writer import tensor_key_id
+from xckpt.native._zarr import inner_chunk_shape
+from xckpt.native.writer import tensor_key_id
 
 TENSORS = 20
 

@@ -14,13 +14,12 @@ from xckpt.formats import load, open
 from xckpt.layout import Box
 from xckpt.manager import CheckpointManager
 from xckpt.manifest import Manifest, TensorEntry
+from xckpt.native import Checkpoint, Writer, finalize, save
 from xckpt.plan import LoadPlan, RankPlan, plan_load
-from xckpt.reader import Checkpoint
 from xckpt.rules import Rules
 from xckpt.sink import Sink
 from xckpt.source import Source
 from xckpt.storage import Location
-from xckpt.writer import Writer, finalize, save
 
 __version__ = "0.1.0"
 

@@ -37,9 +37,9 @@ from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
 from xckpt.inspect import human_bytes
 from xckpt.layout import Shard, parse_placements
+from xckpt.native.steps import manager_steps, steps_table
 from xckpt.plan import plan_load
 from xckpt.source import Source
-from xckpt.steps import manager_steps, steps_table
 
 
 def _ls(ck: Source, args: argparse.Namespace) -> int:

@@ -37,14 +37,14 @@ from xckpt.converters.orbax_write import OrbaxSink
 from xckpt.converters.safetensors_write import SafetensorsSink
 from xckpt.converters.torch_dcp_write import DcpSink
 from xckpt.converters.torch_save_write import TorchSaveSink
-from xckpt.converters.xckpt_write import XckptSink
 from xckpt.errors import CheckpointNotFoundError, XckptError
 from xckpt.manifest import paused_gc
-from xckpt.reader import Checkpoint
+from xckpt.native.reader import Checkpoint
+from xckpt.native.sink import XckptSink
+from xckpt.native.steps import manager_root_error, resolve_step
 from xckpt.rules import Rules, apply_rules
 from xckpt.sink import Sink
 from xckpt.source import Source, local_path, readable_objects
-from xckpt.steps import manager_root_error, resolve_step
 from xckpt.storage import Location, Place, as_place
 
 __all__ = ["FORMATS", "Format", "Opener", "open", "opened", "load", "detect", "listing"]

@@ -14,14 +14,14 @@ import ml_dtypes
 import numpy as np
 
 import xckpt
+import xckpt.native.writer
 import xckpt.storage
-import xckpt.writer
 
 root = Path(__file__).parent / "v4"
 if (root / "ckpt").exists():
     sys.exit(f"{root / 'ckpt'} exists; golden checkpoints are never regenerated")
 # Zarr chunks of 64 bytes, so each box of "w" holds several in its shard.
-xckpt.writer.inner_chunk_shape = functools.partial(xckpt.storage.inner_chunk_shape, target=64)
+xckpt.native.writer.inner_chunk_shape = functools.partial(xckpt.native._zarr.inner_chunk_shape, target=64)
 tensors = {
     "w": np.arange(96, dtype=np.float32).reshape(12, 8),
     "bf16": (np.arange(6, dtype=np.float32) / 3).astype(ml_dtypes.bfloat16),

@@ -19,15 +19,15 @@ import ml_dtypes
 import numpy as np
 
 import xckpt
+import xckpt.native.writer
 import xckpt.storage
-import xckpt.writer
 from xckpt.layout import Box
 
 root = Path(__file__).parent / "v5"
 if (root / "ckpt").exists() or (root / "ranks-only").exists():
     sys.exit(f"{root} holds checkpoints; golden checkpoints are never regenerated")
 # Zarr chunks of 64 bytes, so a cell's shard holds several of them.
-xckpt.writer.inner_chunk_shape = functools.partial(xckpt.storage.inner_chunk_shape, target=64)
+xckpt.native.writer.inner_chunk_shape = functools.partial(xckpt.native._zarr.inner_chunk_shape, target=64)
 W = 8
 tensors = {
     "w": np.arange(24 * 10, dtype=np.float32).reshape(24, 10),  # a 4 x 2 grid of array cells

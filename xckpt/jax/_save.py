@@ -43,8 +43,8 @@ from xckpt._async import submit, wait_pending
 from xckpt.errors import ObjectError, UnsupportedPlacementError, XckptError
 from xckpt.layout import Box, choose_writer
 from xckpt.manifest import DTYPES, Manifest
+from xckpt.native.writer import ALL_HELD, Writer, finalize
 from xckpt.storage import Location
-from xckpt.writer import ALL_HELD, Writer, finalize
 
 from ._staging import HostBuffers, stage_host
 from ._tree import device_boxes, flatten, placement_info

@@ -13,7 +13,7 @@ The family: ``_manager`` (the class), ``_policy`` (retention and ranking, pure),
 
 from __future__ import annotations
 
-from xckpt.steps import StepInfo, manager_steps, resolve_step
+from xckpt.native.steps import StepInfo, manager_steps, resolve_step
 
 from ._manager import CheckpointManager
 from ._policy import Policy

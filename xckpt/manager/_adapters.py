@@ -22,8 +22,8 @@ import numpy as np
 from xckpt.errors import MissingEntryError, XckptError
 from xckpt.formats import opened
 from xckpt.layout import Box
+from xckpt.native.writer import save as save_mapping
 from xckpt.storage import Location
-from xckpt.writer import save as save_mapping
 
 from ._staging import HostBuffers, stage_mapping
 

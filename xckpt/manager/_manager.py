@@ -37,10 +37,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from xckpt.commit import read_rank_manifests
 from xckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, XckptError
 from xckpt.manifest import Manifest
-from xckpt.steps import (
+from xckpt.native.commit import read_rank_manifests
+from xckpt.native.steps import (
     MANAGER_KEY,
     StepInfo,
     check_step,
@@ -51,8 +51,8 @@ from xckpt.steps import (
     read_step,
     step_location,
 )
+from xckpt.native.writer import finalize
 from xckpt.storage import Location, Storage, location_name, location_spec
-from xckpt.writer import finalize
 
 from ._adapters import framework_of, restore_state, start_save
 from ._coord import coordinator

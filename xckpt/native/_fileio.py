@@ -2,7 +2,7 @@
 
 xckpt reads and writes the arrays of ``"files"`` and ``"plain"`` ranks itself when
 the checkpoint is a local directory, byte for byte as tensorstore's zarr3 driver
-would (:func:`xckpt.storage.array_metadata`; tests check both directions):
+would (:func:`xckpt.native._zarr.array_metadata`; tests check both directions):
 
 - ``"files"`` (format version 3): ``<key>/zarr.json`` and one shard file
   ``<key>/c.0.0`` (``c`` for a 0-d array): an index of ``(offset, nbytes)`` uint64
@@ -42,7 +42,8 @@ from typing import Any, NamedTuple
 import google_crc32c
 import numpy as np
 
-from xckpt.storage._kvstore import CODECS, CODECS_1, array_metadata, local_root
+from xckpt.native._zarr import CODECS, CODECS_1, array_metadata
+from xckpt.storage import local_root
 
 __all__ = [
     "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "submit_read",

@@ -1,6 +1,6 @@
 """Direct reads of a rank's packed byte array (small tensors) on a local filesystem.
 
-A packed array is a 1-d uint8 zarr v3 array (:func:`xckpt.storage.packed_grid` bytes
+A packed array is a 1-d uint8 zarr v3 array (:func:`xckpt.native._zarr.packed_grid` bytes
 per zarr chunk, each stored at full length with its crc32c), "files" (one shard file
 with an index, format version 3 on) or "plain" (one file per zarr chunk). A read of
 packed tensors is split in **spans** (:func:`plan_spans`): runs of the zarr chunks it
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from xckpt.storage._fileio import (
+from xckpt.native._fileio import (
     ChunkFileError,
     _check_crc,
     _count,

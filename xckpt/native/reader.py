@@ -24,7 +24,6 @@ from typing import Any, NoReturn
 import numpy as np
 
 from xckpt._progress import progress
-from xckpt.commit import read_rank_manifests, validate
 from xckpt.errors import (
     CorruptChunkError,
     ManifestError,
@@ -39,8 +38,11 @@ from xckpt.manifest import (
     ObjectEntry,
     decode_value,
 )
+from xckpt.native import _fileio, _packedio
+from xckpt.native._zarr import NativeStorage, packed_grid
+from xckpt.native.commit import read_rank_manifests, validate
 from xckpt.source import ChunkRead, Source, whole_request
-from xckpt.storage import Location, Storage, _fileio, _packedio, corrupt, packed_grid, storage_error
+from xckpt.storage import Location, corrupt, storage_error
 
 __all__ = ["Checkpoint"]
 
@@ -96,7 +98,7 @@ class Checkpoint(Source):
     format = "xckpt"
 
     def __init__(self, path: Location, *, context: Any = None) -> None:
-        self.storage = Storage(path, context)
+        self.storage = NativeStorage(path, context)
         self.path = self.storage.path
         data = self.storage.read_key("xckpt.json")
         if data is not None:

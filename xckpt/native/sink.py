@@ -17,8 +17,8 @@ from typing import Any
 
 from xckpt.errors import ObjectError
 from xckpt.manifest import encode_value
+from xckpt.native.writer import Writer, finalize
 from xckpt.sink import CONVERT_INFLIGHT_BYTES, Sink, WriteJob
-from xckpt.writer import Writer, finalize
 
 __all__ = ["XckptSink"]
 

@@ -34,7 +34,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xckpt.commit import read_rank_manifests, validate
 from xckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
@@ -43,6 +42,7 @@ from xckpt.errors import (
     XckptError,
 )
 from xckpt.manifest import Manifest
+from xckpt.native.commit import read_rank_manifests, validate
 from xckpt.storage import Location, Storage, location_name, location_spec
 
 __all__ = [

@@ -47,7 +47,6 @@ import numpy as np
 
 from xckpt._async import submit, wait_pending
 from xckpt._progress import progress
-from xckpt.commit import read_rank_manifests
 from xckpt.errors import (
     CheckpointExistsError,
     LayoutError,
@@ -76,7 +75,10 @@ from xckpt.manifest import (
     shared_shape,
     unchecked,
 )
-from xckpt.storage import Location, Storage, _fileio, inner_chunk_shape, packed_grid, storage_error
+from xckpt.native import _fileio
+from xckpt.native._zarr import NativeStorage, inner_chunk_shape, packed_grid
+from xckpt.native.commit import read_rank_manifests
+from xckpt.storage import Location, storage_error
 
 __all__ = ["Writer", "save", "finalize", "derived_save_id", "tensor_key_id", "ALL_HELD"]
 
@@ -162,7 +164,7 @@ class Writer:
             raise XckptError(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
         if storage is not None and storage not in STORAGE_KINDS:
             raise XckptError(f"storage must be one of {', '.join(map(repr, STORAGE_KINDS))}, got {storage!r}")
-        self.storage = Storage(path, context)
+        self.storage = NativeStorage(path, context)
         #: A local directory: "plain" chunks are written with direct file I/O (xckpt.storage._fileio).
         self._root = _fileio.local_root(self.storage.url)
         if storage is None:
@@ -639,7 +641,7 @@ def finalize(path: Location, world_size: int, save_id: str, context: Any = None)
     Validates the merged layout first, and removes rank manifests of a larger
     earlier save at the same location.
     """
-    storage = Storage(path, context)
+    storage = NativeStorage(path, context)
     merged = read_rank_manifests(storage, expect_world_size=world_size, expect_save_id=save_id)
     for key in storage.list_prefix("ranks/"):
         stem = key[len("ranks/") : -len(".json")] if key.endswith(".json") else ""

@@ -1,43 +1,27 @@
-"""Bytes in and out of a checkpoint location: kvstores, local files, packed spans.
+"""Locations and bytes: where a checkpoint lives, and reading and writing its files.
 
-The only place xckpt touches tensorstore or the OS's files for its own format;
-:mod:`xckpt.reader` and :mod:`xckpt.writer` speak to it in keys, boxes and numpy
-arrays. The family:
+It knows no format. The family:
 
-* ``_kvstore``: locations (paths, URLs, spec dicts), the tensorstore
-  :class:`Storage` of one checkpoint, zarr array metadata, storage errors;
-* ``_fileio``: the ``"files"`` storage read and written with plain file I/O on a
-  local disk (the same bytes tensorstore writes, without its open costs);
-* ``_packedio``: spans of a rank's packed byte array read beside the array chunks;
-* ``_blob``, ``_http``: one stored file read by byte range (:class:`Blob`) from a local
-  file, a kvstore key or an ``http(s)://`` URL;
-* ``_place``: any location seen as a tree of files (:class:`Place`, :func:`as_place`),
-  which the foreign formats (DCP, orbax, safetensors, torch.save) detect and open.
-
-The reader and writer of the xckpt format use ``_fileio`` and ``_packedio``
-directly (they are that format's I/O); everyone else imports from here.
+* `_kvstore`: locations (paths, URLs, spec dicts), the [Storage][xckpt.storage.Storage]
+  of one location (small keys, listing, deletes), storage errors;
+* `_blob`, `_http`: one stored file read by byte range ([Blob][xckpt.storage.Blob])
+  from a local file, a kvstore key or an `http(s)://` URL;
+* `_place`: any location seen as a tree of files ([Place][xckpt.storage.Place],
+  [as_place][xckpt.storage.as_place]), which every format detects and opens.
 """
 
 from __future__ import annotations
 
 from xckpt.storage._blob import Blob, KvBlob, LocalBlob
 from xckpt.storage._kvstore import (
-    CODECS,
-    CODECS_1,
-    INNER_CHUNK_BYTES,
-    PACKED_CHUNK_BYTES,
     Location,
     Storage,
-    array_metadata,
-    array_spec,
     corrupt,
     default_context,
-    inner_chunk_shape,
     local_root,
     location_name,
     location_spec,
     location_url,
-    packed_grid,
     storage_error,
 )
 from xckpt.storage._place import HttpPlace, KvPlace, LocalPlace, Place, as_place
@@ -51,21 +35,13 @@ __all__ = [
     "LocalPlace",
     "Place",
     "as_place",
-    "CODECS",
-    "CODECS_1",
-    "INNER_CHUNK_BYTES",
-    "PACKED_CHUNK_BYTES",
     "Location",
     "Storage",
-    "array_metadata",
-    "array_spec",
     "corrupt",
     "default_context",
-    "inner_chunk_shape",
     "local_root",
     "location_name",
     "location_spec",
     "location_url",
-    "packed_grid",
     "storage_error",
 ]

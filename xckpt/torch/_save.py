@@ -46,6 +46,7 @@ from xckpt import layout as L
 from xckpt._async import submit, wait_pending
 from xckpt.errors import XckptError
 from xckpt.manifest import Manifest, numpy_dtype, paused_gc
+from xckpt.native.writer import ALL_HELD, Writer, finalize
 from xckpt.storage import Location
 from xckpt.torch._dist import distributed, rank_world, share_outcome
 from xckpt.torch._dtypes import as_numpy, dtype_name
@@ -53,7 +54,6 @@ from xckpt.torch._placement import PLAIN_TENSORS, global_info, local_pieces, pla
 from xckpt.torch._staging import HostBuffers, Stager, wait_events
 from xckpt.torch._state_dict import PerRank, flatten
 from xckpt.torch.value_groups import save_value_groups, split_value_groups
-from xckpt.writer import ALL_HELD, Writer, finalize
 
 __all__ = ["save"]
 
