@@ -146,8 +146,8 @@ def _check_from_format(src: Any, from_format: str) -> None:
     fmt = formats.FORMATS.get(from_format)
     if fmt is None:
         raise XckptError(f"unknown source format {from_format!r}; known formats: {', '.join(formats.FORMATS)}")
-    place = as_place(src)
-    if fmt.detects(place):
+    place = as_place(src, probes=formats.HTTP_PROBES)
+    if fmt.detect(place):
         return
     if place.local is None and place.listable and from_format == "xckpt":
         return  # a kvstore location: the xckpt reader says what is missing

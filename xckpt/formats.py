@@ -1,27 +1,27 @@
 """The formats table: format name -> how to detect it, open it as a Source, and write it.
 
-Every format is a source and a sink (DESIGN.md section 6). :data:`FORMATS` holds one
-:class:`Format` per format, in detection order; :func:`detect`, :func:`open` and
-``xckpt.convert`` use nothing else. A format is:
+Every format is a source and a sink (DESIGN.md section 6). [FORMATS][xckpt.formats.FORMATS]
+holds one [Format][xckpt.formats.Format] per format, in detection order (`xckpt`,
+`megatron`, `torch-dcp`, `deepspeed`, `orbax`, `safetensors`, `torch`); `detect`,
+`open` and `xckpt.convert` use nothing else. A format is:
 
-* ``detect(where) -> bool``: a cheap look (file names, a few magic bytes), never a
-  full parse; ``looks_for`` says in words what it looks for, so a location where
-  nothing is recognised gets a message naming, per format, why it said no. A format
-  whose row says ``anywhere`` is detected and opened at every location a checkpoint
-  can live in: ``where`` is a :class:`~xckpt.storage.Place` (a local path, a kvstore
-  URL or spec, ``http(s)://``), listed (kvstores) or probed (http) to detect; other
-  formats are given a local path (a ``str``) and are read from local paths only;
-* ``open(location, *, allow_pickle, context) -> Source``: parse the format's metadata
-  and return the :class:`~xckpt.source.Source`, or raise an
-  :class:`~xckpt.errors.XckptError` that says what is wrong with the location. xckpt
-  checkpoints open from any tensorstore location, and so do the ``anywhere`` formats
-  (torch DCP, orbax, safetensors, torch.save; safetensors and torch.save over
-  ``http(s)://`` too), reading byte ranges only;
-* ``sink``: the :class:`~xckpt.sink.Sink` that writes it (``xckpt.convert``'s output);
-* ``suffixes``: the output names that choose it when ``convert`` is given no
-  ``to_format`` (the first format whose suffix ends the name; xckpt otherwise).
+* `detect(place) -> bool`: a cheap look (file names, a few magic bytes), never a full
+  parse, at a [Place][xckpt.storage.Place] (a local path, a kvstore URL or spec,
+  `http(s)://`), listed (kvstores) or probed (http); `looks_for` says in words what it
+  looks for, so a location where nothing is recognised gets a message naming, per
+  format, why it said no;
+* `open(place, *, allow_pickle, context) -> Source`: parse the format's metadata and
+  return the [Source][xckpt.Source], or raise an [XckptError][xckpt.errors.XckptError]
+  that says what is wrong with the location; every format opens from every location a
+  checkpoint can live in, reading byte ranges only;
+* `sink`: the [Sink][xckpt.Sink] that writes it (`xckpt.convert`'s output; DeepSpeed
+  and Megatron are read-only and their sinks refuse with a message);
+* `suffixes`: the output names that choose it when `convert` is given no `to_format`
+  (the first format whose suffix ends the name; xckpt otherwise);
+* `http_probes`: file names that mark a directory of this format at an `http(s)://`
+  location, which cannot be listed.
 
-:func:`open` detects, opens, and applies ``rules`` (a view over the source).
+`open` detects, opens, and applies `rules` (a view over the source).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from xckpt.native.sink import XckptSink
 from xckpt.native.steps import manager_root_error, resolve_step
 from xckpt.rules import Rules, apply_rules
 from xckpt.sink import Sink
-from xckpt.source import Source, local_path, readable_objects
+from xckpt.source import Source, readable_objects
 from xckpt.storage import Location, Place, as_place
 
 __all__ = ["FORMATS", "Format", "Opener", "open", "opened", "load", "detect", "listing"]
@@ -61,37 +61,27 @@ class Format:
     """One row of the formats table: a format's name, detection, source and sink.
 
     Attributes:
-        name: ``xckpt``, ``torch-dcp``, ``orbax``, ``safetensors`` or ``torch``.
-        detect: whether a local path holds this format (cheap; never a full parse).
-        looks_for: what ``detect`` looks for, in words (said when it says no).
-        kinds: what it can be at a location: ``"dir"``, ``"file"`` or both.
-        open: opens a location of this format as a source.
-        sink: writes this format (``xckpt.convert``'s output).
-        suffixes: output names that choose this format in ``convert``.
-        anywhere: ``detect`` and ``open`` take any location (a :class:`~xckpt.storage.Place`);
-            otherwise the format is read from local paths only and ``detect`` takes a ``str``.
+        name: one of the seven format names (the module docstring lists them).
+        detect: whether a place holds this format (cheap; never a full parse).
+        looks_for: what `detect` looks for, in words (said when it says no).
+        kinds: what it can be at a location: `"dir"`, `"file"` or both.
+        open: opens a place of this format as a source.
+        sink: writes this format (`xckpt.convert`'s output).
+        suffixes: output names that choose this format in `convert`.
+        http_probes: file names that mark a directory of this format over `http(s)://`.
     """
 
     name: str
-    detect: Callable[[Any], bool]
+    detect: Callable[[Place], bool]
     looks_for: str
     kinds: frozenset[str]
     open: Opener
     sink: Sink
     suffixes: tuple[str, ...] = ()
-    anywhere: bool = False
+    http_probes: tuple[str, ...] = ()
 
-    def detects(self, place: Place) -> bool:
-        """Whether ``detect`` says yes at ``place`` (no for a non-local place unless ``anywhere``)."""
-        if self.anywhere:
-            return self.detect(place)
-        return place.local is not None and self.detect(place.local)
-
-    def why_not(self, path: str | Place) -> str:
-        """Why ``detect`` said no at ``path``, in words."""
-        place = as_place(path)
-        if not self.anywhere and place.local is None:
-            return f"read from local paths only ({self.name} checkpoints elsewhere: copy them locally)"
+    def why_not(self, place: Place) -> str:
+        """Why `detect` said no at `place`, in words."""
         kind = place.kind()
         if kind is not None and kind not in self.kinds:
             want = "directories" if self.kinds == {"dir"} else "files"
@@ -101,8 +91,7 @@ class Format:
         return f"no {self.looks_for}"
 
 
-def _is_xckpt(path: str | Place) -> bool:
-    place = as_place(path)
+def _is_xckpt(place: Place) -> bool:
     local = place.local
     if local is not None:
         # data/ alone is a save that never committed: the xckpt reader says so.
@@ -112,29 +101,16 @@ def _is_xckpt(path: str | Place) -> bool:
 
 
 def _open_xckpt(location: Any, *, allow_pickle: bool, context: Any) -> Source:
+    if isinstance(location, Place):  # the native reader takes the location itself
+        location = location.location
     return Checkpoint(location, context=context)
 
 
-def _local(name: str, open_local: Callable[..., Source]) -> Opener:
-    """An opener for a format read from local paths only."""
+def _opener(open_at: Callable[..., Source]) -> Opener:
+    """An opener that reads from the place detection already looked at."""
 
     def open_(location: Any, *, allow_pickle: bool, context: Any) -> Source:
-        local = local_path(location)
-        if local is None:
-            raise XckptError(
-                f"{location!r}: {name} checkpoints are read from local paths (or file:// URLs); copy "
-                "it locally, or convert it to xckpt, which reads from any kvstore"
-            )
-        return open_local(local, allow_pickle=allow_pickle)
-
-    return open_
-
-
-def _anywhere(open_at: Callable[..., Source]) -> Opener:
-    """An opener for a format read from any location (:func:`~xckpt.storage.as_place`)."""
-
-    def open_(location: Any, *, allow_pickle: bool, context: Any) -> Source:
-        return open_at(as_place(location, context), allow_pickle=allow_pickle)
+        return open_at(as_place(location, context, probes=HTTP_PROBES), allow_pickle=allow_pickle)
 
     return open_
 
@@ -145,24 +121,22 @@ _DIR, _FILE = frozenset({"dir"}), frozenset({"file"})
 FORMATS: Mapping[str, Format] = {
     f.name: f
     for f in (
-        Format("xckpt", _is_xckpt, "xckpt.json, ranks/ or data/", _DIR, _open_xckpt, XckptSink(), anywhere=True),
+        Format("xckpt", _is_xckpt, "xckpt.json, ranks/ or data/", _DIR, _open_xckpt, XckptSink()),
         Format(  # before torch-dcp: a Megatron-Core dist checkpoint is a DCP directory plus metadata.json
             "megatron",
             megatron.detect,
             "metadata.json with a sharded_backend beside a DCP checkpoint (Megatron-Core)",
             _DIR,
-            _anywhere(megatron.open),
+            _opener(megatron.open),
             megatron.SINK,  # read-only: refuses with a message
-            anywhere=True,
         ),
         Format(
             "torch-dcp",
             torch_dcp.detect,
             ".metadata or __<r>.metadata beside *.distcp files",
             _DIR,
-            _anywhere(torch_dcp.open),
+            _opener(torch_dcp.open),
             DcpSink(),
-            anywhere=True,
         ),
         Format(
             "deepspeed",
@@ -170,9 +144,8 @@ FORMATS: Mapping[str, Format] = {
             "latest / latest_universal naming a tag directory, nor *_model_states.pt beside "
             "*_optim_states.pt or zero/ (DeepSpeed)",
             _DIR,
-            _anywhere(deepspeed.open),
+            _opener(deepspeed.open),
             deepspeed.SINK,  # read-only: refuses with a message
-            anywhere=True,
         ),
         Format(
             "orbax",
@@ -180,37 +153,38 @@ FORMATS: Mapping[str, Format] = {
             "_METADATA or _CHECKPOINT_METADATA (here or in item subdirectories), nor numbered steps "
             "holding them",
             _DIR,
-            _anywhere(orbax.open),
+            _opener(orbax.open),
             OrbaxSink(),
-            anywhere=True,
         ),
         Format(
             "safetensors",
             safetensors.detect,
             "*.safetensors file, model.safetensors.index.json, or safetensors header",
             _DIR | _FILE,
-            _anywhere(safetensors.open),
+            _opener(safetensors.open),
             SafetensorsSink(),
             (".safetensors",),
-            anywhere=True,
+            safetensors.HTTP_PROBES,
         ),
         Format(
             "torch",
             torch_save.detect,
             "torch.save zip (an archive/data.pkl record) or legacy torch.save pickle",
             _FILE,
-            _anywhere(torch_save.open),
+            _opener(torch_save.open),
             TorchSaveSink(),
             (".pt", ".pth", ".bin"),
-            anywhere=True,
         ),
     )
 }
 
+#: Every format's names that mark a directory at an `http(s)://` location.
+HTTP_PROBES: tuple[str, ...] = tuple(p for f in FORMATS.values() for p in f.http_probes)
+
 
 def listing(path: Any) -> str:
     """What is at ``path`` (any location), in words (for messages)."""
-    return as_place(path).describe()
+    return as_place(path, probes=HTTP_PROBES).describe()
 
 
 def detect(path: Any, *, context: Any = None) -> str:
@@ -227,13 +201,13 @@ def detect(path: Any, *, context: Any = None) -> str:
         CheckpointNotFoundError: nothing recognised; the message lists what was
             found, and each format tried with why it said no.
     """
-    return _detect(as_place(path, context))
+    return _detect(as_place(path, context, probes=HTTP_PROBES))
 
 
 def _detect(place: Place) -> str:
     tried = []
     for fmt in FORMATS.values():
-        if fmt.detects(place):
+        if fmt.detect(place):
             return fmt.name
         tried.append(f"\n  {fmt.name}: {fmt.why_not(place)}")
     if place.local is None and place.listable:
@@ -287,12 +261,12 @@ def open(  # noqa: A001
     if step is not None:
         path = resolve_step(path, step, context=context)
     try:
-        place = as_place(path, context)  # detection's listing is kept for the opener
+        place = as_place(path, context, probes=HTTP_PROBES)  # detection's listing is kept for the opener
         name = _detect(place) if format is None else format
         fmt = FORMATS.get(name)
         if fmt is None:
             raise XckptError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}")
-        src = fmt.open(place if fmt.anywhere and name != "xckpt" else path, allow_pickle=allow_pickle, context=context)
+        src = fmt.open(place, allow_pickle=allow_pickle, context=context)
     except CheckpointNotFoundError as e:
         # Nothing here; a checkpoint manager's root says so and names its steps (only now is it listed).
         root_error = manager_root_error(path, context=context) if step is None and format in (None, "xckpt") else None

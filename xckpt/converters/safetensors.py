@@ -64,13 +64,14 @@ from xckpt.layout import check_coverage
 from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import ChunkRead, Source
 from xckpt.storage import Blob, Place, as_place
-from xckpt.storage._place import HTTP_PROBES
 
 __all__ = ["FORMAT", "INDEX_NAME", "HEADER_CAP", "SafetensorsSource", "detect", "open", "parse_header"]
 
 FORMAT = "safetensors"
 #: The index file transformers writes beside its shards.
 INDEX_NAME = "model.safetensors.index.json"
+#: What a Hugging Face directory is probed for over http, in order (it cannot be listed).
+HTTP_PROBES = (INDEX_NAME, "model.safetensors")
 #: Largest header (and index) accepted: the reference implementation's cap (100 MB).
 HEADER_CAP = 100_000_000
 MAX_NDIM = 64
@@ -466,7 +467,7 @@ class SafetensorsSource(Source):
 def detect(path: str | Place) -> bool:
     """A ``.safetensors`` file (or one whose first bytes parse as a header), an index, or a
     directory holding an index or ``*.safetensors`` files (over http: the probed names)."""
-    place = as_place(path)
+    place = as_place(path, probes=HTTP_PROBES)
     try:
         kind = place.kind()
         if kind == "dir":
@@ -587,7 +588,7 @@ def open(path: str | Place, *, allow_pickle: bool = False) -> SafetensorsSource:
         IncompleteCheckpointError: the index names a missing shard, or a tensor its shard lacks.
         ManifestError: a header or the index is damaged (each check names file and tensor).
     """
-    place = as_place(path)
+    place = as_place(path, probes=HTTP_PROBES)
     name = place.name
     kind = place.kind()
     if kind == "file":

@@ -41,6 +41,8 @@ __all__ = [
     "location_name",
     "local_root",
     "storage_error",
+    "checked_spec",
+    "not_a_location",
     "Storage",
     "corrupt",
 ]
@@ -105,27 +107,45 @@ def location_url(path: str | os.PathLike[str]) -> str:
 
 
 def location_spec(path: Location) -> str | dict[str, Any]:
-    """A URL ending in ``/`` for a path or URL; for a kvstore spec dict, a copy whose
-    ``path`` is empty or ends in ``/`` (the checkpoint is that directory)."""
+    """A URL ending in `/` for a path or URL; for a kvstore spec dict, a copy whose
+    `path` is empty or ends in `/` (the checkpoint is that directory)."""
     if isinstance(path, Mapping):
-        spec = dict(path)
-        if not isinstance(spec.get("driver"), str):
-            raise XckptError(
-                f"kvstore spec {spec!r} has no driver; a checkpoint location given as a dict is a "
-                'tensorstore kvstore spec, e.g. {"driver": "s3", "bucket": "b", "path": "ckpt/", '
-                '"endpoint": "http://127.0.0.1:9000"}'
-            )
+        spec = checked_spec(path)
         sub = spec.get("path", "")
-        if not isinstance(sub, str):
-            raise XckptError(f"kvstore spec {spec!r}: path must be a string")
         spec["path"] = sub if not sub or sub.endswith("/") else sub + "/"
         return spec
     if not isinstance(path, (str, os.PathLike)):
-        raise XckptError(
-            f"checkpoint location {path!r} ({type(path).__name__}) is not a path, a kvstore URL or a "
-            "kvstore spec dict"
-        )
+        raise not_a_location(path)
     return location_url(path)
+
+
+def checked_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a location given as a tensorstore kvstore spec dict, its fields checked.
+
+    The one check of a spec for every reader of locations ([location_spec][xckpt.storage.location_spec]
+    and [as_place][xckpt.storage.as_place]).
+
+    Raises:
+        XckptError: no `driver`, or a `path` that is not a string.
+    """
+    out = dict(spec)
+    if not isinstance(out.get("driver"), str):
+        raise XckptError(
+            f"kvstore spec {location_name(out)} has no driver; a checkpoint location given as a dict is a "
+            'tensorstore kvstore spec, e.g. {"driver": "s3", "bucket": "b", "path": "ckpt/", '
+            '"endpoint": "http://127.0.0.1:9000"}'
+        )
+    if not isinstance(out.get("path", ""), str):
+        raise XckptError(f"kvstore spec {location_name(out)}: path must be a string")
+    return out
+
+
+def not_a_location(location: Any) -> XckptError:
+    """The error for a value that is no location at all."""
+    return XckptError(
+        f"checkpoint location {location!r} ({type(location).__name__}) is not a path, a URL or a "
+        "kvstore spec dict"
+    )
 
 
 _SECRET_RE = re.compile(r"secret|token|password|credential", re.I)

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from xckpt.errors import CheckpointNotFoundError, StorageError, XckptError
 
 from ._blob import Blob, KvBlob, LocalBlob
 from ._http import HttpBlob, http_headers
-from ._kvstore import default_context, location_name, storage_error
+from ._kvstore import checked_spec, default_context, location_name, not_a_location, storage_error
 
 __all__ = ["Place", "LocalPlace", "KvPlace", "HttpPlace", "as_place"]
 
@@ -58,10 +58,13 @@ class Place:
     Attributes:
         name: the location as messages name it (a spec dict as JSON, secrets hidden).
         local: the local path, for a place on a local disk (else None).
-        listable: whether :meth:`entries` and :meth:`files` can list (not over http).
+        listable: whether `entries` and `files` can list (not over http).
+        location: the location itself, as a path, URL or spec dict (for readers that
+            take one, such as the xckpt format's).
     """
 
     name: str = ""
+    location: Any = None
     local: str | None = None
     listable: bool = True
 
@@ -127,6 +130,7 @@ class LocalPlace(Place):
     def __init__(self, path: str) -> None:
         self.name = path
         self.local = path
+        self.location = path
 
     def _p(self, rel: str) -> str:
         return os.path.join(self.name, rel) if rel else self.name
@@ -197,12 +201,13 @@ class LocalPlace(Place):
 class KvPlace(Place):
     """A location in a tensorstore kvstore: ``spec`` is its kvstore spec (a dict with ``path``)."""
 
-    def __init__(self, spec: Mapping[str, Any], name: str, context: Any = None) -> None:
+    def __init__(self, spec: Mapping[str, Any], name: str, context: Any = None, location: Any = None) -> None:
         self.spec = dict(spec)
         path = self.spec.get("path", "")
         if not isinstance(path, str):
             raise XckptError(f"kvstore spec {name}: path must be a string")
         self.name = name
+        self.location = location if location is not None else self.spec
         self._path = path
         self._dir = path if not path or path.endswith("/") else path + "/"
         self._context = context if context is not None else default_context()
@@ -341,18 +346,23 @@ class KvPlace(Place):
         return f"a location holding {_shown(self.entries())}"
 
 
-#: What a Hugging Face directory is probed for over http, in order (it cannot be listed).
-HTTP_PROBES = ("model.safetensors.index.json", "model.safetensors")
-
-
 class HttpPlace(Place):
     """An ``http(s)://`` location (files probed by name; nothing listed)."""
 
     listable = False
 
-    def __init__(self, url: str, headers: Mapping[str, str] | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        name: str | None = None,
+        *,
+        probes: Sequence[str] = (),
+    ) -> None:
         self.url = url
+        self.location = url
         self.name = name or url
+        self.probes = tuple(probes)
         self._headers = dict(headers or {})
         self._dir = url if url.endswith("/") else url + "/"
         self._blobs: dict[str, HttpBlob | None] = {}
@@ -378,7 +388,7 @@ class HttpPlace(Place):
                         self._kind = "file"
                 except StorageError as e:  # a server may refuse a directory's URL (400, 403)
                     failed = e
-            if self._kind is None and (self.url.endswith("/") or any(self._probe(p) is not None for p in HTTP_PROBES)):
+            if self._kind is None and (self.url.endswith("/") or any(self._probe(p) is not None for p in self.probes)):
                 self._kind = "dir"
             if self._kind is None and failed is not None:
                 raise failed
@@ -390,10 +400,10 @@ class HttpPlace(Place):
         return urllib.parse.urlsplit(self.url).path.rstrip("/").rsplit("/", 1)[-1]
 
     def child(self, rel: str) -> HttpPlace:
-        return HttpPlace(self._dir + urllib.parse.quote(rel), self._headers)
+        return HttpPlace(self._dir + urllib.parse.quote(rel), self._headers, probes=self.probes)
 
     def parent(self) -> HttpPlace:
-        return HttpPlace(self.url.rstrip("/").rpartition("/")[0] + "/", self._headers)
+        return HttpPlace(self.url.rstrip("/").rpartition("/")[0] + "/", self._headers, probes=self.probes)
 
     def entries(self, rel: str = "") -> list[str]:
         return []
@@ -439,17 +449,21 @@ class HttpPlace(Place):
         if kind == "dir":
             return (
                 "an http(s) location, which cannot be listed: probed "
-                + ", ".join(f"{p} ({'found' if self._probe(p) else 'absent'})" for p in HTTP_PROBES)
+                + ", ".join(f"{p} ({'found' if self._probe(p) else 'absent'})" for p in self.probes)
             )
-        return f"nothing (the server has no file there, nor {' nor '.join(HTTP_PROBES)} below it)"
+        below = f", nor {' nor '.join(self.probes)} below it" if self.probes else ""
+        return f"nothing (the server has no file there{below})"
 
 
-def as_place(location: Any, context: Any = None) -> Place:
-    """The :class:`Place` of a location: a :class:`Place`, a local path (or ``file://`` URL),
-    an ``http(s)://`` URL, another kvstore URL, or a kvstore spec dict.
+def as_place(location: Any, context: Any = None, *, probes: Sequence[str] = ()) -> Place:
+    """The [Place][xckpt.storage.Place] of a location: a `Place`, a local path (or `file://`
+    URL), an `http(s)://` URL, another kvstore URL, or a kvstore spec dict.
+
+    `probes` are the file names that mark a directory at an `http(s)://` location, which
+    cannot be listed (the formats table gathers them from the formats that have such names).
 
     Raises:
-        XckptError: ``location`` is none of these.
+        XckptError: `location` is none of these.
     """
     if isinstance(location, Place):
         return location
@@ -459,7 +473,7 @@ def as_place(location: Any, context: Any = None) -> Place:
         if location.startswith("file://"):
             return LocalPlace(location[len("file://") :])
         if location.startswith(("http://", "https://")):
-            return HttpPlace(location)
+            return HttpPlace(location, probes=probes)
         if "://" not in location:
             return LocalPlace(location)
         import tensorstore as ts
@@ -468,27 +482,17 @@ def as_place(location: Any, context: Any = None) -> Place:
             spec = ts.KvStore.Spec(location).to_json()
         except ValueError as e:
             raise XckptError(f"{location!r} is not a kvstore URL tensorstore knows ({e})") from None
-        return KvPlace(spec, location, context)
+        return KvPlace(spec, location, context, location=location)
     if isinstance(location, Mapping):
-        spec = dict(location)
-        driver = spec.get("driver")
-        if not isinstance(driver, str):
-            raise XckptError(
-                f"kvstore spec {location_name(spec)} has no driver; a location given as a dict is a "
-                'tensorstore kvstore spec, e.g. {"driver": "s3", "bucket": "b", "path": "ckpt/", '
-                '"endpoint": "http://127.0.0.1:9000"}'
-            )
-        if driver == "http":
+        spec = checked_spec(location)
+        if spec["driver"] == "http":
             base = spec.get("base_url")
             if not isinstance(base, str) or not base.startswith(("http://", "https://")):
                 raise XckptError(f"http spec {location_name(spec)} needs a base_url of http(s)://")
             path = spec.get("path", "")
             url = base.rstrip("/") + "/" + path.lstrip("/") if path else base
-            return HttpPlace(url, http_headers(spec.get("headers"), url), location_name(spec))
-        if driver == "file" and set(spec) <= {"driver", "path"} and isinstance(spec.get("path"), str):
+            return HttpPlace(url, http_headers(spec.get("headers"), url), location_name(spec), probes=probes)
+        if spec["driver"] == "file" and set(spec) <= {"driver", "path"}:
             return LocalPlace(spec["path"])
         return KvPlace(spec, location_name(spec), context)
-    raise XckptError(
-        f"checkpoint location {location!r} ({type(location).__name__}) is not a path, a URL or a "
-        "kvstore spec dict"
-    )
+    raise not_a_location(location)
