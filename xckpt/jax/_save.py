@@ -40,13 +40,14 @@ import jax
 import numpy as np
 
 from xckpt._async import submit, wait_pending
+from xckpt._staging import StagingPool
 from xckpt.errors import ObjectError, UnsupportedPlacementError, XckptError
 from xckpt.layout import Box, choose_writer
 from xckpt.manifest import DTYPES, Manifest
 from xckpt.native.writer import ALL_HELD, Writer, finalize
 from xckpt.storage import Location
 
-from ._staging import HostBuffers, stage_host
+from ._staging import stage_host
 from ._tree import device_boxes, flatten, placement_info
 
 __all__ = ["save"]
@@ -138,7 +139,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     show_progress: bool | None = None,
     async_save: bool = False,
-    staging: HostBuffers | None = None,
+    staging: StagingPool | None = None,
 ) -> Manifest | cf.Future[Manifest]:
     """Save a pytree of jax.Arrays, numpy arrays and scalars to ``path``.
 

@@ -36,7 +36,7 @@ from xckpt.storage import Location
 from xckpt.torch._dist import rank_world
 from xckpt.torch._dtypes import as_numpy, dtype_name, known_dtype_name, torch_dtype
 from xckpt.torch._pipeline import DeviceRing
-from xckpt.torch._placement import PLAIN_TENSORS, Piece, global_info, local_pieces
+from xckpt.torch._placement import PLAIN_TENSORS, LocalBox, global_info, local_pieces
 from xckpt.torch._read_once import load_once
 from xckpt.torch._state_dict import PerRank, Slot, flatten
 from xckpt.torch.value_groups import load_value_groups
@@ -115,7 +115,7 @@ class _Reads:
         self.items: list[tuple[str, L.Box, np.ndarray]] = []
         self.staged: list[tuple[str, L.Box, torch.Tensor]] = []
 
-    def add(self, name: str, piece: Piece) -> None:
+    def add(self, name: str, piece: LocalBox) -> None:
         dst = piece.tensor
         if isinstance(dst, np.ndarray):
             view = dst[piece.slices] if piece.slices else dst[...]

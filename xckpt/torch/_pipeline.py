@@ -51,7 +51,7 @@ from xckpt.source import Source
 from xckpt.torch._dtypes import as_numpy
 from xckpt.torch._staging import side_stream
 
-__all__ = ["DeviceRing", "Part", "plan_batches", "split_box", "Copier"]
+__all__ = ["DeviceRing", "StagedSlice", "plan_batches", "split_box", "Copier"]
 
 #: Byte alignment of each piece inside a buffer (any dtype's itemsize divides it).
 ALIGN = 64
@@ -60,8 +60,8 @@ _MIN_BUFFER = 1 << 20
 
 
 @dataclass(frozen=True)
-class Part:
-    """Piece ``box`` (global coordinates) of item ``item``, at ``slices`` of the item's
+class StagedSlice:
+    """Slice ``box`` (global coordinates) of item ``item``, at ``slices`` of the item's
     target, staged at ``offset`` (``nbytes`` long) of its batch's buffer."""
 
     item: int
@@ -101,15 +101,15 @@ def _product(ranges: Sequence[range]) -> list[tuple[int, ...]]:
     return out
 
 
-def plan_batches(items: Sequence[tuple[L.Box, int]], buffer_bytes: int) -> list[list[Part]]:
-    """Items ``(box, itemsize)`` as batches of :class:`Part`, each batch fitting one buffer.
+def plan_batches(items: Sequence[tuple[L.Box, int]], buffer_bytes: int) -> list[list[StagedSlice]]:
+    """Items ``(box, itemsize)`` as batches of :class:`StagedSlice`, each batch fitting one buffer.
 
     Pure arithmetic: pieces keep the items' order; empty boxes are skipped.
     """
     if buffer_bytes < ALIGN:
         raise XckptError(f"a device ring's buffers must hold at least {ALIGN} bytes, got {buffer_bytes}")
-    batches: list[list[Part]] = []
-    cur: list[Part] = []
+    batches: list[list[StagedSlice]] = []
+    cur: list[StagedSlice] = []
     pos = 0
     for i, (box, itemsize) in enumerate(items):
         if box.empty:
@@ -122,7 +122,7 @@ def plan_batches(items: Sequence[tuple[L.Box, int]], buffer_bytes: int) -> list[
             if cur and at + nbytes > buffer_bytes:
                 batches.append(cur)
                 cur, at = [], 0
-            cur.append(Part(i, piece, piece.slices(box), at, nbytes))
+            cur.append(StagedSlice(i, piece, piece.slices(box), at, nbytes))
             pos = at + nbytes
     if cur:
         batches.append(cur)

@@ -30,7 +30,7 @@ from xckpt.manifest import dtype_name as manifest_dtype_name
 from xckpt.torch._dtypes import torch_dtype
 
 __all__ = [
-    "Piece",
+    "LocalBox",
     "Local",
     "is_dtensor",
     "is_sharded_tensor",
@@ -93,7 +93,7 @@ def torch_to_layout(placements: Sequence[Any], name: str) -> list[L.Placement]:
 
 
 @dataclass(frozen=True)
-class Piece:
+class LocalBox:
     """Part ``slices`` of local tensor ``tensor`` holds global box ``box``."""
 
     box: L.Box
@@ -101,12 +101,12 @@ class Piece:
     slices: tuple[slice, ...]
 
 
-def pieces_from_indices(idx: Sequence[Sequence[int]], tensor: Any) -> list[Piece]:
+def pieces_from_indices(idx: Sequence[Sequence[int]], tensor: Any) -> list[LocalBox]:
     """Boxes of the index sets, with their slices of the local tensor (row-major)."""
     return pieces_from_runs([L.indices_to_runs(ix) for ix in idx], tensor)
 
 
-def pieces_from_runs(runs: Sequence[Sequence[tuple[int, int]]], tensor: Any) -> list[Piece]:
+def pieces_from_runs(runs: Sequence[Sequence[tuple[int, int]]], tensor: Any) -> list[LocalBox]:
     """Boxes of per-dim sorted runs ``(start, length)``, with their slices of the local tensor."""
     if any(len(r) == 0 for r in runs):
         return []
@@ -118,7 +118,7 @@ def pieces_from_runs(runs: Sequence[Sequence[tuple[int, int]]], tensor: Any) -> 
             pos += n
         per_dim.append(out)
     return [
-        Piece(L.Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo)), tensor,
+        LocalBox(L.Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo)), tensor,
               tuple(slice(r[2], r[2] + r[1]) for r in combo))
         for combo in itertools.product(*per_dim)
     ]
@@ -134,7 +134,7 @@ class Local:
     "sharded_tensor" or "replicated".
     """
 
-    pieces: tuple[Piece, ...]
+    pieces: tuple[LocalBox, ...]
     holders: tuple[int, ...] | None
     layout: str
     mesh_shape: tuple[int, ...] = ()
@@ -240,7 +240,7 @@ def sharded_tensor_local(st: Any) -> Local:
                 f"{tuple(sh.tensor.shape)} but its metadata says {box.shape}"
             )
         if not box.empty:
-            pieces.append(Piece(box, sh.tensor, tuple(slice(0, n) for n in box.shape)))
+            pieces.append(LocalBox(box, sh.tensor, tuple(slice(0, n) for n in box.shape)))
     world = len({str(m.placement) for m in st.metadata().shards_metadata})
     return Local(tuple(pieces), None, "sharded_tensor", (world,))
 
@@ -264,7 +264,7 @@ def local_pieces(v: Any, name: str, group_rank: Any, meshes: dict[int, Any] | No
         return sharded_tensor_local(v)
     shape = tuple(int(s) for s in v.shape)
     box = L.Box.full(shape)
-    pieces = () if box.empty else (Piece(box, v, tuple(slice(0, n) for n in shape)),)
+    pieces = () if box.empty else (LocalBox(box, v, tuple(slice(0, n) for n in shape)),)
     return Local(pieces, None, "replicated")
 
 

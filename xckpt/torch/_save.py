@@ -44,6 +44,7 @@ import torch
 
 from xckpt import layout as L
 from xckpt._async import submit, wait_pending
+from xckpt._staging import StagingPool
 from xckpt.errors import XckptError
 from xckpt.manifest import Manifest, numpy_dtype, paused_gc
 from xckpt.native.writer import ALL_HELD, Writer, finalize
@@ -51,7 +52,7 @@ from xckpt.storage import Location
 from xckpt.torch._dist import distributed, rank_world, share_outcome
 from xckpt.torch._dtypes import as_numpy, dtype_name
 from xckpt.torch._placement import PLAIN_TENSORS, global_info, local_pieces, placement_info
-from xckpt.torch._staging import HostBuffers, Stager, wait_events
+from xckpt.torch._staging import Stager, wait_events
 from xckpt.torch._state_dict import PerRank, flatten
 from xckpt.torch.value_groups import save_value_groups, split_value_groups
 
@@ -168,7 +169,7 @@ def save(
     show_progress: bool | None = None,
     storage: str | None = None,
     metadata: Mapping[str, Any] | None = None,
-    staging: HostBuffers | None = None,
+    staging: StagingPool | None = None,
 ) -> Manifest | cf.Future[Manifest]:
     """Save this rank's state dict; every rank of the group calls it.
 

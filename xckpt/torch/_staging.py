@@ -1,8 +1,8 @@
 """Staging for ``xckpt.torch.save(..., staging=buffers)``: copies into reusable host buffers.
 
 ``staging`` is a pool of host buffers the caller owns and passes to every save
-(:class:`xckpt.manager.HostBuffers`, the checkpoint manager's staging memory; any
-object with the :class:`HostBuffers` protocol). Instead of a fresh host copy of each
+(`xckpt.manager.HostBuffers`, the checkpoint manager's staging memory; any
+object with the `xckpt._staging.StagingPool` protocol). Instead of a fresh host copy of each
 box per save, a save copies each box into the pool's buffer for it, allocated once
 (pinned when the tensor is on CUDA) and reused while the box keeps its shape and dtype.
 
@@ -28,33 +28,20 @@ None, and the writer waits for each event. Tests use it to check this logic on C
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Protocol
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from xckpt._staging import StagingPool
 from xckpt.errors import XckptError
 from xckpt.torch._dtypes import as_numpy
 
-__all__ = ["HostBuffers", "Stager", "side_stream", "wait_events"]
+__all__ = ["Stager", "side_stream", "wait_events"]
 
 #: One side stream per CUDA device for this process's staging and load copies.
 _side_streams: dict[Any, Any] = {}
-
-
-class HostBuffers(Protocol):
-    """What a staging pool offers (see :mod:`xckpt.manager._staging` for the pool)."""
-
-    device_copy: Callable[[Any, Any], Any] | None
-
-    def begin(self) -> None: ...
-
-    def take(
-        self, key: Hashable, shape: tuple[int, ...], dtype: Hashable, alloc: Callable[[], Any]
-    ) -> Any: ...
-
-    def end(self) -> None: ...
 
 
 def side_stream(device: Any) -> Any:
@@ -69,7 +56,7 @@ def side_stream(device: Any) -> Any:
 class Stager:
     """One save's staging into ``buffers`` (see the module for the protocol)."""
 
-    def __init__(self, buffers: HostBuffers) -> None:
+    def __init__(self, buffers: StagingPool) -> None:
         self.buffers = buffers
         self.events: list[Any] = []
         self._streams: dict[Any, Any] = {}
