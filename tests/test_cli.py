@@ -53,3 +53,57 @@ def test_help_teaches(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "xckpt verify /ckpt/step-100" in out
+
+
+def test_counts_read_as_english(tmp_path, capsys):
+    xckpt.save({"w": np.zeros(3, np.float32), "step": 1}, tmp_path / "one")
+    assert main(["ls", str(tmp_path / "one")]) == 0
+    out = capsys.readouterr().out
+    assert "1 tensor (12 B), 1 object," in out
+    assert main(["show", str(tmp_path / "one"), "w"]) == 0
+    assert "w: float32[3], 1 chunk, 12 B" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "one")]) == 0
+    assert "1 chunk checked, 0 problems" in capsys.readouterr().out
+
+
+@pytest.fixture
+def manager_root(tmp_path):
+    root = tmp_path / "run"
+    with xckpt.CheckpointManager(str(root), handle_preemption=False) as m:
+        for step in (10, 20):
+            m.save(step, {"w": np.full((4, 2), step, np.float32), "step": step})
+    return root
+
+
+@pytest.mark.parametrize("step, value", [("latest", 20), ("10", 10)])
+def test_every_reading_command_takes_a_step_of_a_manager_root(manager_root, capsys, step, value):
+    assert main(["ls", str(manager_root), "--step", step]) == 0
+    out = capsys.readouterr().out
+    assert "w     float32  [4, 2]" in out and "objects: step" in out
+    assert main(["show", str(manager_root), "w", "--step", step]) == 0
+    assert "w: float32[4, 2], 1 chunk" in capsys.readouterr().out
+    assert main(["verify", str(manager_root), "--step", step]) == 0
+    assert f"{manager_root}/{value}" in capsys.readouterr().out
+    assert main(["plan", str(manager_root), "--step", step, "--world-size", "2"]) == 0
+    assert "rank" in capsys.readouterr().out
+
+
+def test_a_manager_root_without_step_lists_its_steps_and_a_bad_step_is_refused(manager_root, capsys):
+    assert main(["ls", str(manager_root)]) == 0
+    out = capsys.readouterr().out
+    assert "10" in out and "20" in out
+    assert main(["show", str(manager_root), "w", "--step", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "30" in err and "20" in err
+    with pytest.raises(SystemExit):
+        main(["ls", str(manager_root), "--step", "newest"])
+    assert "neither 'latest' nor a step number" in capsys.readouterr().err
+
+
+def test_a_read_failure_does_not_ask_for_a_writable_location() -> None:
+    from xckpt.storage import storage_error
+
+    read = storage_error("/ckpt", "reading ranks/0.json", ValueError("UNKNOWN: boom"))
+    assert "readable" in str(read) and "writable" not in str(read)
+    write = storage_error("/ckpt", "writing data/0/t/0", ValueError("UNKNOWN: boom"))
+    assert "writable" in str(write)

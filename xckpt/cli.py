@@ -1,11 +1,15 @@
-"""The ``xckpt`` command: look into checkpoints of any format from a terminal.
+"""The `xckpt` command: look into checkpoints of any format from a terminal.
 
-Every command reads xckpt, torch DCP, orbax, safetensors (a file or a Hugging Face
-directory) and torch.save checkpoints; the format is detected (``--format`` forces one).
+Every command reads all seven formats: xckpt, torch DCP, orbax, safetensors (a file or
+a Hugging Face directory), torch.save (Lightning .ckpt included), DeepSpeed (ZeRO 1/2/3
+and universal) and Megatron-Core; the format is detected (`--format` forces one). A
+checkpoint manager's root takes `--step N` or `--step latest`.
 
-Examples::
+Examples:
 
     xckpt ls /ckpt/step-100              # tensors: dtype, shape, chunks, bytes
+    xckpt ls /runs/exp1                  # a manager root: its steps
+    xckpt ls /runs/exp1 --step latest    # ... and the tensors of its latest step
     xckpt show /ckpt/step-100 layers.0.w # one tensor: placement and every chunk box
     xckpt verify /ckpt/step-100          # read every chunk; exit 1 if any is damaged
     xckpt diff /ckpt/a /ckpt/b           # names, dtypes and shapes that differ
@@ -42,6 +46,11 @@ from xckpt.plan import plan_load
 from xckpt.source import Source
 
 
+def _n(count: int, noun: str) -> str:
+    """`count` and `noun`, plural unless there is exactly one ("1 object", "2 objects")."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def _ls(ck: Source, args: argparse.Namespace) -> int:
     rows = [("name", "dtype", "shape", "chunks", "bytes")]
     total = 0
@@ -54,7 +63,7 @@ def _ls(ck: Source, args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     objs = ck.object_names()
     print(
-        f"\n{ck.format} checkpoint: {len(ck.names())} tensors ({human_bytes(total)}), {len(objs)} objects, "
+        f"\n{ck.format} checkpoint: {_n(len(ck.names()), 'tensor')} ({human_bytes(total)}), {_n(len(objs), 'object')}, "
         f"world size {ck.world_size}" + (f", save {ck.save_id}" if ck.save_id else "")
     )
     if objs:
@@ -65,9 +74,9 @@ def _ls(ck: Source, args: argparse.Namespace) -> int:
 def _ls_location(args: argparse.Namespace) -> int:
     """``xckpt ls PATH``: a checkpoint's tensors, or a checkpoint manager root's steps."""
     try:
-        ck = open_source(args.path, format=args.format, allow_pickle=args.allow_pickle)
+        ck = open_source(args.path, format=args.format, allow_pickle=args.allow_pickle, step=args.step)
     except CheckpointNotFoundError:
-        infos = manager_steps(args.path) if args.format in (None, "xckpt") else []
+        infos = manager_steps(args.path) if args.format in (None, "xckpt") and args.step is None else []
         if not infos:
             raise
         print(steps_table(args.path, infos))
@@ -78,7 +87,7 @@ def _ls_location(args: argparse.Namespace) -> int:
 
 def _show(ck: Source, args: argparse.Namespace) -> int:
     t = ck.info(args.name)
-    print(f"{t.name}: {t.dtype}{list(t.shape)}, {len(t.chunks)} chunks, {human_bytes(t.nbytes)}")
+    print(f"{t.name}: {t.dtype}{list(t.shape)}, {_n(len(t.chunks), 'chunk')}, {human_bytes(t.nbytes)}")
     if t.placement is not None:
         print("placement:", json.dumps(t.placement.to_json()))
     if t.value_range is not None:
@@ -88,7 +97,7 @@ def _show(ck: Source, args: argparse.Namespace) -> int:
         where = c.key if c.form == "array" else f"{c.key}[{at}:{at + c.nbytes}]"
         print(f"  {c.box}  rank {c.rank}  {human_bytes(c.nbytes)}  {where}")
     if len(t.chunks) > args.limit:
-        print(f"  ... {len(t.chunks) - args.limit} more chunks (--limit to see them)")
+        print(f"  ... {_n(len(t.chunks) - args.limit, 'more chunk')} (--limit to see them)")
     return 0
 
 
@@ -97,7 +106,7 @@ def _verify(ck: Source, args: argparse.Namespace) -> int:
     for p in problems:
         print("PROBLEM:", p)
     n = sum(len(ck.info(n).chunks) for n in ck.names())
-    print(f"{ck.path}: {n} chunks checked, {len(problems)} problems")
+    print(f"{ck.path}: {_n(n, 'chunk')} checked, {_n(len(problems), 'problem')}")
     return 1 if problems else 0
 
 
@@ -160,7 +169,7 @@ def _diff(a: Source, b: Source, values: bool = False) -> int:
                 print(f"~ {name} (object): {va[name]!r} -> {vb[name]!r}")
                 objects += 1
     what = "values compared" if values else "names, dtypes and shapes compared; --values compares elements"
-    print(f"{differ} tensors and {objects} objects differ ({what})")
+    print(f"{_n(differ, 'tensor')} and {_n(objects, 'object')} differ ({what})")
     return 1 if differ or objects else 0
 
 
@@ -191,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--allow-pickle",
             action="store_true",
             help="read pickled objects (DCP's non-tensor values); tensors never need it",
+        )
+        s.add_argument(
+            "--step",
+            type=_step,
+            help="PATH is a checkpoint manager's root: use its step N, or 'latest' (the highest complete one)",
         )
 
     s = sub.add_parser("ls", help="list tensors and objects")
@@ -339,6 +353,15 @@ def _plan(ck: Source, args: argparse.Namespace) -> int:
     return 0
 
 
+def _step(arg: str) -> int | str:
+    """A `--step` value: "latest" or a step number."""
+    if arg == "latest":
+        return arg
+    if arg.isascii() and arg.isdigit():
+        return int(arg)
+    raise argparse.ArgumentTypeError(f"{arg!r} is neither 'latest' nor a step number")
+
+
 def _location(arg: str) -> object:
     """A path argument: a tensorstore kvstore spec when it is JSON (starts with ``{``), e.g.
     ``'{"driver": "s3", "bucket": "b", "path": "ckpt/", "endpoint": "http://host:9000"}'``."""
@@ -383,7 +406,7 @@ def _run(args: argparse.Namespace) -> int:
                 setattr(args, attr, _location(getattr(args, attr)))
         if args.cmd == "convert":
             return _convert(args)
-        opts = {"format": args.format, "allow_pickle": args.allow_pickle}
+        opts = {"format": args.format, "allow_pickle": args.allow_pickle, "step": getattr(args, "step", None)}
         if args.cmd == "ls":
             return _ls_location(args)
         if args.cmd == "diff":

@@ -180,6 +180,13 @@ def _clean(err: BaseException) -> str:
     return str(err).split("[source locations=")[0].strip()
 
 
+def _default_hint(what: str) -> str:
+    """The advice for a failure with no known cause: what a read needs differs from a write."""
+    if what.startswith(("reading", "listing", "opening")):
+        return "check that the location exists, is reachable and readable, then retry"
+    return "check that the location is reachable and writable, then retry"
+
+
 def storage_error(where: str, what: str, err: BaseException) -> StorageError:
     """A :class:`StorageError` for a tensorstore/OS failure of ``what`` at checkpoint ``where``.
 
@@ -203,7 +210,7 @@ def storage_error(where: str, what: str, err: BaseException) -> StorageError:
         errno_mod.EACCES: "permission denied: check the credentials and access rights of the location",
         errno_mod.EPERM: "permission denied: check the credentials and access rights of the location",
         errno_mod.EROFS: "the file system is read-only",
-    }.get(code or -1, "check that the location is reachable and writable, then retry")
+    }.get(code or -1, _default_hint(what))
     text = f"checkpoint {where!r}: storage failed while {what} ({msg}); {hint}"
     return StorageError(code, text) if code is not None else StorageError(text)
 
