@@ -79,6 +79,16 @@ class ChunkRead(NamedTuple):
     req: ReadRequest | None
     out: np.ndarray
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes this read moves (for progress bars and work splitting)."""
+        return self.chunk.nbytes if self.req is None else self.req.box.volume * self.out.itemsize
+
+
+def group_bytes(group: Sequence[ChunkRead]) -> int:
+    """The bytes a group of reads moves."""
+    return sum(j.nbytes for j in group)
+
 
 def whole_request(chunk: Chunk) -> ReadRequest:
     """The request that reads all of ``chunk`` into an output of its shape."""
@@ -361,19 +371,27 @@ class Source:
             f"{self.object_names()[:10]}"
         )
 
+    #: How a format's messages name a checkpoint ("torch DCP checkpoint").
+    _kind_name: str = "checkpoint"
+    #: Why this format's objects are pickles, said when one is refused.
+    _pickle_why: str = ""
+    #: How a per-rank object came to be, said when one is asked for at another world size
+    #: (`{n}`: the saving world size).
+    _per_rank_how: str = "was saved per rank by {n} ranks"
+
     def _pickle_refused(self, names: Sequence[str]) -> ObjectError:
-        """The error for asking without ``allow_pickle`` for pickled objects ``names``."""
+        """The error for asking without `allow_pickle` for pickled objects `names`."""
         return ObjectError(
-            f"checkpoint {self.path!r}: object {names[0]!r}"
+            f"{self._kind_name} {self.path!r}: object {names[0]!r}"
             + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
-            + " is a pickle and pickles can run code; read it only from a trusted checkpoint, by "
-            "opening with allow_pickle=True"
+            + f" is a pickle{self._pickle_why} and pickles can run code; read it only from a trusted "
+            "checkpoint, by opening with allow_pickle=True"
         )
 
     def _per_rank_mismatch(self, name: str, world: int) -> ObjectError:
-        """The error for per-rank object ``name`` asked for at world size ``world``."""
+        """The error for per-rank object `name` asked for at world size `world`."""
         return ObjectError(
-            f"checkpoint {self.path!r}: object {name!r} was saved per rank by {self.world_size} ranks "
+            f"{self._kind_name} {self.path!r}: object {name!r} {self._per_rank_how.format(n=self.world_size)} "
             f"and is loaded at world size {world}; there is no rank-for-rank match. Ask for every "
             "rank's value with per_rank='list' and choose"
         )

@@ -56,7 +56,7 @@ from xckpt.errors import IncompleteCheckpointError, XckptError
 from xckpt.layout import Box, check_coverage
 from xckpt.manifest import Chunk, TensorEntry, numpy_dtype
 from xckpt.sink import WriteJob
-from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.source import ChunkRead, Source, group_bytes, whole_request
 from xckpt.storage import Place, as_place
 
 from ._deepspeed_files import (
@@ -590,10 +590,7 @@ class DeepSpeedSource(Source):
                 )
                 read_stored(spec, Stored(s.flat.file, view, s.flat.start), items)
 
-        def size(group: list[ChunkRead]) -> int:
-            return sum(j.chunk.nbytes if j.req is None else j.req.box.volume * j.out.itemsize for j in group)
-
-        run_jobs(one, list(groups.values()), bar, size)
+        run_jobs(one, list(groups.values()), bar, group_bytes)
 
     def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
         """An assembled parameter reads, from each piece, the elements between the box's first and

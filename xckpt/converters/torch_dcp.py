@@ -50,12 +50,11 @@ from typing import Any, NamedTuple
 from xckpt.errors import (
     CorruptChunkError,
     IncompleteCheckpointError,
-    ObjectError,
     XckptError,
 )
 from xckpt.layout import check_coverage
 from xckpt.manifest import Chunk, TensorEntry
-from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.source import ChunkRead, Source, group_bytes, whole_request
 from xckpt.storage import Blob, Place, as_place
 
 from . import _dcp_items as items
@@ -215,6 +214,10 @@ class DcpSource(Source):
     """A torch DCP checkpoint directory opened for reading (metadata only)."""
 
     format = FORMAT
+    _kind_name = "torch DCP checkpoint"
+    _pickle_why = " (DCP saves non-tensor values with torch.save)"
+    # DCP records no "per rank": an object is per rank when the ranks' values differ.
+    _per_rank_how = "differs between the ranks that saved it ({n})"
 
     def __init__(self, path: str | Place, *, allow_pickle: bool = False) -> None:
         place = as_place(path)
@@ -382,10 +385,7 @@ class DcpSource(Source):
             finally:
                 self._reader.release(group[0].name, group[0].chunk)
 
-        def size(group: list[ChunkRead]) -> int:
-            return sum(j.chunk.nbytes if j.req is None else j.req.box.volume * j.out.itemsize for j in group)
-
-        run_jobs(one, list(groups.values()), bar, size)
+        run_jobs(one, list(groups.values()), bar, group_bytes)
 
     # -- objects ------------------------------------------------------------------
 
@@ -420,22 +420,6 @@ class DcpSource(Source):
     def _per_rank_values(self, name: str) -> list[Any]:
         group = self._groups[name]
         return [self._reader.object_value(name, group, r) for r in self._reader.ranks_of(group)]
-
-    def _pickle_refused(self, names: Sequence[str]) -> ObjectError:
-        return ObjectError(
-            f"torch DCP checkpoint {self.path!r}: object {names[0]!r}"
-            + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
-            + " is a pickle (DCP saves non-tensor values with torch.save) and pickles can run code; "
-            "read it only from a trusted checkpoint, by opening with allow_pickle=True"
-        )
-
-    def _per_rank_mismatch(self, name: str, world: int) -> ObjectError:
-        # DCP records no "per rank": an object is per rank when the ranks' values differ.
-        return ObjectError(
-            f"torch DCP checkpoint {self.path!r}: object {name!r} differs between the ranks that "
-            f"saved it ({self.world_size}) and is loaded at world size {world}; ask for every "
-            "rank's value with per_rank='list' and choose"
-        )
 
     def _verify_objects(self) -> list[str]:
         return self._reader.verify_objects(self._groups)

@@ -42,7 +42,7 @@ import numpy as np
 from xckpt.errors import ObjectError, XckptError
 from xckpt.layout import check_coverage
 from xckpt.manifest import Chunk, TensorEntry, numpy_dtype
-from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.source import ChunkRead, Source, group_bytes, whole_request
 from xckpt.storage import Blob, Place, as_place
 
 from ._foreign import describe, find_foreign, holds_foreign, rebuild
@@ -227,10 +227,7 @@ class TorchSaveSource(Source):
             name = group[0].name
             read_boxes(self._archive, self._tensors[name], self._starts[name], items)
 
-        def size(group: list[ChunkRead]) -> int:
-            return sum(j.chunk.nbytes if j.req is None else j.req.box.volume * j.out.itemsize for j in group)
-
-        run_jobs(one, list(groups.values()), bar, size)
+        run_jobs(one, list(groups.values()), bar, group_bytes)
 
     def object_names(self) -> list[str]:
         return list(self._objects)
