@@ -8,6 +8,7 @@ from memory until its reads are done) and keeps only the parsed description.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -22,7 +23,7 @@ from xckpt.storage import Blob
 
 from ._nesting import group_by_prefix, nest
 from ._torchzip import ZIP_MAGIC, Archive, StoredBytes, read_box, read_boxes
-from ._unpickle import StorageRef, TensorRef, TorchDtype, unrestricted_load
+from ._unpickle import StorageRef, TensorRef, TorchDtype, materialize, unrestricted_load
 from .safetensors import DTYPES as SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ __all__ = ["ChunkReader", "group_objects", "path_of", "transform_error"]
 #: safetensors dtype name -> xckpt dtype name (the safetensors reader's table: C64, float8 included).
 _ST_DTYPES = {k: v[0] for k, v in SAFETENSORS_DTYPES.items()}
 _ST_MAX_HEADER = 100 << 20
-_MAX_DEPTH = 200
 
 Member = tuple[tuple[Any, ...], str, list["_Item"]]  # (path below the object's name, DCP fqn, items)
 
@@ -211,7 +211,7 @@ class ChunkReader:
     def _unpickle(self, fqn: str, it: _Item) -> Any:
         a = self._archive(fqn, it)
         value = unrestricted_load(a.record_bytes(f"{a.prefix}/data.pkl"), a.where)
-        return _materialize(value, a, 0)
+        return read_value(value, a)
 
     def verify_objects(self, groups: Mapping[str, list[Member]]) -> list[str]:
         problems = []
@@ -225,25 +225,19 @@ class ChunkReader:
         return problems
 
 
-def _materialize(v: Any, a: Archive, depth: int) -> Any:
-    """Tensors inside an unpickled object become numpy arrays read from the archive."""
-    if depth > _MAX_DEPTH:
-        return v
-    if isinstance(v, TensorRef):
-        dtype = v.dtype.xckpt
-        if dtype is None:
-            raise XckptError(f"{a.where}: a tensor of dtype torch.{v.dtype.name} cannot be read by xckpt")
-        out = np.empty(v.size, dtype=numpy_dtype(dtype))
-        start = a.storage_range(v, "<object>")[0]
-        read_box(a, v, start, tuple(slice(0, n) for n in v.size), out)
-        return out
-    if type(v) is dict:
-        return {k: _materialize(x, a, depth + 1) for k, x in v.items()}
-    if type(v) is list:
-        return [_materialize(x, a, depth + 1) for x in v]
-    if type(v) is tuple:
-        return tuple(_materialize(x, a, depth + 1) for x in v)
-    return v
+def read_value(value: Any, a: Archive) -> Any:
+    """A pickled DCP value with its tensors read from archive `a` (see `materialize`)."""
+    return materialize(value, functools.partial(_read_tensor, a), a.where)
+
+
+def _read_tensor(a: Archive, v: TensorRef) -> np.ndarray:
+    dtype = v.dtype.xckpt
+    if dtype is None:
+        raise XckptError(f"{a.where}: a tensor of dtype torch.{v.dtype.name} cannot be read by xckpt")
+    out = np.empty(v.size, dtype=numpy_dtype(dtype))
+    start = a.storage_range(v, "<object>")[0]
+    read_box(a, v, start, tuple(slice(0, n) for n in v.size), out)
+    return out
 
 
 def path_of(fqn: str, paths: Mapping[str, tuple[Any, ...]]) -> tuple[Any, ...]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from xckpt.errors import XckptError
 from xckpt.layout import Box
-from xckpt.manifest import numpy_dtype
+from xckpt.manifest import MAX_OBJECT_DEPTH, numpy_dtype
 from xckpt.storage import Blob, Place
 
 from ._deepspeed_layout import c_strides
@@ -28,7 +28,6 @@ from ._unpickle import Record, TensorRef, restricted_load
 __all__ = ["File", "Stored", "Span", "Spec", "is_floating", "open_file", "stored", "read_stored", "assemble"]
 __all__ += ["assembled_units", "materialize"]
 
-_MAX_DEPTH = 100
 
 
 @dataclass(frozen=True)
@@ -160,8 +159,8 @@ def assembled_units(name: str, spec: Spec, box: Box) -> dict[Hashable, int]:
 def materialize(v: Any, f: File | None, depth: int = 0) -> Any:
     """A pickled value as the user sees it: tensors as numpy arrays (read now), records as dicts."""
     where = f.where if f is not None else "DeepSpeed checkpoint"
-    if depth > _MAX_DEPTH:
-        raise XckptError(f"{where}: an object is nested deeper than {_MAX_DEPTH} levels")
+    if depth > MAX_OBJECT_DEPTH:
+        raise XckptError(f"{where}: an object is nested deeper than {MAX_OBJECT_DEPTH} levels")
     if isinstance(v, TensorRef):
         if f is None:
             raise XckptError(f"{where}: a tensor inside an object has no file")

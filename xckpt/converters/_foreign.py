@@ -38,10 +38,10 @@ from collections.abc import Callable
 from typing import Any
 
 from xckpt.errors import XckptError
+from xckpt.manifest import MAX_OBJECT_DEPTH
 
 __all__ = ["Foreign", "placeholder", "holds_foreign", "find_foreign", "rebuild", "describe"]
 
-_MAX_DEPTH = 200
 
 
 class Foreign:
@@ -129,7 +129,7 @@ def find_foreign(value: Any) -> Any:
         v, depth = stack.pop()
         if isinstance(v, Foreign) or _is_placeholder_class(v):
             return v
-        if depth > _MAX_DEPTH:
+        if depth > MAX_OBJECT_DEPTH:
             return v  # deeper than any reader walks: never returned bare
         if isinstance(v, (dict, list, tuple, set, frozenset)):
             if id(v) in seen:
@@ -196,8 +196,8 @@ def rebuild(value: Any, where: str, leaf: Callable[[Any], Any] = lambda v: v) ->
     memo: dict[int, Any] = {}
 
     def go(v: Any, depth: int) -> Any:
-        if depth > _MAX_DEPTH:
-            raise XckptError(f"{where}: the pickled object is nested deeper than {_MAX_DEPTH} levels")
+        if depth > MAX_OBJECT_DEPTH:
+            raise XckptError(f"{where}: the pickled object is nested deeper than {MAX_OBJECT_DEPTH} levels")
         key = id(v)
         if key in memo:
             return memo[key]

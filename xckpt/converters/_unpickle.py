@@ -40,10 +40,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from xckpt.errors import XckptError
+from xckpt.manifest import MAX_OBJECT_DEPTH
 
 from ._foreign import placeholder
 
 __all__ = [
+    "materialize",
     "TorchDtype",
     "TorchEnum",
     "Record",
@@ -244,6 +246,31 @@ class Record:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
+
+def materialize(value: Any, read_tensor: Callable[[TensorRef], Any], where: str, depth: int = 0) -> Any:
+    """An unpickled value as its user sees it: tensors read (`read_tensor(ref)`, a numpy
+    array), records as dicts of their fields, containers walked to `MAX_OBJECT_DEPTH`.
+
+    The one walker of every format's pickled objects (DCP, Megatron, DeepSpeed).
+
+    Raises:
+        XckptError: the value is nested deeper than `MAX_OBJECT_DEPTH` levels.
+    """
+    if depth > MAX_OBJECT_DEPTH:
+        raise XckptError(f"{where}: an object is nested deeper than {MAX_OBJECT_DEPTH} levels")
+    if isinstance(value, TensorRef):
+        return read_tensor(value)
+    d = depth + 1
+    if isinstance(value, Record):
+        return {k: materialize(x, read_tensor, where, d) for k, x in value.__dict__.items()}
+    if isinstance(value, dict):
+        return {k: materialize(x, read_tensor, where, d) for k, x in value.items()}
+    if type(value) is list:
+        return [materialize(x, read_tensor, where, d) for x in value]
+    if type(value) is tuple:
+        return tuple(materialize(x, read_tensor, where, d) for x in value)
+    return value
 
 
 class _TensorProperties(Record):

@@ -94,7 +94,6 @@ _STRUCTURAL = {
     "frozen_param_fragments",
     "shared_params",
 }
-_MAX_DEPTH = 100
 
 
 def detect(path: str | Place) -> bool:

@@ -46,9 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from xckpt.errors import ObjectError, XckptError
+from xckpt.manifest import MAX_OBJECT_DEPTH
 from xckpt.storage import Blob, Place, as_place
 
-from ._dcp_items import _materialize
+from ._dcp_items import read_value
 from ._foreign import describe, find_foreign, holds_foreign, rebuild
 from ._torchzip import Archive
 from ._unpickle import TORCH_SAVE_GLOBALS, TensorRef, restricted_load
@@ -63,7 +64,6 @@ FORMAT = "megatron"
 _SHARD = re.compile(r"^(.+)/shard_(\d+(?:\.\d+)*)_(\d+(?:\.\d+)*)$")
 _COMMON_ITEM = "common_state"
 _DP_BUCKETS = re.compile(r"(^|\.)optimizer\.distributed\.")
-_MAX_DEPTH = 100
 
 
 def detect(path: str | Place) -> bool:
@@ -176,7 +176,7 @@ class MegatronSource(DcpSource):
         def walk(d: Mapping[Any, Any], prefix: str, path: tuple[Any, ...], depth: int) -> None:
             for k, v in d.items():
                 name = f"{prefix}{k}"
-                if isinstance(v, dict) and name in prefixes and depth < _MAX_DEPTH:
+                if isinstance(v, dict) and name in prefixes and depth < MAX_OBJECT_DEPTH:
                     walk(v, f"{name}.", (*path, k), depth + 1)
                 elif name in self._entries:
                     raise XckptError(f"{payload.where}: common state entry {name!r} is also a tensor's key")
@@ -261,9 +261,9 @@ class MegatronSource(DcpSource):
         value = _at(p.root, part.path)
         if _needs_pickle(part):  # allow_pickle: the foreign classes are made for real (runs code)
             return rebuild(
-                value, p.where, lambda x: _materialize(x, p.archive, 0) if isinstance(x, TensorRef) else x
+                value, p.where, lambda x: read_value(x, p.archive) if isinstance(x, TensorRef) else x
             )
-        return _materialize(value, p.archive, 0)
+        return read_value(value, p.archive)
 
     def _pickle_refused(self, names: Sequence[str]) -> ObjectError:
         classes = sorted(

@@ -81,7 +81,7 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import XckptError
-from xckpt.manifest import dtype_name
+from xckpt.manifest import MAX_OBJECT_DEPTH, dtype_name
 from xckpt.sink import Sink, WriteJob
 from xckpt.storage import default_context
 
@@ -192,8 +192,8 @@ class _Drop(Exception):
 
 
 def _object_leaves(keys: tuple[tuple[str, int], ...], value: Any, depth: int = 0) -> list[_Leaf]:
-    if depth > 64:
-        raise _Drop("nesting deeper than 64 levels")
+    if depth > MAX_OBJECT_DEPTH:
+        raise _Drop(f"nesting deeper than {MAX_OBJECT_DEPTH} levels")
     if value is None:
         return [_Leaf(keys, "None")]
     if isinstance(value, (bool, np.bool_)):

@@ -41,7 +41,7 @@ import numpy as np
 
 from xckpt.errors import ObjectError, XckptError
 from xckpt.layout import check_coverage
-from xckpt.manifest import Chunk, TensorEntry, numpy_dtype
+from xckpt.manifest import MAX_OBJECT_DEPTH, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source, group_bytes, whole_request
 from xckpt.storage import Blob, Place, as_place
 
@@ -53,7 +53,6 @@ __all__ = ["FORMAT", "detect", "open", "TorchSaveSource", "flatten_refs", "entry
 
 FORMAT = "torch"
 
-_MAX_DEPTH = 200
 
 
 def detect(path: str | Place) -> bool:
@@ -85,8 +84,8 @@ def detect(path: str | Place) -> bool:
 
 
 def _holds_tensor(v: Any, depth: int = 0) -> bool:
-    if depth > _MAX_DEPTH:
-        raise XckptError(f"the saved structure is nested deeper than {_MAX_DEPTH} levels")
+    if depth > MAX_OBJECT_DEPTH:
+        raise XckptError(f"the saved structure is nested deeper than {MAX_OBJECT_DEPTH} levels")
     if isinstance(v, TensorRef):
         return True
     if isinstance(v, Mapping):
@@ -102,8 +101,8 @@ def flatten_refs(root: Any, where: str) -> tuple[dict[str, TensorRef], dict[str,
     objects: dict[str, Any] = {}
 
     def walk(prefix: str, v: Any, depth: int) -> None:
-        if depth > _MAX_DEPTH:
-            raise XckptError(f"{where}: the saved structure is nested deeper than {_MAX_DEPTH} levels")
+        if depth > MAX_OBJECT_DEPTH:
+            raise XckptError(f"{where}: the saved structure is nested deeper than {MAX_OBJECT_DEPTH} levels")
         if isinstance(v, Mapping) and _holds_tensor(v):
             for k, x in v.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), x, depth + 1)

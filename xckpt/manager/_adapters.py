@@ -22,6 +22,7 @@ import numpy as np
 from xckpt.errors import MissingEntryError, XckptError
 from xckpt.formats import opened
 from xckpt.layout import Box
+from xckpt.manifest import MAX_OBJECT_DEPTH
 from xckpt.native.writer import save as save_mapping
 from xckpt.storage import Location
 
@@ -32,8 +33,8 @@ __all__ = ["framework_of", "start_save", "restore_state"]
 
 def _walk(state: Any, depth: int = 0) -> Iterator[Any]:
     """Leaves of nested dicts, lists and tuples."""
-    if depth > 64:
-        raise XckptError("the state nests deeper than 64 levels of dicts and lists")
+    if depth > MAX_OBJECT_DEPTH:
+        raise XckptError(f"the state nests deeper than {MAX_OBJECT_DEPTH} levels of dicts and lists")
     if isinstance(state, Mapping):
         for v in state.values():
             yield from _walk(v, depth + 1)

@@ -41,7 +41,7 @@ from xckpt.errors import (
     StorageError,
     XckptError,
 )
-from xckpt.manifest import Manifest
+from xckpt.manifest import MAX_OBJECT_DEPTH, Manifest
 from xckpt.native.commit import read_rank_manifests, validate
 from xckpt.storage import Location, Storage, location_name, location_spec
 
@@ -357,8 +357,8 @@ def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _encode_value(name: str, v: Any, depth: int) -> Any:
-    if depth > 32:
-        raise XckptError(f"metric {name!r} nests deeper than 32 levels")
+    if depth > MAX_OBJECT_DEPTH:
+        raise XckptError(f"metric {name!r} nests deeper than {MAX_OBJECT_DEPTH} levels")
     if v is None or isinstance(v, (bool, str)):
         return v
     if isinstance(v, int):
