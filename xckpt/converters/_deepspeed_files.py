@@ -26,7 +26,7 @@ from ._torchzip import Archive, read_boxes
 from ._unpickle import Record, TensorRef, restricted_load
 
 __all__ = ["File", "Stored", "Span", "Spec", "is_floating", "open_file", "stored", "read_stored", "assemble"]
-__all__ += ["assembled_units", "materialize"]
+__all__ += ["assembled_units", "materialize", "state_kind"]
 
 _MAX_DEPTH = 100
 
@@ -76,6 +76,28 @@ class Spec:
 
 def is_floating(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
+
+
+def state_kind(v: Any, numel: int, padding: int) -> str:
+    """How one rank's value of a per-group optimizer state is presented.
+
+    Returns:
+        `"flat"`: a row-major 1-D tensor laid out like the rank's flat partition of the group
+        (`numel` elements, or `numel + padding` when DeepSpeed saved the partition without its
+        trailing alignment padding and the state with it: ZeRO 1/2's last rank), read per
+        parameter; `"object"`: a number, a 0-d tensor or another plain value (Adam's `step`);
+        `"absent"`: no value; otherwise why it cannot be presented per parameter.
+    """
+    if v is None:
+        return "absent"
+    if not isinstance(v, TensorRef):
+        return "object"
+    if v.size == ():
+        return "object"
+    if len(v.size) == 1 and v.size[0] in (numel, numel + padding) and v.stride == (1,):
+        return "flat" if v.dtype.xckpt is not None else f"a tensor of dtype torch.{v.dtype.name}"
+    held = f"{numel}" + (f" (or {numel + padding} with its padding)" if padding else "")
+    return f"a tensor of shape {list(v.size)} where the rank's flat partition holds {held} elements"
 
 
 def open_file(place: Place, rel: str, where: str, allowed: dict[tuple[str, str], Any]) -> File:
