@@ -391,15 +391,20 @@ class DeepSpeedSource(Source):
         ngroups = len(numels[0])
         pads = [self._paddings(osd, ngroups) for _, osd in osds]
         keys: dict[Any, None] = {}
+        extra: dict[Any, list[str]] = {}
         for f, st in states:
-            extra = [k for k in st if k not in range(ngroups)]
-            if extra:
-                self._note(
-                    f"optimizer state entries {extra[:5]} of {f.rel} belong to no ZeRO parameter group "
-                    f"(there are {ngroups}) and are not read"
-                )
+            for k in st:
+                if k not in range(ngroups):
+                    extra.setdefault(k, []).append(f.rel)
             for g in range(ngroups):
                 keys.update(dict.fromkeys(st.get(g) or {}))
+        if extra:
+            where = sorted({rel for rels in extra.values() for rel in rels})
+            self._note(
+                f"optimizer state entries {list(extra)[:5]} ({where[0]}"
+                f"{f' and {len(where) - 1} more' if len(where) > 1 else ''}) belong to no ZeRO "
+                f"parameter group (there are {ngroups}) and are not read"
+            )
         for key in keys:
             vals = [[(st.get(g) or {}).get(key) for g in range(ngroups)] for _, st in states]
             kinds = [
@@ -477,7 +482,8 @@ class DeepSpeedSource(Source):
                 self._objects[f"optimizer.state.{name}.{key}"] = ("scalar", files[0], vals[0][g])
         if bad:
             self._note(
-                f"optimizer state {key!r} of {len(lost)} parameters ({', '.join(lost[:4])}"
+                f"optimizer state {key!r} of {len(lost)} parameter{'s' if len(lost) != 1 else ''} "
+                f"({', '.join(lost[:4])}"
                 f"{', ...' if len(lost) > 4 else ''}) is not read: "
                 + "; ".join(bad.values())
                 + ". xckpt reads per-group state that is flat like the ranks' partitions (Adam's exp_avg, "
