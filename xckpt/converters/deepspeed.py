@@ -24,8 +24,11 @@ Names and values:
 * each flat per-group optimizer state of the ranks' files that has the partition's shape
   (Adam's ``exp_avg`` / ``exp_avg_sq``) is presented per parameter as
   ``optimizer.state.<name>.<key>``, unflattened and unpadded, the values ``ds_to_universal``
-  writes; scalar state (Adam's ``step``) is an object ``optimizer.state.<name>.<key>``
-  (a Python number) for every parameter of the group;
+  writes (the last rank's state may hold the group's alignment padding that its saved fp32
+  partition lacks: ZeRO 1/2's optimizer strips it from the partition only); scalar state
+  (Adam's ``step``) is an object ``optimizer.state.<name>.<key>`` (a Python number) for every
+  parameter of the group; state that is neither is named in a warning at open and in
+  `metadata["notes"]`, as are a universal checkpoint's files that are not read;
 * objects: the model states' own entries (``global_steps``, ``ds_config``, ``ds_version``,
   client state such as ``my_epoch``, ...; not the structural ``module``, ``param_shapes``,
   ``buffer_names``, ``shared_params``, ``frozen_param_*``, ``optimizer``), and
