@@ -288,9 +288,16 @@ def test_zero_pieces_tile_every_parameter(
         if total == 0
         else [len(c) for c in np.array_split(np.arange(total), len(groups)) if len(c)] or [0]
     )
+    # stages 1/2 as DeepSpeed saves them: the group aligned to 2 * world elements, each rank an equal
+    # part; its ZeRO optimizer saves the last rank's part without the padding
+    numel = sum(math.prod(s) for s in shapes)
+    per = 2 * math.ceil(numel / (2 * world))
+    stripped = [[per]] * (world - 1) + [[max(0, numel - per * (world - 1))]]
     for pieces in (
         zero3_pieces(params, [split] * world, "ck"),
-        zero12_pieces([params], [[math.ceil(sum(math.prod(s) for s in shapes) / world)]] * world, None, "ck"),
+        zero12_pieces([params], [[math.ceil(numel / world)]] * world, None, "ck"),
+        zero12_pieces([params], [[per]] * world, None, "ck"),
+        zero12_pieces([params], stripped, None, "ck"),
     ):
         for name, shape in params.items():
             covered = sorted((p.at, p.at + p.length) for p in pieces[name])
