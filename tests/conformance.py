@@ -233,6 +233,14 @@ class SourceTests:
         with xckpt.open(written.path, format=self.format, **written.options) as s:
             assert s.format == self.format
 
+    def test_nothing_unread_and_unnoted(self, written: Written) -> None:
+        """Every conformance checkpoint is read whole: opening warns nothing and the source notes
+        nothing it left unread (`metadata["notes"]`, where a format keeps them)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with xckpt.open(written.path, **written.options) as s:
+                assert list(s.metadata.get("notes", [])) == []
+
     def test_names(self, src: Any, written: Written) -> None:
         assert sorted(src.names()) == sorted(written.arrays)
         assert all(n in src for n in written.arrays) and "no.such.tensor" not in src

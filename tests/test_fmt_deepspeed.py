@@ -35,7 +35,10 @@ from xckpt.converters._deepspeed_layout import range_box, zero3_pieces, zero12_p
 from xckpt.errors import IncompleteCheckpointError, ObjectError, XckptError
 
 FIX = Path(__file__).parent / "fixtures_foreign" / "deepspeed"
-CKPTS = ["z1_fp32", "z2_bf16", "z3_fp32", "universal_z2_bf16"]
+#: ``z1_bf16_tied*``: ZeRO 1, bf16, 3 ranks, a tied head, two parameter groups (DeepSpeed's ZeRO
+#: optimizer; ``_fp32acc``: its ``BF16_Optimizer``).
+ZERO = ["z1_fp32", "z2_bf16", "z3_fp32", "z1_bf16_tied", "z1_bf16_tied_fp32acc"]
+CKPTS = [*ZERO, "universal_z2_bf16"]
 
 
 def truth(ck: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -50,15 +53,18 @@ def truth(ck: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
 @pytest.mark.parametrize("ck", CKPTS)
 def test_reads_bit_exact(ck: str) -> None:
     want, meta = truth(ck)
-    with xckpt.open(str(FIX / ck)) as src:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # everything is read: nothing to warn about
+        src = xckpt.open(str(FIX / ck))
+    with src:
         assert src.format == "deepspeed" and xckpt.formats.detect(str(FIX / ck)) == "deepspeed"
-        assert sorted(src.names()) == sorted(want)
+        assert sorted(src.names()) == sorted(want) and src.metadata["notes"] == []
         got = src.read_all(show_progress=False)
         assert [n for n, a in want.items() if not same(got[n], a)] == []
         assert src.verify(show_progress=False) == []
 
 
-@pytest.mark.parametrize("ck", ["z1_fp32", "z2_bf16", "z3_fp32"])
+@pytest.mark.parametrize("ck", ZERO)
 def test_names_as_zero_to_fp32_and_ds_to_universal(ck: str) -> None:
     _, meta = truth(ck)
     with xckpt.open(str(FIX / ck)) as src:
@@ -98,8 +104,9 @@ def test_objects(ck: str) -> None:
             assert objs[f"optimizer.state.{p}.step"] == meta["optimizer_step"]
         assert objs["global_steps"] == meta["global_steps"] and objs["my_epoch"] == 1
         assert objs["ds_version"] == meta["versions"]["deepspeed"]
-        (group,) = objs["optimizer.param_groups"]
-        assert group["params"] == meta["params"] and group["lr"] == 0.01
+        groups = objs["optimizer.param_groups"]
+        assert [n for g in groups for n in g["params"]] == meta["params"]
+        assert len(groups) == meta.get("groups", 1) and all(g["lr"] == 0.01 for g in groups)
         assert not any(k in objs for k in ("module", "param_shapes", "buffer_names", "optimizer"))
 
 
@@ -120,6 +127,54 @@ def test_pieces_are_chunks_by_rank() -> None:
         # (5, 12) split at element 30 (half a row): one chunk assembled from both ranks' pieces
         (c,) = src.info("l2.weight").chunks
         assert c.shape == (5, 12) and "2 pieces" in c.key
+
+
+@pytest.mark.parametrize("ck", ["z1_bf16_tied", "z1_bf16_tied_fp32acc"])
+def test_zero1_bf16_three_ranks_tied_head_two_groups(ck: str) -> None:
+    """ZeRO 1 with bf16 on 3 ranks: DeepSpeed's ZeRO optimizer saves rank 2's fp32 partition of group 0
+    without its 4 padding elements (104) and its Adam state with them (108); BF16_Optimizer keeps both
+    padded. Either way every moment is read as ds_to_universal writes it."""
+    want, meta = truth(ck)
+    assert meta["ds_optimizer"] == ("BF16_Optimizer" if ck.endswith("fp32acc") else "DeepSpeedZeroOptimizer")
+    with xckpt.open(str(FIX / ck)) as src:
+        assert src.world_size == 3 and src.metadata["notes"] == []
+        moments = sorted(n for n in src.names() if n.startswith("optimizer."))
+        assert moments == sorted(meta["moments"]) and len(moments) == 2 * len(meta["params"])
+        # rows 0-10 of l1.weight in rank 1's partition, row 11 in rank 2's; l2.weight all in rank 2's,
+        # up to element 104, just before the padding
+        for name in ("l2.weight", "optimizer.state.l2.weight.exp_avg"):
+            (c,) = src.info(name).chunks
+            assert (c.rank, c.shape) == (2, (8, 12)) and c.key.endswith(
+                "rank_2_mp_rank_00_optim_states.pt[8:104]"
+            )
+        assert [(c.rank, c.shape) for c in src.info("optimizer.state.l1.weight.exp_avg_sq").chunks] == [
+            (1, (11, 8)),
+            (2, (1, 8)),
+        ]
+        # the tied head: zero_to_fp32's alias of emb.weight (its fp32 master), no moments of its own
+        assert meta["shared_params"] == [["head.weight", "emb.weight"]]
+        assert same(src.read("head.weight"), want["emb.weight"]) and "head.weight" in want
+        assert not any(n.startswith("optimizer.state.head.") for n in src.names() + src.object_names())
+        groups = src.objects(["optimizer.param_groups"])["optimizer.param_groups"]
+        assert [(g["params"], g["weight_decay"]) for g in groups] == [
+            (["emb.weight", "l1.weight", "l2.weight"], 0.1),
+            (["l1.bias", "ln.weight", "ln.bias"], 0.0),
+        ]
+
+
+def test_zero1_bf16_loads_into_plain_tensors() -> None:
+    """xckpt.torch.load into plain (unsharded) tensors: fp32 weights and moments bit-exact, the step
+    an object."""
+    torch = pytest.importorskip("torch")
+    import xckpt.torch as xt
+
+    for ck in ("z1_bf16_tied", "z1_bf16_tied_fp32acc"):
+        want, _ = truth(ck)
+        sd: dict[str, Any] = {n: torch.zeros(a.shape) for n, a in want.items()}
+        sd["optimizer.state.ln.bias.step"] = None
+        res = xt.load(str(FIX / ck), sd)
+        assert list(res.missing) == [] and sd["optimizer.state.ln.bias.step"] == 3.0
+        assert [n for n, a in want.items() if not same(sd[n].numpy(), a)] == []
 
 
 def test_assembled_parameter_reads_only_what_a_box_needs() -> None:
@@ -233,9 +288,16 @@ def test_zero_pieces_tile_every_parameter(
         if total == 0
         else [len(c) for c in np.array_split(np.arange(total), len(groups)) if len(c)] or [0]
     )
+    # stages 1/2 as DeepSpeed saves them: the group aligned to 2 * world elements, each rank an equal
+    # part; its ZeRO optimizer saves the last rank's part without the padding
+    numel = sum(math.prod(s) for s in shapes)
+    per = 2 * math.ceil(numel / (2 * world))
+    stripped = [[per]] * (world - 1) + [[max(0, numel - per * (world - 1))]]
     for pieces in (
         zero3_pieces(params, [split] * world, "ck"),
-        zero12_pieces([params], [[math.ceil(sum(math.prod(s) for s in shapes) / world)]] * world, None, "ck"),
+        zero12_pieces([params], [[math.ceil(numel / world)]] * world, None, "ck"),
+        zero12_pieces([params], [[per]] * world, None, "ck"),
+        zero12_pieces([params], stripped, None, "ck"),
     ):
         for name, shape in params.items():
             covered = sorted((p.at, p.at + p.length) for p in pieces[name])
@@ -310,6 +372,100 @@ def test_errors_name_the_checkpoint_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(XckptError, match=r"does not write them.*torch-dcp"):
         xckpt.convert(str(FIX / "z1_fp32"), str(tmp_path / "out"), to_format="deepspeed", show_progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _edit_optim(tag_dir: str, edit: Any) -> None:
+    """``edit(rank, optimizer_state_dict)`` on every rank's optimizer file (DeepSpeed's classes as stand-ins)."""
+    import torch
+    from ds_synth import deepspeed_classes
+
+    files = sorted(Path(tag_dir).glob("*optim_states.pt"))
+    with deepspeed_classes():
+        for r, f in enumerate(files):
+            sd = torch.load(f, weights_only=False)
+            edit(r, sd["optimizer_state_dict"])
+            torch.save(sd, f)
+
+
+def _open_noting(path: str, count: int) -> Any:
+    """Open ``path``, which must warn ``count`` times (from the caller's line): the notes."""
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        src = xckpt.open(path)
+    assert [w.filename for w in rec] == [__file__] * count, [str(w.message) for w in rec]
+    assert [str(w.message) for w in rec] == [
+        f"DeepSpeed checkpoint {path!r}: {n}" for n in src.metadata["notes"]
+    ]
+    return src
+
+
+def test_optimizer_state_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    """State xckpt cannot present per parameter is never silently absent: a warning at open and
+    ``metadata["notes"]`` name it; everything else is read."""
+    torch = pytest.importorskip("torch")
+    from ds_synth import write_zero
+
+    rng = np.random.default_rng(4)
+    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in ((3, 4), (5,), (2, 3)))
+    path = str(tmp_path / "ck")
+    tag = write_zero(path, [{"a": a, "b": b}, {"c": c}])
+
+    def edit(r: int, osd: dict[str, Any]) -> None:
+        state = osd["base_optimizer_state"]["state"]
+        state[0]["odd"] = torch.zeros(7)  # not laid out like the partitions (9 elements per rank)
+        if r == 0:
+            state[1]["max_exp_avg_sq"] = torch.zeros(3)  # flat on rank 0, nothing on rank 1
+        state[5] = {"exp_avg": torch.zeros(2)}  # no such group
+
+    _edit_optim(tag, edit)
+    src = _open_noting(path, 3)
+    with src:
+        extra, odd, amax = src.metadata["notes"]
+        assert (
+            "optimizer state entries [5] (zero_pp_rank_0_mp_rank_00_optim_states.pt and 1 more) belong"
+            in extra
+        )
+        assert odd.startswith(
+            "optimizer state 'odd' of 2 parameters (a, b) is not read: group 0: rank 0 holds a tensor of "
+            "shape [7] where the rank's flat partition holds 9 elements"
+        )
+        assert amax.startswith(
+            "optimizer state 'max_exp_avg_sq' of 1 parameter (c) is not read: group 1: rank 1 holds nothing"
+        )
+        assert sorted(n for n in src.names() if n.startswith("optimizer.")) == [
+            f"optimizer.state.{p}.{k}" for p in "abc" for k in ("exp_avg", "exp_avg_sq")
+        ]
+        assert same(src.read("a"), a) and same(src.read("c"), c)
+        assert src.objects(["optimizer.state.c.step"]) == {"optimizer.state.c.step": 3.0}
+
+    def elastic(r: int, osd: dict[str, Any]) -> None:  # the per-group state as a list
+        osd["base_optimizer_state"] = list(osd["base_optimizer_state"]["state"].values())
+
+    _edit_optim(tag, elastic)
+    with _open_noting(path, 1) as src:
+        assert src.metadata["notes"][0].startswith(
+            "no optimizer state is read: base_optimizer_state of zero_pp_rank_0_mp_rank_00_optim_states.pt "
+            "holds no per-group 'state' dict (list;"
+        )
+        assert not any(n.startswith("optimizer.state.") for n in src.names() + src.object_names())
+        assert same(src.read("b"), b)
+
+
+def test_universal_files_that_are_not_read_are_named(tmp_path: Path) -> None:
+    ck = tmp_path / "u"
+    shutil.copytree(FIX / "universal_z2_bf16", ck)
+    zero = ck / "global_step3" / "zero"
+    (zero / "l1.weight" / "exp_avg_max.pt").write_bytes(b"not read")
+    (zero / "ln.bias" / "fp32.pt").unlink()
+    with _open_noting(str(ck), 2) as src:
+        assert src.metadata["notes"] == [
+            "zero/l1.weight: ['exp_avg_max.pt'] are not read (xckpt reads fp32.pt, exp_avg.pt, exp_avg_sq.pt, "
+            "step.pt, the files ds_to_universal writes)",
+            "zero/ln.bias holds no fp32.pt; its files ['exp_avg.pt', 'exp_avg_sq.pt', 'step.pt'] are not read",
+        ]
+        assert "ln.bias" not in src and same(
+            src.read("l1.weight"), truth("universal_z2_bf16")[0]["l1.weight"]
+        )
 
 
 def test_not_a_deepspeed_checkpoint(tmp_path: Path) -> None:

@@ -127,7 +127,13 @@ class Source:
 
     @property
     def metadata(self) -> Mapping[str, Any]:
-        """Free-form metadata the format records (safetensors' ``__metadata__``, ...)."""
+        """Free-form metadata the format records (safetensors' ``__metadata__``, ...).
+
+        A source that leaves part of a checkpoint unread (optimizer state it cannot map to
+        parameters, files it does not know) says so under `notes`: a list of sentences, each
+        also warned (`UserWarning`) when it is opened (`deepspeed`, `megatron`). Nothing is
+        left out silently.
+        """
         return {}
 
     #: Every tensor's entry by name, for formats that build them all at open (most

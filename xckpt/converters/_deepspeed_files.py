@@ -10,6 +10,7 @@ reads from each piece only the elements between the first and the last one a box
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -18,15 +19,15 @@ import numpy as np
 
 from xckpt.errors import XckptError
 from xckpt.layout import Box
-from xckpt.manifest import MAX_OBJECT_DEPTH, numpy_dtype
+from xckpt.manifest import numpy_dtype
 from xckpt.storage import Blob, Place
 
 from ._deepspeed_layout import c_strides
 from ._torchzip import Archive, read_boxes
-from ._unpickle import Record, TensorRef, restricted_load
+from ._unpickle import TensorRef, materialize, restricted_load
 
 __all__ = ["File", "Stored", "Span", "Spec", "is_floating", "open_file", "stored", "read_stored", "assemble"]
-__all__ += ["assembled_units", "materialize"]
+__all__ += ["assembled_units", "read_object", "state_kind"]
 
 
 
@@ -75,6 +76,28 @@ class Spec:
 
 def is_floating(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
+
+
+def state_kind(v: Any, numel: int, padding: int) -> str:
+    """How one rank's value of a per-group optimizer state is presented.
+
+    Returns:
+        `"flat"`: a row-major 1-D tensor laid out like the rank's flat partition of the group
+        (`numel` elements, or `numel + padding` when DeepSpeed saved the partition without its
+        trailing alignment padding and the state with it: ZeRO 1/2's last rank), read per
+        parameter; `"object"`: a number, a 0-d tensor or another plain value (Adam's `step`);
+        `"absent"`: no value; otherwise why it cannot be presented per parameter.
+    """
+    if v is None:
+        return "absent"
+    if not isinstance(v, TensorRef):
+        return "object"
+    if v.size == ():
+        return "object"
+    if len(v.size) == 1 and v.size[0] in (numel, numel + padding) and v.stride == (1,):
+        return "flat" if v.dtype.xckpt is not None else f"a tensor of dtype torch.{v.dtype.name}"
+    held = f"{numel}" + (f" (or {numel + padding} with its padding)" if padding else "")
+    return f"a tensor of shape {list(v.size)} where the rank's flat partition holds {held} elements"
 
 
 def open_file(place: Place, rel: str, where: str, allowed: dict[tuple[str, str], Any]) -> File:
@@ -156,24 +179,17 @@ def assembled_units(name: str, spec: Spec, box: Box) -> dict[Hashable, int]:
     return units
 
 
-def materialize(v: Any, f: File | None, depth: int = 0) -> Any:
-    """A pickled value as the user sees it: tensors as numpy arrays (read now), records as dicts."""
+def read_object(v: Any, f: File | None) -> Any:
+    """A pickled value as the user sees it: tensors as numpy arrays (read now from `f`),
+    records as dicts (the shared walker, `materialize`)."""
     where = f.where if f is not None else "DeepSpeed checkpoint"
-    if depth > MAX_OBJECT_DEPTH:
-        raise XckptError(f"{where}: an object is nested deeper than {MAX_OBJECT_DEPTH} levels")
-    if isinstance(v, TensorRef):
-        if f is None:
-            raise XckptError(f"{where}: a tensor inside an object has no file")
-        s = stored(f, v, "a tensor inside an object")
-        out = np.empty(v.size, numpy_dtype(v.dtype.xckpt or ""))
-        read_boxes(f.archive, v, s.start, [(tuple(slice(0, n) for n in v.size), out)])
-        return out
-    if isinstance(v, Record):
-        return {k: materialize(x, f, depth + 1) for k, x in v.__dict__.items()}
-    if isinstance(v, dict):
-        return {k: materialize(x, f, depth + 1) for k, x in v.items()}
-    if type(v) is list:
-        return [materialize(x, f, depth + 1) for x in v]
-    if type(v) is tuple:
-        return tuple(materialize(x, f, depth + 1) for x in v)
-    return v
+    return materialize(v, functools.partial(_read_tensor, f, where), where)
+
+
+def _read_tensor(f: File | None, where: str, v: TensorRef) -> np.ndarray:
+    if f is None:
+        raise XckptError(f"{where}: a tensor inside an object has no file")
+    s = stored(f, v, "a tensor inside an object")
+    out = np.empty(v.size, numpy_dtype(v.dtype.xckpt or ""))
+    read_boxes(f.archive, v, s.start, [(tuple(slice(0, n) for n in v.size), out)])
+    return out

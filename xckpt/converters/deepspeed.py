@@ -24,8 +24,11 @@ Names and values:
 * each flat per-group optimizer state of the ranks' files that has the partition's shape
   (Adam's ``exp_avg`` / ``exp_avg_sq``) is presented per parameter as
   ``optimizer.state.<name>.<key>``, unflattened and unpadded, the values ``ds_to_universal``
-  writes; scalar state (Adam's ``step``) is an object ``optimizer.state.<name>.<key>``
-  (a Python number) for every parameter of the group;
+  writes (the last rank's state may hold the group's alignment padding that its saved fp32
+  partition lacks: ZeRO 1/2's optimizer strips it from the partition only); scalar state
+  (Adam's ``step``) is an object ``optimizer.state.<name>.<key>`` (a Python number) for every
+  parameter of the group; state that is neither is named in a warning at open and in
+  `metadata["notes"]`, as are a universal checkpoint's files that are not read;
 * objects: the model states' own entries (``global_steps``, ``ds_config``, ``ds_version``,
   client state such as ``my_epoch``, ...; not the structural ``module``, ``param_shapes``,
   ``buffer_names``, ``shared_params``, ``frozen_param_*``, ``optimizer``), and
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -67,9 +71,10 @@ from ._deepspeed_files import (
     assemble,
     assembled_units,
     is_floating,
-    materialize,
     open_file,
+    read_object,
     read_stored,
+    state_kind,
     stored,
 )
 from ._deepspeed_layout import Piece, c_strides, range_box, zero3_pieces, zero12_pieces
@@ -94,6 +99,8 @@ _STRUCTURAL = {
     "frozen_param_fragments",
     "shared_params",
 }
+#: The per-parameter files of a universal checkpoint that are read.
+_UNIVERSAL_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
 
 
 def detect(path: str | Place) -> bool:
@@ -147,6 +154,7 @@ class DeepSpeedSource(Source):
         self._entries: dict[str, TensorEntry] = {}
         self._objects: dict[str, Any] = {}  # name -> value, or (file, key) of a pickled entry
         self._pickled: set[str] = set()
+        self._notes: list[str] = []
         self._world = 1
         try:
             self._tag, self.universal = self._resolve(place)
@@ -160,6 +168,8 @@ class DeepSpeedSource(Source):
         except BaseException:
             self.close()
             raise
+        for note in self._notes:
+            warnings.warn(f"{self._where}: {note}", UserWarning, stacklevel=5)  # xckpt.open's caller
 
     # -- locating ---------------------------------------------------------------------------
 
@@ -374,55 +384,125 @@ class DeepSpeedSource(Source):
         pieces: Mapping[str, list[Piece]],
         numels: list[list[int]],
     ) -> None:
-        """Per-group optimizer state: flat tensors like the partitions become per-parameter tensors,
-        scalars (Adam's step) per-parameter objects."""
+        """Per-group optimizer state: flat tensors laid out like the partitions become per-parameter
+        tensors, plain values (Adam's step) per-parameter objects; anything else is noted."""
         inner = "base_optimizer_state" if self.stage <= 2 else "optimizer_state_dict"
-        states: list[tuple[File, dict[Any, Any]]] = []
+        states = self._states(osds, inner)
+        if states is None:
+            return
+        ngroups = len(numels[0])
+        pads = [self._paddings(osd, ngroups) for _, osd in osds]
+        keys: dict[Any, None] = {}
+        extra: dict[Any, list[str]] = {}
+        for f, st in states:
+            for k in st:
+                if k not in range(ngroups):
+                    extra.setdefault(k, []).append(f.rel)
+            for g in range(ngroups):
+                keys.update(dict.fromkeys(st.get(g) or {}))
+        if extra:
+            where = sorted({rel for rels in extra.values() for rel in rels})
+            self._note(
+                f"optimizer state entries {list(extra)[:5]} ({where[0]}"
+                f"{f' and {len(where) - 1} more' if len(where) > 1 else ''}) belong to no ZeRO "
+                f"parameter group (there are {ngroups}) and are not read"
+            )
+        for key in keys:
+            vals = [[(st.get(g) or {}).get(key) for g in range(ngroups)] for _, st in states]
+            kinds = [
+                [state_kind(v, numels[r][g], pads[r][g]) for g, v in enumerate(row)]
+                for r, row in enumerate(vals)
+            ]
+            self._state_key(key, vals, kinds, [f for f, _ in states], shapes, pieces)
+        self._param_groups(osds[0][1].get(inner) or {}, shapes)
+
+    def _states(
+        self, osds: list[tuple[File, dict[str, Any]]], inner: str
+    ) -> list[tuple[File, dict[Any, Any]]] | None:
+        states = []
         for f, osd in osds:
             base = osd.get(inner)
             state = base.get("state") if isinstance(base, dict) else None
-            if not isinstance(state, dict):
-                raise XckptError(
-                    f"{self._where} ({f.rel}): {inner} has no per-group 'state' (an elastic or offloaded "
-                    "optimizer state?); xckpt reads the flat per-group state ZeRO saves by default"
+            if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
+                self._note(
+                    f"no optimizer state is read: {inner} of {f.rel} holds no per-group 'state' dict "
+                    f"({type(base).__name__}; an elastic or offloaded optimizer state?); xckpt reads the "
+                    "flat per-group state ZeRO saves by default"
                 )
+                return None
             states.append((f, state))
-        ngroups = len(numels[0])
-        group_of = {n: g for g, group in enumerate(shapes) for n in group}
-        keys: dict[str, None] = {}
-        for _, st in states:
-            for g in range(ngroups):
-                keys.update(dict.fromkeys(k for k in (st.get(g) or {}) if type(k) is str))
-        for key in keys:
-            vals = [[(st.get(g) or {}).get(key) for g in range(ngroups)] for _, st in states]
-            flat = all(
-                isinstance(v, TensorRef) and v.size == (numels[r][g],)
-                for r, row in enumerate(vals)
-                for g, v in enumerate(row)
-            )
-            if flat:
-                flats = [
-                    [
-                        stored(states[r][0], v, f"optimizer state {key!r} of group {g}")
-                        for g, v in enumerate(row)
-                    ]
-                    for r, row in enumerate(vals)
-                ]
-                for name, ps in pieces.items():
-                    spec = self._param_spec(self._specs[name].shape, [self._span(p, flats) for p in ps])
-                    self._put(f"optimizer.state.{name}.{key}", spec)
+        return states
+
+    def _paddings(self, osd: Mapping[str, Any], ngroups: int) -> list[int]:
+        """The rank's alignment padding per group (ZeRO 1/2 save the last rank's partition without it)."""
+        pads = osd.get("group_paddings")
+        if isinstance(pads, list) and len(pads) == ngroups and all(type(p) is int and p >= 0 for p in pads):
+            return pads
+        return [0] * ngroups
+
+    def _state_key(
+        self,
+        key: Any,
+        vals: list[list[Any]],
+        kinds: list[list[str]],
+        files: list[File],
+        shapes: list[dict[str, tuple[int, ...]]],
+        pieces: Mapping[str, list[Piece]],
+    ) -> None:
+        """One optimizer state key over the ranks and groups: presented where it can be, noted where not."""
+        ngroups = len(kinds[0])
+        named = type(key) is str
+        flat = {g for g in range(ngroups) if named and all(row[g] == "flat" for row in kinds)}
+        bad: dict[int, str] = {}
+        for g in range(ngroups):
+            col = [row[g] for row in kinds]
+            if g in flat or all(k == "absent" for k in col) or named and col[0] == "object":
                 continue
-            for name, ps in pieces.items():
-                v = vals[0][group_of[name] if self.stage <= 2 else ps[0].group if ps else 0]  # its group's
-                if v is not None and (not isinstance(v, TensorRef) or v.size == ()):
-                    self._objects[f"optimizer.state.{name}.{key}"] = ("scalar", states[0][0], v)
-        base0 = osds[0][1].get(inner) or {}
-        groups = [pg for pg in (base0.get("param_groups") or []) if isinstance(pg, dict)]
+            r = next(r for r, k in enumerate(col) if k != "flat") if named else 0
+            phrase = {"absent": "nothing", "object": "a plain value", "flat": "a flat tensor"}.get(
+                col[r], col[r]
+            )
+            bad[g] = f"group {g}: rank {r} holds {phrase}" if named else f"group {g}: the key is not a name"
+        flats = {
+            (r, g): stored(files[r], vals[r][g], f"optimizer state {key!r} of group {g}")
+            for r in range(len(kinds))
+            for g in flat
+        }
+        group_of = {n: g for g, group in enumerate(shapes) for n in group}
+        lost = []
+        for name, ps in pieces.items():
+            groups = {p.group for p in ps} or {group_of[name] if self.stage <= 2 else 0}
+            if groups <= flat:
+                spans = [Span(p.rank, flats[(p.rank, p.group)], p.start, p.length, p.at) for p in ps]
+                self._put(f"optimizer.state.{name}.{key}", self._param_spec(self._specs[name].shape, spans))
+                continue
+            if groups & set(bad):
+                lost.append(name)
+                continue
+            g = group_of[name] if self.stage <= 2 else min(groups)  # its group's value (all ranks' agree)
+            if named and kinds[0][g] == "object":
+                self._objects[f"optimizer.state.{name}.{key}"] = ("scalar", files[0], vals[0][g])
+        if bad:
+            self._note(
+                f"optimizer state {key!r} of {len(lost)} parameter{'s' if len(lost) != 1 else ''} "
+                f"({', '.join(lost[:4])}"
+                f"{', ...' if len(lost) > 4 else ''}) is not read: "
+                + "; ".join(bad.values())
+                + ". xckpt reads per-group state that is flat like the ranks' partitions (Adam's exp_avg, "
+                "exp_avg_sq) or a plain value (step)"
+            )
+
+    def _param_groups(self, base: Mapping[str, Any], shapes: list[dict[str, tuple[int, ...]]]) -> None:
+        groups = [pg for pg in (base.get("param_groups") or []) if isinstance(pg, dict)]
         if groups:
             named = len(groups) == len(shapes)  # else (ZeRO-3 sub-groups) params stay as saved
             self._objects["optimizer.param_groups"] = [
                 {**pg, "params": list(shapes[g])} if named else dict(pg) for g, pg in enumerate(groups)
             ]
+
+    def _note(self, note: str) -> None:
+        """Something of the checkpoint that is not presented: warned at open, kept in `metadata["notes"]`."""
+        self._notes.append(note)
 
     def _aliases(self, ms: Mapping[str, Any]) -> None:
         shared = ms.get("shared_params") or {}
@@ -455,8 +535,16 @@ class DeepSpeedSource(Source):
         order += [d for d in dirs if d not in order]
         self.stage = 0
         for name in order:
-            if not self._tag.isfile(f"zero/{name}/fp32.pt"):
+            files = self._tag.entries(f"zero/{name}")
+            if "fp32.pt" not in files:
+                self._note(f"zero/{name} holds no fp32.pt; its files {files[:5]} are not read")
                 continue
+            other = [e for e in files if e not in _UNIVERSAL_FILES]
+            if other:
+                self._note(
+                    f"zero/{name}: {other[:5]} are not read (xckpt reads {', '.join(_UNIVERSAL_FILES)}, "
+                    "the files ds_to_universal writes)"
+                )
             for key in ("fp32", "exp_avg", "exp_avg_sq"):
                 rel = f"zero/{name}/{key}.pt"
                 if not self._tag.isfile(rel):
@@ -554,7 +642,15 @@ class DeepSpeedSource(Source):
 
     @property
     def metadata(self) -> Mapping[str, Any]:
-        return {"tag_dir": self.tag_dir, "universal": self.universal, "zero_stage": self.stage or None}
+        """`tag_dir`, `universal`, `zero_stage` (None for a universal checkpoint) and `notes`: what the
+        checkpoint holds that is not presented (optimizer state xckpt cannot read), each also warned
+        at open."""
+        return {
+            "tag_dir": self.tag_dir,
+            "universal": self.universal,
+            "zero_stage": self.stage or None,
+            "notes": list(self._notes),
+        }
 
     @property
     def bytes_read(self) -> int:
@@ -620,15 +716,15 @@ class DeepSpeedSource(Source):
                 return rebuild(
                     f.root[key],
                     f"{self._where} ({f.rel}), object {name!r}",
-                    lambda x: materialize(x, f),
+                    lambda x: read_object(x, f),
                 )
-            return materialize(f.root[key], f)
-        return materialize(v, None)
+            return read_object(f.root[key], f)
+        return read_object(v, None)
 
     def _scalar(self, f: File, v: Any, name: str) -> Any:
         if not isinstance(v, TensorRef):
             return v
-        arr = materialize(v, f)
+        arr = read_object(v, f)
         return arr.item()
 
     def _verify_objects(self) -> list[str]:
