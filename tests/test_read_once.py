@@ -1,8 +1,6 @@
 """``xckpt.torch.load(..., read_once=True)``: each stored range read by one rank, sent to the others.
 
-The plan (pure) is checked on synthetic layouts against a simple model: every
-element of every rank's request arrives exactly once, every zarr chunk is read by
-one rank, rounds keep to their budget. Real gloo ranks (2 and 4, one spawn each)
+The plan (pure, no torch) is checked in tests/test_sharing.py. Real gloo ranks (2 and 4, one spawn each)
 then load replicated targets, 2 x 2 data-parallel x tensor-parallel DTensors on a
 2-D mesh, uneven and empty shards, bfloat16, bit for bit, counting the bytes each
 rank reads from its chunk files; and fail together: a corrupt chunk only one rank
@@ -14,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,147 +20,6 @@ from dist_utils import run_ranks
 
 import xckpt
 import xckpt.torch as xt
-from xckpt import layout as L
-from xckpt.manifest import Chunk
-from xckpt.torch._read_once import Need, make_plan, messages
-
-# -- the plan, on synthetic layouts -------------------------------------------------------------
-
-
-def _entry(shape, writers, grid, itemsize=4):
-    """A tensor saved as ``writers`` (boxes), each stored with zarr chunks of ``grid`` rows."""
-    chunks = tuple(
-        Chunk(
-            offset=b.offset,
-            shape=b.shape,
-            key=f"k{i}",
-            rank=i,
-            nbytes=b.volume * itemsize,
-            grid=(grid,) + b.shape[1:],
-        )
-        for i, b in enumerate(writers)
-    )
-    return SimpleNamespace(
-        shape=shape, chunks=chunks, boxes=tuple(c.box for c in chunks), np_dtype=np.dtype(f"u{itemsize}")
-    )
-
-
-def _units(name, chunk, box, itemsize):
-    """The model of storage: a zarr chunk (rows of ``grid``) is read whole."""
-    g = chunk.grid[0]
-    lo, hi = box.offset[0] - chunk.offset[0], box.end[0] - chunk.offset[0]
-    return {(chunk.key, i): g * itemsize for i in range(lo // g, (hi - 1) // g + 1)}
-
-
-def _rows(shape, n, k):
-    """Rows of shard k of n (torch's chunk rule)."""
-    cs = -(-shape[0] // n)
-    lo = min(shape[0], cs * k)
-    return lo, max(0, min(shape[0], cs * (k + 1)) - lo)
-
-
-def _layout(kind, shape, world, rank):
-    """The boxes rank ``rank`` loads of a tensor of ``shape``."""
-    full = L.Box.full(shape)
-    if kind == "replicated":
-        return [full]
-    if kind == "rows":  # Shard(0) over every rank
-        lo, n = _rows(shape, world, rank)
-        return [L.Box((lo, 0), (n, shape[1]))] if n else []
-    if kind == "dp_tp_rows":  # (dp, tp) = (world // 2, 2): Replicate, Shard(0)
-        lo, n = _rows(shape, 2, rank % 2)
-        return [L.Box((lo, 0), (n, shape[1]))] if n else []
-    if kind == "dp_tp_cols":  # Replicate, Shard(1)
-        lo, n = _rows(shape[::-1], 2, rank % 2)
-        return [L.Box((0, lo), (shape[0], n))] if n else []
-    if kind == "half":  # rank 0 the whole tensor, the others their rows
-        return [full] if rank == 0 else _layout("rows", shape, world, rank)
-    raise AssertionError(kind)
-
-
-PLANS = [
-    (kind, writers, world, grid, budget)
-    for kind in ("replicated", "rows", "dp_tp_rows", "dp_tp_cols", "half")
-    for writers, world, grid, budget in (
-        (1, 4, 16, 1 << 30),
-        (3, 4, 5, 1 << 30),
-        (2, 2, 7, 4000),
-        (1, 3, 64, 1 << 30),
-    )
-]
-
-
-@pytest.mark.parametrize(
-    "kind,writers,world,grid,budget", PLANS, ids=[f"{k}-w{w}-n{n}-g{g}-b{b}" for k, w, n, g, b in PLANS]
-)
-def test_plan_delivers_every_element_once_and_reads_each_stored_chunk_once(
-    kind, writers, world, grid, budget
-):
-    shape = (100, 24)
-    wboxes = [L.Box((lo, 0), (n, 24)) for lo, n in (_rows(shape, writers, k) for k in range(writers)) if n]
-    entries = {"t": _entry(shape, wboxes, grid)}
-    needs = [[Need("t", b) for b in _layout(kind, shape, world, r)] for r in range(world)]
-    plan = make_plan(entries.__getitem__, _units, needs, round_bytes=budget)
-    got = [np.zeros(shape, dtype=int) for _ in range(world)]
-    reads: dict = {}
-    for r in range(world):
-        for name, box in plan.solo[r]:
-            got[r][box.slices()] += 1
-            for c in entries[name].chunks:
-                common = c.box.intersect(box)
-                if common is not None:
-                    for u in _units(name, c, common, 4):
-                        reads.setdefault(u, set()).add(r)
-    for rnd in plan.rounds:
-        load = [0] * world
-        for g in rnd:
-            for name, box, _i in g.reads:
-                (c,) = [c for c in entries[name].chunks if c.box.contains(box)]  # inside one chunk
-                for u in _units(name, c, box, 4):
-                    reads.setdefault(u, set()).add(g.reader)
-                load[g.reader] += box.volume * 4
-            for cell in g.cells:
-                assert g.reader in range(world) and set(cell.ranks) <= set(range(world))
-                assert g.reads[cell.read][1].contains(cell.box)
-                for r in cell.ranks:
-                    got[r][cell.box.slices()] += 1
-                    if r != g.reader:
-                        load[r] += cell.nbytes
-                        load[g.reader] += cell.nbytes
-        assert len(rnd) == 1 or max(load) <= budget
-    for r in range(world):
-        want = np.zeros(shape, dtype=int)
-        for need in needs[r]:
-            want[need.box.slices()] += 1
-        assert (got[r] == want).all(), f"rank {r} gets {got[r]} != {want}"
-    # every stored zarr chunk is read by one rank
-    assert all(len(rs) == 1 for rs in reads.values()), {u: rs for u, rs in reads.items() if len(rs) > 1}
-    # both sides of every message agree
-    for rnd in plan.rounds:
-        for r in range(world):
-            sends, _ = messages(rnd, r)
-            for dst, cells in sends.items():
-                assert messages(rnd, dst)[1][r] == cells
-
-
-def test_plan_spreads_a_replicated_tensor_over_the_readers():
-    shape = (160, 16)
-    entries = {"t": _entry(shape, [L.Box.full(shape)], 10)}  # 16 zarr chunks
-    needs = [[Need("t", L.Box.full(shape))] for _ in range(4)]
-    plan = make_plan(entries.__getitem__, _units, needs)
-    per = [plan.group_read_bytes(r) for r in range(4)]
-    assert per == [shape[0] * shape[1] * 4 // 4] * 4
-    assert plan.solo == ((), (), (), ())
-
-
-def test_plan_keeps_unshared_parts_local():
-    shape = (100, 24)
-    entries = {"t": _entry(shape, [L.Box.full(shape)], 25)}  # zarr chunks of 25 rows
-    needs = [[Need("t", b) for b in _layout("rows", shape, 4, r)] for r in range(4)]
-    plan = make_plan(entries.__getitem__, _units, needs)
-    assert plan.rounds == ()
-    assert [list(s) for s in plan.solo] == [[("t", n.box)] for rn in needs for n in rn]
-
 
 # -- real ranks ---------------------------------------------------------------------------------
 

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from xckpt._stream import Buffers, crc32c, read_ahead
+from xckpt.errors import XckptError
 from xckpt.layout import Box
 from xckpt.manifest import Chunk, TensorEntry
 
 if TYPE_CHECKING:  # sink and source are one layer, neither importing the other (a job only holds one)
     from xckpt.source import Source
 
-__all__ = ["Sink", "WriteJob", "Progress", "BoxKey", "CONVERT_INFLIGHT_BYTES"]
+__all__ = ["Sink", "WriteJob", "Progress", "BoxKey", "CONVERT_INFLIGHT_BYTES", "ReadOnlySink"]
 
 #: Bytes the xckpt sink may hold in flight during a conversion.
 CONVERT_INFLIGHT_BYTES = 32 << 20
@@ -286,3 +287,20 @@ class WriteJob:
         for c in members:
             self._record(name, c.box, buf[c.box.slices(box)])
         return buf
+
+
+class ReadOnlySink:
+    """The sink of a format xckpt reads but does not write (DeepSpeed, Megatron-Core):
+    `check` refuses, naming the format and what to convert to instead; nothing is written."""
+
+    def __init__(self, format: str, instead: str) -> None:  # noqa: A002
+        self.format = format
+        self._instead = instead
+
+    def check(self, job: WriteJob) -> None:
+        raise XckptError(
+            f"xckpt reads {self.format} checkpoints but does not write them (output {job.dst!r}); {self._instead}"
+        )
+
+    def write(self, job: WriteJob) -> None:
+        self.check(job)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from xckpt.errors import CorruptChunkError, ObjectError, XckptError
+from xckpt.layout import c_strides
 from xckpt.manifest import Chunk, numpy_dtype
 from xckpt.storage import Blob
 
@@ -47,15 +48,6 @@ def transform_error(where: str, transforms: tuple[str, ...]) -> XckptError:
         "torch (dcp.load) and re-save it without _extensions, or convert it with torch's "
         "dcp_to_torch_save"
     )
-
-
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    acc = 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 class _Raw:
@@ -164,7 +156,7 @@ class ChunkReader:
                 f"{where}: the safetensors entry {e!r} in {it.rel} does not match the metadata "
                 f"({entry.dtype} {chunk.shape}) or lies past the file's end"
             )
-        t = TensorRef(StorageRef(name, None, end - b, "cpu"), 0, shape, _c_strides(shape), TorchDtype(dtype))
+        t = TensorRef(StorageRef(name, None, end - b, "cpu"), 0, shape, c_strides(shape), TorchDtype(dtype))
         return _Raw(f), t, base + b
 
     # -- objects --------------------------------------------------------------

@@ -18,11 +18,10 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import XckptError
-from xckpt.layout import Box
+from xckpt.layout import Box, c_strides
 from xckpt.manifest import numpy_dtype
 from xckpt.storage import Blob, Place
 
-from ._deepspeed_layout import c_strides
 from ._torchzip import Archive, read_boxes
 from ._unpickle import TensorRef, materialize, restricted_load
 

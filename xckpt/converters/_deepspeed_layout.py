@@ -14,7 +14,7 @@ recovers and every check it makes is made here too:
   (``fp32_flat_groups``, concatenated over groups; a piece may cross a group boundary);
   ``offset * world`` must equal the elements held.
 
-A :class:`Piece` is one contiguous run of a parameter's flattened elements inside one
+A :class:`FlatRange` is one contiguous run of a parameter's flattened elements inside one
 rank's flat tensor of one group. :func:`range_box` says whether a run is a box of the
 parameter's shape (rows of a matrix, a part of one row), which decides whether a
 parameter is presented as one chunk per piece or as one chunk assembled from its pieces.
@@ -27,12 +27,12 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from xckpt.errors import LayoutError
-from xckpt.layout import Box
+from xckpt.layout import Box, c_strides
 
-__all__ = ["Piece", "range_box", "zero12_pieces", "zero3_pieces", "run_pieces", "c_strides"]
+__all__ = ["FlatRange", "range_box", "zero12_pieces", "zero3_pieces", "run_pieces"]
 
 
-class Piece(NamedTuple):
+class FlatRange(NamedTuple):
     """Elements ``[at, at + length)`` of a parameter, flattened, are elements
     ``[start, start + length)`` of rank ``rank``'s flat tensor of group ``group``."""
 
@@ -41,16 +41,6 @@ class Piece(NamedTuple):
     start: int
     length: int
     at: int
-
-
-def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major element strides of ``shape``."""
-    out = []
-    acc = 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def range_box(shape: tuple[int, ...], a: int, b: int) -> Box | None:
@@ -76,7 +66,7 @@ def range_box(shape: tuple[int, ...], a: int, b: int) -> Box | None:
     return None
 
 
-def run_pieces(runs: Sequence[tuple[int, int, int]], begin: int, numel: int, rank: int) -> list[Piece]:
+def run_pieces(runs: Sequence[tuple[int, int, int]], begin: int, numel: int, rank: int) -> list[FlatRange]:
     """Rank ``rank``'s pieces of ``[begin, begin + numel)`` of a flat space made of consecutive
     tensors ``runs`` (``(space_start, space_end, group)``), cut where it crosses from one to the
     next; ``at`` counts from ``begin``."""
@@ -84,7 +74,7 @@ def run_pieces(runs: Sequence[tuple[int, int, int]], begin: int, numel: int, ran
     for lo, hi, group in runs:
         a, b = max(lo, begin), min(hi, begin + numel)
         if a < b:
-            out.append(Piece(rank, group, a - lo, b - a, a - begin))
+            out.append(FlatRange(rank, group, a - lo, b - a, a - begin))
     return out
 
 
@@ -93,7 +83,7 @@ def zero12_pieces(
     partition_numels: Sequence[Sequence[int]],
     paddings: Sequence[Sequence[int]] | None,
     where: str,
-) -> dict[str, list[Piece]]:
+) -> dict[str, list[FlatRange]]:
     """Stages 1/2: each parameter's pieces, by name (see the module docstring).
 
     ``partition_numels[r][g]`` is the element count of rank ``r``'s partition of group ``g``.
@@ -108,7 +98,7 @@ def zero12_pieces(
             f"{where}: the model has {groups} parameter groups but the optimizer files hold "
             f"{[len(p) for p in partition_numels]} flat partitions per rank; the files come from different saves"
         )
-    out: dict[str, list[Piece]] = {}
+    out: dict[str, list[FlatRange]] = {}
     for g, shapes in enumerate(param_shapes):
         bounds = []  # (start, end, rank) of each rank's partition in the group's concatenation
         pos = 0
@@ -133,7 +123,7 @@ def zero12_pieces(
             for lo, hi, r in bounds:
                 a, b = max(lo, offset), min(hi, offset + numel)
                 if a < b:
-                    pieces.append(Piece(r, g, a - lo, b - a, a - offset))
+                    pieces.append(FlatRange(r, g, a - lo, b - a, a - offset))
             out[name] = pieces
             offset += numel
             if pads is not None:
@@ -150,7 +140,7 @@ def zero12_pieces(
 
 def zero3_pieces(
     param_shapes: Mapping[str, tuple[int, ...]], group_numels: Sequence[Sequence[int]], where: str
-) -> dict[str, list[Piece]]:
+) -> dict[str, list[FlatRange]]:
     """Stage 3: each parameter's pieces, by name (see the module docstring).
 
     ``group_numels[r][g]`` is the element count of rank ``r``'s flat tensor of group ``g``;
@@ -172,7 +162,7 @@ def zero3_pieces(
         runs.append((pos, pos + n, g))
         pos += n
     avail = pos
-    out: dict[str, list[Piece]] = {}
+    out: dict[str, list[FlatRange]] = {}
     offset = 0
     for name, shape in param_shapes.items():
         numel = math.prod(shape)

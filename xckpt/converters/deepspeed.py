@@ -57,9 +57,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from xckpt.errors import IncompleteCheckpointError, XckptError
-from xckpt.layout import Box, check_coverage
+from xckpt.layout import Box, c_strides, check_coverage
 from xckpt.manifest import Chunk, TensorEntry, numpy_dtype
-from xckpt.sink import WriteJob
+from xckpt.sink import ReadOnlySink
 from xckpt.source import ChunkRead, Source, group_bytes, whole_request
 from xckpt.storage import Place, as_place
 
@@ -77,12 +77,12 @@ from ._deepspeed_files import (
     state_kind,
     stored,
 )
-from ._deepspeed_layout import Piece, c_strides, range_box, zero3_pieces, zero12_pieces
+from ._deepspeed_layout import FlatRange, range_box, zero3_pieces, zero12_pieces
 from ._foreign import holds_foreign, rebuild
 from ._unpickle import DEEPSPEED_GLOBALS, TORCH_SAVE_GLOBALS, TensorRef
 from .torch_save import run_jobs
 
-__all__ = ["FORMAT", "detect", "open", "DeepSpeedSource", "ReadOnlySink", "SINK"]
+__all__ = ["FORMAT", "detect", "open", "DeepSpeedSource", "SINK"]
 
 FORMAT = "deepspeed"
 
@@ -367,7 +367,7 @@ class DeepSpeedSource(Source):
                 )
             self._put(name, self._param_spec(shape, spans))
 
-    def _span(self, p: Piece, flats: list[list[Stored]]) -> Span:
+    def _span(self, p: FlatRange, flats: list[list[Stored]]) -> Span:
         flat = flats[p.rank][p.group]
         return Span(p.rank, flat, p.start, p.length, p.at)
 
@@ -381,7 +381,7 @@ class DeepSpeedSource(Source):
         self,
         osds: list[tuple[File, dict[str, Any]]],
         shapes: list[dict[str, tuple[int, ...]]],
-        pieces: Mapping[str, list[Piece]],
+        pieces: Mapping[str, list[FlatRange]],
         numels: list[list[int]],
     ) -> None:
         """Per-group optimizer state: flat tensors laid out like the partitions become per-parameter
@@ -447,7 +447,7 @@ class DeepSpeedSource(Source):
         kinds: list[list[str]],
         files: list[File],
         shapes: list[dict[str, tuple[int, ...]]],
-        pieces: Mapping[str, list[Piece]],
+        pieces: Mapping[str, list[FlatRange]],
     ) -> None:
         """One optimizer state key over the ranks and groups: presented where it can be, noted where not."""
         ngroups = len(kinds[0])
@@ -741,23 +741,6 @@ class DeepSpeedSource(Source):
     def close(self) -> None:
         for f in self._files.values():
             f.bytes.close()
-
-
-class ReadOnlySink:
-    """The formats table's sink for a format xckpt reads but does not write: ``check`` refuses,
-    naming the format and what to convert to instead (nothing is written)."""
-
-    def __init__(self, format: str, instead: str) -> None:  # noqa: A002
-        self.format = format
-        self._instead = instead
-
-    def check(self, job: WriteJob) -> None:
-        raise XckptError(
-            f"xckpt reads {self.format} checkpoints but does not write them (output {job.dst!r}); {self._instead}"
-        )
-
-    def write(self, job: WriteJob) -> None:
-        self.check(job)
 
 
 #: ``deepspeed`` is read-only: convert to torch-dcp and load that into the engine's module and optimizer.

@@ -47,13 +47,13 @@ from typing import Any
 
 from xckpt.errors import ObjectError, XckptError
 from xckpt.manifest import MAX_OBJECT_DEPTH
+from xckpt.sink import ReadOnlySink
 from xckpt.storage import Blob, Place, as_place
 
 from ._dcp_items import read_value
 from ._foreign import describe, find_foreign, holds_foreign, rebuild
 from ._torchzip import Archive
 from ._unpickle import TORCH_SAVE_GLOBALS, TensorRef, restricted_load
-from .deepspeed import ReadOnlySink
 from .torch_dcp import DcpSource
 from .torch_dcp import detect as dcp_detect
 
@@ -97,7 +97,7 @@ class _Payload:
 
 
 @dataclass(frozen=True)
-class _Part:
+class _ObjectSite:
     """Where an object's value (or one shard of it) is: ``payload``'s root, at ``path``."""
 
     payload: _Payload
@@ -130,7 +130,7 @@ class MegatronSource(DcpSource):
         super().__init__(place, allow_pickle=allow_pickle)
         try:
             self._where = where
-            self._parts: dict[str, list[_Part]] = {}
+            self._parts: dict[str, list[_ObjectSite]] = {}
             self._layout = self._read_common()
             self._read_sharded_objects()
             self._notes = self._dp_buckets()
@@ -181,7 +181,7 @@ class MegatronSource(DcpSource):
                 elif name in self._entries:
                     raise XckptError(f"{payload.where}: common state entry {name!r} is also a tensor's key")
                 else:
-                    self._parts[name] = [_Part(payload, (*path, k), None)]
+                    self._parts[name] = [_ObjectSite(payload, (*path, k), None)]
 
         walk(root, "", base, 0)
         return layout
@@ -199,7 +199,7 @@ class MegatronSource(DcpSource):
                 raise XckptError(f"{self._where}: object {name!r} is also a tensor or a common state entry")
             shard = m.group(2).replace(".", ",") if m else None
             wrapped = m is not None and isinstance(payload.root, list) and len(payload.root) == 1
-            self._parts.setdefault(name, []).append(_Part(payload, (0,) if wrapped else (), shard))
+            self._parts.setdefault(name, []).append(_ObjectSite(payload, (0,) if wrapped else (), shard))
 
     def _dp_buckets(self) -> list[str]:
         flat = [n for n in self._entries if _DP_BUCKETS.search(n)]
@@ -256,7 +256,7 @@ class MegatronSource(DcpSource):
     def _per_rank_values(self, name: str) -> list[Any]:
         return [self._object_value(name, None)]
 
-    def _value(self, part: _Part) -> Any:
+    def _value(self, part: _ObjectSite) -> Any:
         p = part.payload
         value = _at(p.root, part.path)
         if _needs_pickle(part):  # allow_pickle: the foreign classes are made for real (runs code)
@@ -308,7 +308,7 @@ def _at(root: Any, path: tuple[Any, ...]) -> Any:
     return root
 
 
-def _needs_pickle(part: _Part) -> bool:
+def _needs_pickle(part: _ObjectSite) -> bool:
     return holds_foreign(_at(part.payload.root, part.path))
 
 

@@ -26,6 +26,7 @@ from xckpt.layout._boxes import (
     StridedShard,
     box_from_index,
     boxes_for_coordinate,
+    c_strides,
     check_coverage,
     choose_writer,
     chunk_sizes,
@@ -52,6 +53,7 @@ from xckpt.layout._index import (
 )
 
 __all__ = [
+    "c_strides",
     "Box",
     "Shard",
     "StridedShard",

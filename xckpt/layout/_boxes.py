@@ -188,6 +188,16 @@ def parse_placements(text: str) -> tuple[Placement, ...]:
 # Index arithmetic
 
 
+def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major (C order) element strides of `shape`."""
+    out = []
+    acc = 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
 def chunk_sizes(length: int, n: int) -> list[tuple[int, int]]:
     """``torch.chunk`` split of ``length`` into ``n`` pieces: (start, size) each.
 

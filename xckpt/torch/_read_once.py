@@ -7,22 +7,8 @@ process group agree on a plan in which every stored range is read by exactly one
 of the ranks that need it, which sends it to the others over the process group;
 storage serves about one copy of what the group needs.
 
-The plan (:func:`make_plan`, pure arithmetic over boxes, computed identically on
-every rank from every rank's requests):
-
-* per tensor and saved chunk, the part each rank needs (``plan_reads``). A part
-  only one rank needs is read by that rank straight into its target, as without
-  ``read_once`` (``Plan.solo``);
-* parts several ranks need are cut into *cells* along every rank's part bounds and
-  along the chunk's zarr grid (the unit storage reads whole), or, without a grid,
-  into slabs of at most ``MAX_CELL_BYTES``; each cell lies in or out of each rank's
-  part, so each rank receives exactly the cells it needs;
-* cells that cost the same storage read (the same key of ``Source.read_units``:
-  one zarr chunk, one packed span) form a *group*, read by one rank in one read per
-  chunk (the bounding box of its cells), so no stored unit is read twice;
-* each group's reader is one of the ranks that need it, chosen greedily to even
-  out the bytes each rank reads, sends and receives; groups are cut, in order, into
-  *rounds* of at most ``ROUND_BYTES`` per rank (host memory stays bounded).
+The plan is `xckpt.sharing.make_plan` (pure arithmetic over boxes, no torch; see that
+module for what it decides).
 
 Call protocol (:func:`load_once`, every rank of the group, same order):
 
@@ -48,11 +34,9 @@ NCCL the buffers travel through the current CUDA device.
 from __future__ import annotations
 
 import datetime
-import functools
 import math
 import zlib
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,306 +45,19 @@ import torch
 from xckpt import layout as L
 from xckpt._progress import progress
 from xckpt.errors import XckptError
-from xckpt.manifest import Chunk, TensorEntry
+from xckpt.sharing import Cell, Group, Need, Plan, make_plan, messages
 from xckpt.source import Source
 from xckpt.torch._dist import distributed, raise_for_ranks
 from xckpt.torch._dtypes import torch_dtype
 from xckpt.torch._pipeline import ALIGN, Copier, DeviceRing, wait_all
 
-__all__ = ["Need", "Cell", "Group", "Plan", "make_plan", "load_once"]
+__all__ = ["load_once"]
 
-#: Bytes one rank reads, sends and receives in one round at most (a larger group has a round to itself).
-ROUND_BYTES = 256 << 20
-#: Cells of a chunk without a zarr grid are cut into slabs of at most this many bytes (spreads reads).
-MAX_CELL_BYTES = 16 << 20
 #: Seconds any one collective of a read_once load may wait for the other ranks.
 TIMEOUT_S = 600.0
 
 #: A rank's target part: (tensor name, global box, numpy view or torch tensor of the box's shape).
 Target = tuple[str, L.Box, Any]
-
-
-@dataclass(frozen=True)
-class Need:
-    """One box of tensor ``name`` that a rank loads."""
-
-    name: str
-    box: L.Box
-
-
-@dataclass(frozen=True)
-class Cell:
-    """Box ``box`` of tensor ``name``, needed by ``ranks``; it lies in read ``read`` of its group."""
-
-    name: str
-    box: L.Box
-    itemsize: int
-    ranks: tuple[int, ...]
-    read: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.box.volume * self.itemsize
-
-
-@dataclass(frozen=True)
-class Group:
-    """Cells that cost one storage read: ``reader`` reads ``reads`` (each inside one
-    saved chunk) and sends each cell to the other ranks that need it."""
-
-    reader: int
-    reads: tuple[tuple[str, L.Box, int], ...]  # (name, box, itemsize)
-    cells: tuple[Cell, ...]
-
-    def read_bytes(self) -> int:
-        return sum(b.volume * i for _n, b, i in self.reads)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """``solo[r]``: the (name, box) rank r reads for itself alone; ``rounds``: the groups,
-    round by round."""
-
-    solo: tuple[tuple[tuple[str, L.Box], ...], ...]
-    rounds: tuple[tuple[Group, ...], ...]
-
-    def group_read_bytes(self, rank: int) -> int:
-        """Bytes (as loaded) rank ``rank`` reads for the groups it reads."""
-        return sum(g.read_bytes() for rnd in self.rounds for g in rnd if g.reader == rank)
-
-
-# -- the plan (pure) ---------------------------------------------------------------------------
-
-
-def _cuts(lo: int, hi: int, step: int, origin: int) -> list[int]:
-    """Multiples of ``step`` from ``origin`` strictly inside (lo, hi)."""
-    first = origin + (-(-(lo + 1 - origin) // step)) * step
-    return list(range(first, hi, step))
-
-
-def _lattice(
-    parts: Sequence[tuple[int, L.Box]], chunk: Chunk, itemsize: int, max_cell: int
-) -> list[tuple[L.Box, tuple[int, ...]]]:
-    """The cells of the parts ``(rank, box)`` of one chunk and the ranks needing each."""
-    holders: dict[L.Box, set[int]] = {}
-    for r, b in parts:
-        holders.setdefault(b, set()).add(r)
-    boxes = list(holders)  # replicas ask for the same box: the lattice is over distinct ones
-    ndim = len(chunk.shape)
-    lo = [min(b.offset[d] for b in boxes) for d in range(ndim)]
-    hi = [max(b.end[d] for b in boxes) for d in range(ndim)]
-    bounds: list[list[int]] = []
-    for d in range(ndim):
-        cuts = {lo[d], hi[d]}
-        for b in boxes:
-            cuts.update((b.offset[d], b.end[d]))
-        if chunk.grid is not None:
-            cuts.update(_cuts(lo[d], hi[d], max(1, chunk.grid[d]), chunk.offset[d]))
-        elif d == 0:
-            slab = math.prod(h - lo_ for lo_, h in zip(lo[1:], hi[1:])) * itemsize
-            cuts.update(_cuts(lo[0], hi[0], max(1, max_cell // max(1, slab)), lo[0]))
-        bounds.append(sorted(c for c in cuts if lo[d] <= c <= hi[d]))
-    # per dim and interval: which boxes cover it (a bit per box)
-    covers: list[list[tuple[int, int, int]]] = []
-    for d in range(ndim):
-        spans = []
-        for a, z in zip(bounds[d], bounds[d][1:]):
-            mask = 0
-            for k, b in enumerate(boxes):
-                if b.offset[d] <= a and z <= b.end[d]:
-                    mask |= 1 << k
-            spans.append((a, z, mask))
-        covers.append(spans)
-    out = []
-    every = (1 << len(boxes)) - 1
-    ranks_of: dict[int, tuple[int, ...]] = {}
-    for combo in _product(covers):
-        mask = every
-        for _a, _b, m in combo:
-            mask &= m
-        if not mask:
-            continue
-        ranks = ranks_of.get(mask)
-        if ranks is None:
-            ranks = ranks_of[mask] = tuple(
-                sorted(set().union(*(holders[b] for k, b in enumerate(boxes) if mask >> k & 1)))
-            )
-        out.append((L.Box(tuple(a for a, _b, _m in combo), tuple(b - a for a, b, _m in combo)), ranks))
-    return out
-
-
-def _product(rows: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
-    out: list[tuple[Any, ...]] = [()]
-    for row in rows:
-        out = [p + (x,) for p in out for x in row]
-    return out
-
-
-def _units_of(
-    read_units: Callable[[str, Chunk, L.Box, int], Mapping[Hashable, int]],
-    name: str,
-    chunk: Chunk,
-    itemsize: int,
-    box: L.Box,
-) -> Mapping[Hashable, int]:
-    return read_units(name, chunk, box, itemsize)
-
-
-def _shared_parts(
-    parts: Sequence[tuple[int, L.Box]], units: Callable[[L.Box], Mapping[Hashable, int]]
-) -> set[L.Box]:
-    """The boxes among ``parts`` (of one chunk) that another rank needs too, or whose
-    storage units another rank's part costs as well; every other part is read by its
-    rank alone, straight into its target."""
-    owners: dict[L.Box, set[int]] = {}
-    for r, b in parts:
-        owners.setdefault(b, set()).add(r)
-    boxes = list(owners)
-    keys = [set(units(b)) for b in boxes]
-    shared = set()
-    for i, b in enumerate(boxes):
-        if len(owners[b]) > 1:
-            shared.add(b)
-            continue
-        for j, c in enumerate(boxes):
-            if j != i and owners[c] != owners[b] and (b.intersect(c) is not None or keys[i] & keys[j]):
-                shared.add(b)
-                break
-    return shared
-
-
-def _bbox(a: L.Box, b: L.Box) -> L.Box:
-    off = tuple(min(x, y) for x, y in zip(a.offset, b.offset))
-    end = tuple(max(x, y) for x, y in zip(a.end, b.end))
-    return L.Box(off, tuple(e - o for o, e in zip(off, end)))
-
-
-def make_plan(
-    entry: Callable[[str], TensorEntry],
-    read_units: Callable[[str, Chunk, L.Box, int], Mapping[Hashable, int]],
-    needs: Sequence[Sequence[Need]],
-    *,
-    round_bytes: int = ROUND_BYTES,
-    max_cell: int = MAX_CELL_BYTES,
-) -> Plan:
-    """Who reads what and sends it to whom (see the module); the same on every rank.
-
-    Args:
-        entry: a tensor's entry by name (``Source.info``).
-        read_units: ``Source.read_units``: the storage units a box of a chunk costs.
-        needs: per rank, the boxes it loads.
-        round_bytes, max_cell: see :data:`ROUND_BYTES`, :data:`MAX_CELL_BYTES`.
-    """
-    world = len(needs)
-    by_chunk: dict[tuple[str, int], list[tuple[int, L.Box]]] = {}
-    # replicas send the same requests (load_once decodes them into one list): planned once
-    alike: dict[int, tuple[Sequence[Need], list[int]]] = {}
-    for r, rank_needs in enumerate(needs):
-        alike.setdefault(id(rank_needs), (rank_needs, []))[1].append(r)
-    for rank_needs, same in alike.values():
-        for need in rank_needs:
-            for req in L.plan_reads(entry(need.name).boxes, need.box):
-                by_chunk.setdefault((need.name, req.chunk), []).extend((r, req.box) for r in same)
-    solo: list[list[tuple[str, L.Box]]] = [[] for _ in range(world)]
-    # Cells join one group when they cost a storage unit in common (union-find over the
-    # units: a packed tensor straddling two packed spans joins their groups).
-    owner: dict[Hashable, int] = {}  # storage unit -> a group id
-    parent: list[int] = []
-    placed: list[tuple[int, tuple[str, int], L.Box, tuple[int, ...], int]] = []
-
-    def find(gid: int) -> int:
-        while parent[gid] != gid:
-            parent[gid] = parent[parent[gid]]
-            gid = parent[gid]
-        return gid
-
-    for (name, ci), parts in by_chunk.items():
-        if all(r == parts[0][0] for r, _b in parts):
-            solo[parts[0][0]].extend((name, b) for _r, b in parts)
-            continue
-        t = entry(name)
-        chunk, itemsize = t.chunks[ci], t.np_dtype.itemsize
-        first = parts[0][1]
-        if all(b == first for _r, b in parts) and chunk.grid is None and first.volume * itemsize <= max_cell:
-            # replicas of one small stored piece (many small tensors): one cell
-            pieces = [(first, tuple(sorted({r for r, _b in parts})))]
-        else:
-            shared = _shared_parts(parts, functools.partial(_units_of, read_units, name, chunk, itemsize))
-            for r, b in parts:
-                if b not in shared:
-                    solo[r].append((name, b))
-            parts = [(r, b) for r, b in parts if b in shared]
-            pieces = _lattice(parts, chunk, itemsize, max_cell) if parts else []
-        for box, ranks in pieces:
-            keys = list(read_units(name, chunk, box, itemsize)) or [("cell", name, ci, box)]
-            roots = sorted({find(owner[k]) for k in keys if k in owner})
-            if roots:
-                gid = roots[0]
-                for other in roots[1:]:
-                    parent[other] = gid
-            else:
-                gid = len(parent)
-                parent.append(gid)
-            for k in keys:
-                owner[k] = gid
-            placed.append((gid, (name, ci), box, ranks, itemsize))
-    # group -> (its reads {(name, chunk): (bounding box, itemsize)}, its cells), by first cell
-    building: dict[
-        int,
-        tuple[dict[tuple[str, int], tuple[L.Box, int]], list[tuple[tuple[str, int], L.Box, tuple[int, ...]]]],
-    ] = {}
-    for gid, key, box, ranks, itemsize in placed:
-        reads, cells = building.setdefault(find(gid), ({}, []))
-        held = reads.get(key)
-        reads[key] = (box if held is None else _bbox(held[0], box), itemsize)
-        cells.append((key, box, ranks))
-    # readers, in plan order: the rank needing the group with the least work so far (bytes
-    # read, sent and received), counting this group's reading and sending
-    work = [0] * world
-    groups: list[Group] = []
-    for reads, cells in building.values():
-        pos = {k: i for i, k in enumerate(reads)}
-        size = sum(b.volume * i for b, i in reads.values())
-        sends = 0  # bytes sent if the reader needed nothing
-        needed: dict[int, int] = {}  # bytes of the group each rank needs (it is not sent those)
-        for k, box, ranks in cells:
-            n = box.volume * reads[k][1]
-            sends += n * len(ranks)
-            for r in ranks:
-                needed[r] = needed.get(r, 0) + n
-        cost = {r: size + sends - needed[r] for r in sorted(needed)}
-        reader = min(cost, key=lambda r: (work[r] + cost[r], r))
-        work[reader] += cost[reader]
-        for r, n in needed.items():
-            if r != reader:
-                work[r] += n
-        groups.append(
-            Group(
-                reader,
-                tuple((k[0], b, i) for k, (b, i) in reads.items()),
-                tuple(Cell(k[0], box, reads[k][1], ranks, pos[k]) for k, box, ranks in cells),
-            )
-        )
-    # rounds: groups in order while every rank's bytes fit
-    rounds: list[tuple[Group, ...]] = []
-    cur: list[Group] = []
-    load = [0] * world
-    for g in groups:
-        add = [0] * world
-        add[g.reader] += g.read_bytes()
-        for c in g.cells:
-            for r in c.ranks:
-                if r != g.reader:
-                    add[g.reader] += c.nbytes
-                    add[r] += c.nbytes
-        if cur and any(a and a + x > round_bytes for a, x in zip(add, load)):
-            rounds.append(tuple(cur))
-            cur, load = [], [0] * world
-        cur.append(g)
-        load = [a + x for a, x in zip(add, load)]
-    if cur:
-        rounds.append(tuple(cur))
-    return Plan(tuple(tuple(s) for s in solo), tuple(rounds))
 
 
 def _layout(cells: Sequence[Cell]) -> tuple[list[int], int]:
@@ -371,22 +68,6 @@ def _layout(cells: Sequence[Cell]) -> tuple[list[int], int]:
         offs.append(pos)
         pos += c.nbytes
     return offs, pos
-
-
-def messages(rnd: Sequence[Group], me: int) -> tuple[dict[int, list[Cell]], dict[int, list[Cell]]]:
-    """Cells ``me`` sends to each rank and receives from each rank in round ``rnd``, in
-    plan order (both sides lay a message out alike from this)."""
-    sends: dict[int, list[Cell]] = {}
-    recvs: dict[int, list[Cell]] = {}
-    for g in rnd:
-        for c in g.cells:
-            if g.reader == me:
-                for r in c.ranks:
-                    if r != me:
-                        sends.setdefault(r, []).append(c)
-            elif me in c.ranks:
-                recvs.setdefault(g.reader, []).append(c)
-    return sends, recvs
 
 
 # -- encoding (int64 arrays, no pickle) --------------------------------------------------------
