@@ -43,7 +43,7 @@ from xckpt.native.reader import Checkpoint
 from xckpt.native.sink import XckptSink
 from xckpt.native.steps import manager_root_error, resolve_step
 from xckpt.rules import Rules, apply_rules
-from xckpt.sink import Sink
+from xckpt.sink import ReadOnlySink, Sink
 from xckpt.source import Source, readable_objects
 from xckpt.storage import Location, Place, as_place
 
@@ -128,7 +128,7 @@ FORMATS: Mapping[str, Format] = {
             "metadata.json with a sharded_backend beside a DCP checkpoint (Megatron-Core)",
             _DIR,
             _opener(megatron.open),
-            megatron.SINK,  # read-only: refuses with a message
+            ReadOnlySink(megatron.FORMAT, megatron.INSTEAD),
         ),
         Format(
             "torch-dcp",
@@ -145,7 +145,7 @@ FORMATS: Mapping[str, Format] = {
             "*_optim_states.pt or zero/ (DeepSpeed)",
             _DIR,
             _opener(deepspeed.open),
-            deepspeed.SINK,  # read-only: refuses with a message
+            ReadOnlySink(deepspeed.FORMAT, deepspeed.INSTEAD),
         ),
         Format(
             "orbax",

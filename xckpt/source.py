@@ -85,6 +85,16 @@ class ChunkRead(NamedTuple):
         return self.chunk.nbytes if self.req is None else self.req.box.volume * self.out.itemsize
 
 
+def slice_pairs(group: Sequence[ChunkRead]) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """Each read of a group as (slices of its chunk, the output view they fill)."""
+    out = []
+    for job in group:
+        req = job.req if job.req is not None else whole_request(job.chunk)
+        view = job.out[req.target_slices] if job.out.ndim else job.out  # 0-d: a view, not a scalar
+        out.append((req.chunk_slices, view))
+    return out
+
+
 def group_bytes(group: Sequence[ChunkRead]) -> int:
     """The bytes a group of reads moves."""
     return sum(j.nbytes for j in group)

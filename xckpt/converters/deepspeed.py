@@ -59,8 +59,7 @@ from typing import Any
 from xckpt.errors import IncompleteCheckpointError, XckptError
 from xckpt.layout import Box, c_strides, check_coverage
 from xckpt.manifest import Chunk, TensorEntry, numpy_dtype
-from xckpt.sink import ReadOnlySink
-from xckpt.source import ChunkRead, Source, group_bytes, whole_request
+from xckpt.source import ChunkRead, Source, group_bytes, slice_pairs
 from xckpt.storage import Place, as_place
 
 from ._deepspeed_files import (
@@ -82,7 +81,7 @@ from ._foreign import holds_foreign, rebuild
 from ._unpickle import DEEPSPEED_GLOBALS, TORCH_SAVE_GLOBALS, TensorRef
 from .torch_save import run_jobs
 
-__all__ = ["FORMAT", "detect", "open", "DeepSpeedSource", "SINK"]
+__all__ = ["FORMAT", "detect", "open", "DeepSpeedSource", "INSTEAD"]
 
 FORMAT = "deepspeed"
 
@@ -667,11 +666,7 @@ class DeepSpeedSource(Source):
         def one(group: list[ChunkRead]) -> None:
             name, chunk = group[0].name, group[0].chunk
             spec = self._specs[name]
-            items = []
-            for job in group:
-                req = job.req if job.req is not None else whole_request(job.chunk)
-                out = job.out[req.target_slices] if job.out.ndim else job.out
-                items.append((req.chunk_slices, out))
+            items = slice_pairs(group)
             if spec.whole is not None:
                 read_stored(spec, spec.whole, items)
             elif spec.assembled:
@@ -743,11 +738,10 @@ class DeepSpeedSource(Source):
             f.bytes.close()
 
 
-#: ``deepspeed`` is read-only: convert to torch-dcp and load that into the engine's module and optimizer.
-SINK = ReadOnlySink(
-    FORMAT,
+#: What to do instead of writing this format, which xckpt reads but does not write.
+INSTEAD = (
     "convert to torch-dcp (or xckpt) and load it into the model and optimizer DeepSpeed wraps with "
-    "torch.distributed.checkpoint (or xckpt.torch.load)",
+    "torch.distributed.checkpoint (or xckpt.torch.load)"
 )
 
 

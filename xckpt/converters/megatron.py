@@ -47,7 +47,6 @@ from typing import Any
 
 from xckpt.errors import ObjectError, XckptError
 from xckpt.manifest import MAX_OBJECT_DEPTH
-from xckpt.sink import ReadOnlySink
 from xckpt.storage import Blob, Place, as_place
 
 from ._dcp_items import read_value
@@ -57,7 +56,7 @@ from ._unpickle import TORCH_SAVE_GLOBALS, TensorRef, restricted_load
 from .torch_dcp import DcpSource
 from .torch_dcp import detect as dcp_detect
 
-__all__ = ["FORMAT", "detect", "open", "MegatronSource", "SINK"]
+__all__ = ["FORMAT", "detect", "open", "MegatronSource", "INSTEAD"]
 
 FORMAT = "megatron"
 
@@ -312,11 +311,10 @@ def _needs_pickle(part: _ObjectSite) -> bool:
     return holds_foreign(_at(part.payload.root, part.path))
 
 
-#: ``megatron`` is read-only: a torch-dcp output with Megatron's keys is what dist_checkpointing reads.
-SINK = ReadOnlySink(
-    FORMAT,
+#: What to do instead of writing this format, which xckpt reads but does not write.
+INSTEAD = (
     "convert to torch-dcp, whose tensors keep Megatron's keys (and, with the hf_llama_to_megatron_gpt "
-    "rules, Hugging Face Llama weights get them), and load it with torch.distributed.checkpoint",
+    "rules, Hugging Face Llama weights get them), and load it with torch.distributed.checkpoint"
 )
 
 

@@ -462,60 +462,66 @@ class OrbaxSink(Sink):
             txn.abandon()
             raise
 
-        if strings:
-            _write_json(os.path.join(dst, "_strings.json"), strings)
-        arrays = [leaf for leaf in leaves if leaf.kind == "jax.Array"]
-        _write_json(
-            os.path.join(dst, "_sharding"),
-            {base64.urlsafe_b64encode(leaf.param.encode()).decode(): _SHARDING for leaf in arrays},
-        )
-        os.makedirs(os.path.join(dst, "array_metadatas"))
-        _write_json(
-            os.path.join(dst, "array_metadatas", "process_0"),
-            {
-                "array_metadatas": [
-                    {
-                        "array_metadata": {
-                            "param_name": leaf.param,
-                            "write_shape": leaf.grid,
-                            "chunk_shape": leaf.grid,
-                            "ext_metadata": None,
-                        }
-                    }
-                    for leaf in arrays
-                ]
-            },
-        )
-        tree = {
-            str(tuple(k for k, _ in leaf.keys)): {
-                "key_metadata": [{"key": k, "key_type": t} for k, t in leaf.keys],
-                "value_metadata": _value_metadata(leaf),
-            }
-            for leaf in leaves
-        }
-        _write_json(
-            os.path.join(dst, "_METADATA"),
-            {
-                "tree_metadata": tree,
-                "use_ocdbt": True,
-                "use_zarr3": False,
-                "store_array_data_equal_to_fill_value": True,
-                "custom_metadata": None,
-            },
-        )
-        _write_json(
-            os.path.join(dst, "_CHECKPOINT_METADATA"),
-            {
-                "item_handlers": _HANDLER,
-                "metrics": {},
-                "performance_metrics": {},
-                "init_timestamp_nsecs": init,
-                "commit_timestamp_nsecs": time.time_ns(),
-                "custom_metadata": {},
-            },
-        )
+        _write_tree_metadata(dst, leaves, strings, init)
         with open(os.path.join(dst, "commit_success.txt"), "w") as f:
             f.write(f"Checkpoint commit was successful to {dst}")
+
+
+def _write_tree_metadata(dst: str, leaves: list[_Leaf], strings: dict[str, str], init: int) -> None:
+    """orbax's files beside the data, as its own PyTreeCheckpointHandler writes them:
+    `_strings.json`, `_sharding`, `array_metadatas/`, `_METADATA`, `_CHECKPOINT_METADATA`."""
+    if strings:
+        _write_json(os.path.join(dst, "_strings.json"), strings)
+    arrays = [leaf for leaf in leaves if leaf.kind == "jax.Array"]
+    _write_json(
+        os.path.join(dst, "_sharding"),
+        {base64.urlsafe_b64encode(leaf.param.encode()).decode(): _SHARDING for leaf in arrays},
+    )
+    os.makedirs(os.path.join(dst, "array_metadatas"))
+    _write_json(
+        os.path.join(dst, "array_metadatas", "process_0"),
+        {
+            "array_metadatas": [
+                {
+                    "array_metadata": {
+                        "param_name": leaf.param,
+                        "write_shape": leaf.grid,
+                        "chunk_shape": leaf.grid,
+                        "ext_metadata": None,
+                    }
+                }
+                for leaf in arrays
+            ]
+        },
+    )
+    tree = {
+        str(tuple(k for k, _ in leaf.keys)): {
+            "key_metadata": [{"key": k, "key_type": t} for k, t in leaf.keys],
+            "value_metadata": _value_metadata(leaf),
+        }
+        for leaf in leaves
+    }
+    _write_json(
+        os.path.join(dst, "_METADATA"),
+        {
+            "tree_metadata": tree,
+            "use_ocdbt": True,
+            "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+        },
+    )
+    _write_json(
+        os.path.join(dst, "_CHECKPOINT_METADATA"),
+        {
+            "item_handlers": _HANDLER,
+            "metrics": {},
+            "performance_metrics": {},
+            "init_timestamp_nsecs": init,
+            "commit_timestamp_nsecs": time.time_ns(),
+            "custom_metadata": {},
+        },
+    )
 
 
 def _write_tensor(job: WriteJob, name: str, leaf: _Leaf, base: Any, txn: _Txn) -> None:

@@ -54,7 +54,7 @@ from xckpt.errors import (
 )
 from xckpt.layout import check_coverage
 from xckpt.manifest import Chunk, TensorEntry
-from xckpt.source import ChunkRead, Source, group_bytes, whole_request
+from xckpt.source import ChunkRead, Source, group_bytes, slice_pairs
 from xckpt.storage import Blob, Place, as_place
 
 from . import _dcp_items as items
@@ -375,11 +375,7 @@ class DcpSource(Source):
             groups.setdefault((job.name, job.chunk.offset), []).append(job)
 
         def one(group: list[ChunkRead]) -> None:
-            items = []
-            for job in group:
-                req = job.req if job.req is not None else whole_request(job.chunk)
-                out = job.out[req.target_slices] if job.out.ndim else job.out  # 0-d: a view, not a scalar
-                items.append((req.chunk_slices, out))
+            items = slice_pairs(group)
             try:
                 self._reader.read(group[0].name, group[0].chunk, items)
             finally:

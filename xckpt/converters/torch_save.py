@@ -42,7 +42,7 @@ import numpy as np
 from xckpt.errors import ObjectError, XckptError
 from xckpt.layout import check_coverage
 from xckpt.manifest import MAX_OBJECT_DEPTH, Chunk, TensorEntry, numpy_dtype
-from xckpt.source import ChunkRead, Source, group_bytes, whole_request
+from xckpt.source import ChunkRead, Source, group_bytes, slice_pairs
 from xckpt.storage import Blob, Place, as_place
 
 from ._foreign import describe, find_foreign, holds_foreign, rebuild
@@ -218,11 +218,7 @@ class TorchSaveSource(Source):
             groups.setdefault(job.name, []).append(job)
 
         def one(group: list[ChunkRead]) -> None:
-            items = []
-            for job in group:
-                req = job.req if job.req is not None else whole_request(job.chunk)
-                out = job.out[req.target_slices] if job.out.ndim else job.out  # 0-d: a view, not a scalar
-                items.append((req.chunk_slices, out))
+            items = slice_pairs(group)
             name = group[0].name
             read_boxes(self._archive, self._tensors[name], self._starts[name], items)
 
