@@ -441,7 +441,7 @@ def _quantized(rule: _Rule, kind: str, q: TensorEntry, s: TensorEntry, block: tu
                 "the rule's block one entry per axis (1 for an axis without blocks)"
             )
         want = tuple(-(-n // b) for n, b in zip(q.shape, block))
-        if s.shape != want or not (s.dtype.startswith("float") and numpy_dtype(s.dtype).itemsize <= 4):
+        if s.shape != want or s.dtype not in ("float32", "bfloat16", "float16"):
             raise RuleError(
                 f"{head}: in {' x '.join(map(str, block))} blocks the scale must be float32 of shape {want}; "
                 "check the rule's block size (the model config's weight_block_size) and scale template"
@@ -457,10 +457,14 @@ def _quantized(rule: _Rule, kind: str, q: TensorEntry, s: TensorEntry, block: tu
             )
         per = 2 * q.shape[-1]
         shape = (*q.shape[:-2], q.shape[-2] * per)
-        chunks = []
-        for c in q.chunks:
-            if c.shape[-1] != q.shape[-1]:
-                raise RuleError(f"{head}: stored chunk {c.key!r} {c.box} splits the bytes of a group; cannot dequantize it")
-            off, shp = (*c.offset[:-2], c.offset[-2] * per), (*c.shape[:-2], c.shape[-2] * per)
-            chunks.append(Chunk(offset=off, shape=shp, key=c.key, rank=c.rank, nbytes=math.prod(shp) * numpy_dtype(dtype).itemsize))
+        size = numpy_dtype(dtype).itemsize
+        if any(c.shape[-1] != q.shape[-1] for c in q.chunks):  # chunks that split groups: one chunk, read across them
+            c0 = q.chunks[0]
+            chunks = [Chunk(offset=(0,) * len(shape), shape=shape, key=c0.key, rank=c0.rank, nbytes=math.prod(shape) * size)]
+        else:
+            chunks = [
+                Chunk(offset=(*c.offset[:-2], c.offset[-2] * per), shape=(*c.shape[:-2], c.shape[-2] * per), key=c.key,
+                      rank=c.rank, nbytes=math.prod(c.shape[:-1]) * per * size)
+                for c in q.chunks
+            ]
     return _Quantized(kind, TensorEntry(name=q.name, dtype=dtype, shape=shape, chunks=tuple(chunks)), q, s, block)
