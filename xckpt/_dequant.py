@@ -56,7 +56,7 @@ OUT_DTYPES = ("bfloat16", "float16", "float32")
 #: Quantized bytes of one piece of a read (a box is cut along axis 0 into pieces this size).
 PIECE_BYTES = 64 << 20
 #: Quantized bytes read from the source at once (pieces are read in batches this size).
-BATCH_BYTES = 256 << 20
+BATCH_BYTES = 128 << 20
 #: Elements of one band of the lookups (its index array is 8 bytes an element).
 _BAND = 1 << 17
 
