@@ -356,12 +356,12 @@ def _any_layout(data: Any) -> None:
     arrays = {"w": w.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn), "w_scale_inv": s.numpy(),
               "x_blocks": blk.numpy(), "x_scales": scl.numpy()}
     layouts = {k: _grid(a.shape, [_cuts(data.draw, d) for d in a.shape]) for k, a in arrays.items()}
-    rules = [{"match": "(.*)", "dequant": {"kind": "fp8_block", "scale": r"\1_scale_inv", "block": [b, b]}},
+    rules = [{"match": "(.*)", "dequant": {"kind": "fp8_block", "scale": r"\1_scale_inv", "block": [b, b]}, "transpose": [1, 0]},
              {"match": "(.*)_blocks", "dequant": {"kind": "mxfp4", "scale": r"\1_scales"}, "rename": r"\1",
               "transpose": [0, 2, 1], "dtype": "float32"}]
     view = apply_rules(ArraySource(arrays, layouts, {"step": 3}), rules)
     assert view.names() == ["w", "x"] and view.object_names() == ["step"]  # the fp8 rule matches no object
-    for name, want in (("w", deepseek_dequant(w, s, b, torch.bfloat16)), ("x", convert_moe_packed_tensors(blk, scl, dtype=torch.float32))):
+    for name, want in (("w", deepseek_dequant(w, s, b, torch.bfloat16).T), ("x", convert_moe_packed_tensors(blk, scl, dtype=torch.float32))):
         box = data.draw(boxes_in(tuple(want.shape)))
         got = view.read(name, tuple(slice(o, o + k) for o, k in zip(box.offset, box.shape)))
         assert np.array_equal(bits(got), bits(want[box.slices()])), (name, box)

@@ -212,16 +212,17 @@ def dequant_mxfp4(blocks: np.ndarray, scales: np.ndarray, out: np.ndarray, start
     g, nb = blocks.shape[-2:]
     n = out.shape[-1]
     whole = start == 0 and n == g * 2 * nb and out.strides[-1] == out.itemsize
-    idx = np.empty((max(1, _BAND // max(g * nb, 1)), g, nb), np.intp)
-    tmp = None if whole else np.empty((idx.shape[0], g * nb), lanes)
+    idx = np.empty((max(1, _BAND // max(g * nb, 1)), g * nb), np.intp)
+    by_group = idx.reshape(idx.shape[0], g, nb)  # the same memory, for the ufuncs
+    tmp = None if whole else np.empty(idx.shape, lanes)
     for lead, a, z in _bands(out, lambda r: out.shape[-2]):
         h = z - a
-        np.left_shift(scales[lead][a:z, :, None], 8, out=idx[:h], dtype=np.intp)
-        np.bitwise_or(idx[:h], blocks[lead][a:z], out=idx[:h])
+        np.left_shift(scales[lead][a:z, :, None], 8, out=by_group[:h], dtype=np.intp)
+        np.bitwise_or(by_group[:h], blocks[lead][a:z], out=by_group[:h])
         if tmp is None:
-            np.take(table, idx[:h], out=out[lead][a:z].view(lanes).reshape(h, g, nb), mode="clip")
+            np.take(table, idx[:h], out=out[lead][a:z].view(lanes), mode="clip")
         else:
-            np.take(table, idx[:h], out=tmp[:h].reshape(h, g, nb), mode="clip")
+            np.take(table, idx[:h], out=tmp[:h], mode="clip")
             out[lead][a:z] = tmp[:h].view(out.dtype)[:, start : start + n]
 
 
