@@ -271,9 +271,13 @@ def test_rules_files_json_toml_mapping_and_shipped(ckpt: str, tmp_path: Path) ->
         assert "x.emb" in xckpt.open(ckpt, rules=spec).names()
     assert shipped_rule_sets() == [
         "flax_to_torch",
+        "fp8_block_dequant",
+        "fp8_block_dequant_fp32",
         "hf_llama_to_megatron_gpt",
         "hf_llama_to_scanned",
         "megatron_gpt_to_hf_llama",
+        "mxfp4_dequant",
+        "mxfp4_dequant_fp32",
         "scanned_to_hf_llama",
         "torch_to_flax",
     ]

@@ -43,6 +43,7 @@ from xckpt.inspect import human_bytes
 from xckpt.layout import Shard, parse_placements
 from xckpt.native.steps import manager_steps, steps_table
 from xckpt.plan import plan_load
+from xckpt.rules import shipped_rule_sets
 from xckpt.source import Source
 
 
@@ -266,6 +267,8 @@ examples:
       --exclude 'optim.*' --max-shard-size 5GB                    # model only, HF directory
   xckpt convert model.safetensors model.pt                        # one torch.save file
   xckpt convert hf-model scanned --to orbax --rules hf_llama_to_scanned  # layers stacked
+  xckpt convert deepseek-v3 deepseek-v3-bf16 --to safetensors \\
+      --rules fp8_block_dequant                                   # fp8 -> bf16, no GPU needed
   xckpt convert old.pt new.safetensors --overwrite --no-verify
 
 exit codes: 0 converted, 1 the written output does not read back as the source
@@ -288,8 +291,8 @@ def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument(
         "--rules",
         metavar="FILE",
-        help="rename/transpose/stack rules: a .json or .toml file, or a shipped set "
-        "(torch_to_flax, flax_to_torch, hf_llama_to_scanned, scanned_to_hf_llama)",
+        help="rename/transpose/stack/dequantize rules: a .json or .toml file, or a shipped set "
+        f"({', '.join(shipped_rule_sets())})",
     )
     s.add_argument(
         "--include",

@@ -24,6 +24,7 @@ __all__ = [
     "ObjectError",
     "MissingEntryError",
     "StorageError",
+    "RuleError",
 ]
 
 
@@ -89,3 +90,7 @@ class StorageError(XckptError, OSError):
     The tensorstore or OS error is the ``__cause__``; ``errno`` is set when the
     OS reported one (e.g. ``errno.ENOSPC``, ``errno.EFBIG``, ``errno.EACCES``).
     """
+
+
+class RuleError(XckptError, ValueError):
+    """A rule or rules file is invalid, or the rules do not fit the checkpoint (`xckpt.rules`)."""

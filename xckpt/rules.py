@@ -38,6 +38,10 @@ A rule is a dict (DESIGN.md section 6)::
 * ``ndim``: an int or list of ints; the rule applies only to tensors of that
   rank (so torch's 1-D norm ``weight`` and 2-D Linear ``weight`` can get
   different rules, as transformers' torch -> flax rules decide by shape).
+* ``dequant: {"kind": "fp8_block" | "mxfp4", "scale": "\\1_scale_inv", "block": [128, 128]}``:
+  a tensor stored as float8 (uint8 for mxfp4) is read dequantized with the scale tensor
+  ``scale`` names, to the rule's ``dtype`` (bfloat16 by default), the scale leaving the view
+  (`xckpt._dequant`); ``ndim`` counts stored axes, other keys act on the result; never an object.
 * ``comment``: ignored (JSON has no comments).
 
 The first matching rule wins; names no rule matches pass unchanged; a rule
@@ -45,8 +49,7 @@ with ``match`` alone passes its names unchanged (and shields them from later
 rules). ``rules`` is a list of such dicts, a mapping ``{"rules": [...]}``, the
 path of a ``.json`` or ``.toml`` file holding ``{"rules": [...]}`` (the suffix
 decides), or the name of a shipped rule set in ``xckpt/rulesets/``
-(``"torch_to_flax"``, ``"flax_to_torch"``, ``"hf_llama_to_scanned"``,
-``"scanned_to_hf_llama"``, ``"megatron_gpt_to_hf_llama"``, ``"hf_llama_to_megatron_gpt"``);
+(``"torch_to_flax"``, ``"megatron_gpt_to_hf_llama"``, ``"fp8_block_dequant"``, ...);
 :func:`shipped_rule_sets` lists them.
 
 Order inside one rule: ``unstack`` splits first, then each piece is split (or
@@ -99,31 +102,27 @@ from typing import Any, Union
 
 import numpy as np
 
+from xckpt._dequant import Dequant, Dequantized, parse_dequant
 from xckpt._pieces import ExpressionError, Parameters, Part, ScaledBar, make_cut
-from xckpt.errors import ObjectError, XckptError
+from xckpt.errors import ObjectError, RuleError
 from xckpt.layout import Box, ReadRequest
 from xckpt.manifest import DTYPES, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source
 from xckpt.views import SourceView
 
-__all__ = ["Rules", "RuleError", "Rule", "Part", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets"]
-__all__ += ["RULESETS_DIR", "Split", "load_rule_set"]
+__all__ = ["Rules", "RuleError", "Rule", "Part", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets", "RULESETS_DIR", "Split", "load_rule_set"]
 
 #: Where the shipped rule sets live (installed as package data).
 RULESETS_DIR = Path(__file__).with_name("rulesets")
 
-_KEYS = ("match", "rename", "transpose", "dtype", "drop", "stack", "unstack", "split", "join", "ndim", "comment")
-_TENSOR_ONLY = ("transpose", "dtype", "stack", "unstack", "split", "join")
+_KEYS = ("match", "rename", "transpose", "dtype", "drop", "stack", "unstack", "split", "join", "ndim", "dequant", "comment")
+_TENSOR_ONLY = ("transpose", "dtype", "stack", "unstack", "split", "join", "dequant")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 #: The ``rules=`` option of every verb: a list of rule dicts, ``{"rules": [...]}``, the
 #: path of a JSON or TOML file, the name of a shipped rule set, or None (no rules).
 Rules = Union[Sequence[Mapping[str, Any]], Mapping[str, Any], str, "os.PathLike[str]", None]
-
-
-class RuleError(XckptError, ValueError):
-    """A rule or rules file is invalid, or the rules do not fit the checkpoint."""
 
 
 #: Where a piece goes in an output made of several: (stack position, join part index).
@@ -165,6 +164,7 @@ class Rule:
     where: str = "rules"
     split: Split | None = None
     join: Split | None = None
+    dequant: Dequant | None = None
 
     @property
     def label(self) -> str:
@@ -176,6 +176,7 @@ class Rule:
         """The keys that act on axes or dtypes (meaningless for objects)."""
         ops: list[tuple[str, object]] = [("transpose", self.transpose), ("dtype", self.dtype)]
         ops += [("stack", self.stack), ("unstack", self.unstack), ("split", self.split), ("join", self.join)]
+        ops.append(("dequant", self.dequant))
         return [k for k, v in ops if v is not None]
 
 
@@ -197,7 +198,7 @@ def _parse_rule(i: int, d: Any, where: str) -> Rule:
     if unknown:
         raise RuleError(
             f"{head}: unknown key(s) {unknown}; a rule has 'match' and any of rename, transpose, "
-            "dtype, drop, stack, unstack, ndim (and an ignored comment)"
+            "dtype, drop, stack, unstack, split, join, ndim, dequant (and an ignored comment)"
         )
     if not isinstance(m, str):
         raise RuleError(f"{head}: 'match' must be a regular expression string")
@@ -262,7 +263,11 @@ def _parse_rule(i: int, d: Any, where: str) -> Rule:
         raise RuleError(f"{head}: a rule that splits cannot also join or stack (split in one rule, stack in another)")
     if drop and (split or join):
         raise RuleError(f"{head}: a rule that drops cannot also split or join")
-    return Rule(i, pattern, rename, perm, dtype, drop, stack, unstack, nd, where, split, join)
+    try:
+        dequant = parse_dequant(d.get("dequant"))
+    except ValueError as e:
+        raise RuleError(f"{head}: {e}") from None
+    return Rule(i, pattern, rename, perm, dtype, drop, stack, unstack, nd, where, split, join, dequant)
 
 
 def _parse_split(head: str, key: str, v: Any, rename: str | None) -> Split | None:
@@ -440,8 +445,10 @@ class RuledSource(SourceView):
     transposed view of the output (through a temporary buffer when cast).
     """
 
-    def __init__(self, source: Source, rules: Sequence[Rule], parameters: Mapping[str, int | str | None] | None = None) -> None:
+    def __init__(self, source: Source, rules: Sequence[Rule], parameters: Mapping[str, int | str | None] | None = None,
+                 taken: Mapping[str, Any] | None = None) -> None:
         super().__init__(source)
+        taken = taken or {}  # name -> the dequant rule that took it (in the Dequantized view beneath)
         self.rules = tuple(rules)
         self.parameters = Parameters(parameters or {}, source.object_names, _object_reader(source))
         self._views: dict[str, _View] = {}
@@ -454,11 +461,12 @@ class RuledSource(SourceView):
         for name in source.names():
             entry: TensorEntry | None = None
             hit = None
-            for rule in self.rules:
+            forced: Rule | None = taken.get(name)
+            for rule in self.rules if forced is None else [forced]:
                 m = rule.pattern.fullmatch(name)
-                if m is None:
+                if m is None or (rule.dequant is not None and rule is not forced):
                     continue
-                if rule.ndim is not None:
+                if rule.ndim is not None and forced is None:
                     entry = entry or source.info(name)
                     if len(entry.shape) not in rule.ndim:
                         continue
@@ -561,7 +569,7 @@ class RuledSource(SourceView):
 
     def _object_name(self, name: str) -> str | None:
         for rule in self.rules:
-            if rule.ndim is not None:
+            if rule.ndim is not None or rule.dequant is not None:
                 continue
             m = rule.pattern.fullmatch(name)
             if m is None:
@@ -785,4 +793,8 @@ def apply_rules(src: Source, rules: Rules | Sequence[Rule]) -> Source:
     parsed, parameters = load_rule_set(rules)
     if not parsed:
         return src
-    return RuledSource(src, parsed, parameters)
+    if not any(r.dequant is not None for r in parsed):
+        return RuledSource(src, parsed, parameters)
+    params = Parameters(parameters, src.object_names, _object_reader(src))
+    under = Dequantized(src, parsed, lambda rule, name, items: _ints(params, rule, name, "block size", items))
+    return RuledSource(under, parsed, parameters, under.taken)
