@@ -606,7 +606,7 @@ class DeepSpeedSource(Source):
             )
         elif spec.assembled:
             key = f"{len(spec.spans)} pieces: " + ", ".join(
-                f"{s.flat.file.rel}[{s.start}:{s.start + s.length}]" for s in spec.spans[:4]
+                f"{s.flat.file.rel}[{s.start * itemsize}:{(s.start + s.length) * itemsize}]" for s in spec.spans[:4]
             )
             chunks.append(
                 Chunk(
@@ -622,7 +622,8 @@ class DeepSpeedSource(Source):
                 box = range_box(spec.shape, s.at, s.at + s.length)
                 if box is None:  # (assembled specs never get here)
                     raise XckptError(f"{self._where}: {name!r} piece is not a box")
-                key = f"{s.flat.file.rel}[{s.start}:{s.start + s.length}]"
+                # a byte range of the rank's flat partition (bytes, as every format's keys say)
+                key = f"{s.flat.file.rel}[{s.start * itemsize}:{(s.start + s.length) * itemsize}]"
                 chunks.append(
                     Chunk(
                         offset=box.offset, shape=box.shape, key=key, rank=s.rank, nbytes=box.volume * itemsize
