@@ -121,3 +121,18 @@ def test_site_builds_strict(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "site" / "api" / "xckpt" / "index.html").exists()
+
+
+def test_the_home_page_links_every_guide_a_newcomer_needs():
+    home = (DOCS / "index.md").read_text()
+    for page in ("guide/manager.md", "sources-training.md", "guide/loading-at-scale.md", "scale.md"):
+        assert f"]({page})" in home, page
+
+
+def test_the_cli_page_names_every_format_and_every_shipped_rule_set():
+    from xckpt.formats import FORMATS
+    from xckpt.rules import shipped_rule_sets
+
+    cli = (DOCS / "cli.md").read_text()
+    assert [f for f in FORMATS if f"`{f}`" not in cli] == []
+    assert [r for r in shipped_rule_sets() if f"`{r}`" not in cli] == []
