@@ -1,7 +1,7 @@
 """How one source tensor lands in a rules view's output, and the parameter expressions rules use
 (helpers of :mod:`xckpt.rules`; pure arithmetic, no I/O).
 
-:class:`Part` maps boxes between a source tensor and the output it lands in: unstacked
+:class:`Landing` maps boxes between a source tensor and the output it lands in: unstacked
 (one slice of an axis), split or joined (a :class:`Cut` of one axis), transposed, stacked.
 
 ``split`` cuts one tensor into named parts along an axis of an optional reshape of it;
@@ -35,7 +35,7 @@ import numpy as np
 from xckpt.errors import XckptError
 from xckpt.layout import Box
 
-__all__ = ["Cut", "Part", "ScaledBar", "make_cut", "evaluate", "ExpressionError", "Parameters"]
+__all__ = ["Cut", "Landing", "ScaledBar", "make_cut", "evaluate", "ExpressionError", "Parameters"]
 
 
 class ExpressionError(XckptError, ValueError):
@@ -44,7 +44,7 @@ class ExpressionError(XckptError, ValueError):
 
 @dataclass(frozen=True)
 class Cut:
-    """Part elements ``x`` of axis ``axis`` are whole elements ``(x // block) * stride + start + x % block``.
+    """Landing elements ``x`` of axis ``axis`` are whole elements ``(x // block) * stride + start + x % block``.
 
     ``join`` says which side the rule's source is: False (split) the source is the whole and the
     output the part; True (join) the reverse.
@@ -57,7 +57,7 @@ class Cut:
     join: bool = False
 
     def part_runs(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """Part ``[lo, hi)`` as pieces ``(part_lo, part_hi, whole_lo)``, each contiguous in the whole."""
+        """Landing ``[lo, hi)`` as pieces ``(part_lo, part_hi, whole_lo)``, each contiguous in the whole."""
         out = []
         x = lo
         while x < hi:
@@ -165,7 +165,7 @@ def make_cut(
 
 
 @dataclass(frozen=True)
-class Part:
+class Landing:
     """How one source tensor (or one slice of it) lands in an output tensor.
 
     ``take = (k, i)``: the source's slice ``i`` along axis ``k`` (unstack); ``cut``: then

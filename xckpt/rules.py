@@ -103,14 +103,14 @@ from typing import Any, Union
 import numpy as np
 
 from xckpt._dequant import Dequant, Dequantized, parse_dequant
-from xckpt._pieces import ExpressionError, Parameters, Part, ScaledBar, make_cut
+from xckpt._pieces import ExpressionError, Landing, Parameters, ScaledBar, make_cut
 from xckpt.errors import ObjectError, RuleError
 from xckpt.layout import Box, ReadRequest
 from xckpt.manifest import DTYPES, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source
 from xckpt.views import SourceView
 
-__all__ = ["Rules", "RuleError", "Rule", "Part", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets", "RULESETS_DIR", "Split", "load_rule_set"]
+__all__ = ["Rules", "RuleError", "Rule", "Landing", "RuledSource", "apply_rules", "load_rules", "shipped_rule_sets", "RULESETS_DIR", "Split", "load_rule_set"]
 
 #: Where the shipped rule sets live (installed as package data).
 RULESETS_DIR = Path(__file__).with_name("rulesets")
@@ -409,7 +409,7 @@ class _View:
     entry: TensorEntry
     src_dtype: np.dtype  # the source tensors' dtype (differs from entry's when cast)
     # output chunk offset -> (source chunk index, source chunk, the part it belongs to)
-    src_chunks: Mapping[tuple[int, ...], tuple[int, Chunk, Part]]
+    src_chunks: Mapping[tuple[int, ...], tuple[int, Chunk, Landing]]
 
 
 def _ints(params: Parameters, rule: Rule, tensor: str, what: str, items: Sequence[int | str]) -> list[int]:
@@ -456,7 +456,7 @@ class RuledSource(SourceView):
         # output name -> [(source name, rule or None, slot or None)], for collisions; a slot
         # (stack position, join part) says where a piece goes in a tensor made of several
         claims: dict[str, list[tuple[str, Rule | None, _Slot | None]]] = {}
-        pieces: dict[str, list[tuple[_Slot, Part, Rule, TensorEntry]]] = {}
+        pieces: dict[str, list[tuple[_Slot, Landing, Rule, TensorEntry]]] = {}
         order: list[str] = []
         for name in source.names():
             entry: TensorEntry | None = None
@@ -511,7 +511,7 @@ class RuledSource(SourceView):
 
     def _parts(
         self, rule: Rule, m: re.Match[str], name: str, new: str, entry: TensorEntry
-    ) -> list[tuple[str, Part, _Slot | None]]:
+    ) -> list[tuple[str, Landing, _Slot | None]]:
         """The output pieces of one matched source tensor: (output name, how it lands, slot)."""
         nd = len(entry.shape)
         if rule.unstack is not None:
@@ -539,7 +539,7 @@ class RuledSource(SourceView):
         spec = rule.split or rule.join
         if spec is None:
             slot = None if pos is None else (pos, 0)
-            return [(out, Part(name, take, rule.transpose, put), slot) for out, take in takes]
+            return [(out, Landing(name, take, rule.transpose, put), slot) for out, take in takes]
         sizes = _ints(self.parameters, rule, name, "size", spec.sizes)
         reshape = None if spec.reshape is None else _ints(self.parameters, rule, name, "reshape entry", spec.reshape)
         if rule.join is not None:
@@ -564,7 +564,7 @@ class RuledSource(SourceView):
                 ) from None
             slot = (pos or 0, i) if rule.join is not None else None
             for o, take in takes:
-                out.append((o.replace("{part}", label), Part(name, take, rule.transpose, put, cut), slot))
+                out.append((o.replace("{part}", label), Landing(name, take, rule.transpose, put, cut), slot))
         return out
 
     def _object_name(self, name: str) -> str | None:
@@ -585,7 +585,7 @@ class RuledSource(SourceView):
             return _expand(rule, m, rule.rename, name) if rule.rename else name
         return name
 
-    def _build(self, out: str, ps: list[tuple[_Slot, Part, Rule, TensorEntry]]) -> _View:
+    def _build(self, out: str, ps: list[tuple[_Slot, Landing, Rule, TensorEntry]]) -> _View:
         ps.sort(key=lambda p: p[0])
         rule0, first, p0 = ps[0][2], ps[0][3], ps[0][1]
         joined = p0.cut is not None and p0.cut.join
@@ -610,7 +610,7 @@ class RuledSource(SourceView):
         dtype = _out_dtype(rule0, first)
         itemsize = numpy_dtype(dtype).itemsize
         chunks: list[Chunk] = []
-        src_chunks: dict[tuple[int, ...], tuple[int, Chunk, Part]] = {}
+        src_chunks: dict[tuple[int, ...], tuple[int, Chunk, Landing]] = {}
         for _, part, _, e in ps:
             for ci, c in enumerate(e.chunks):
                 for box in part.to_output(c.box):
@@ -722,7 +722,7 @@ def _out_dtype(rule: Rule, e: TensorEntry) -> str:
     return rule.dtype or e.dtype
 
 
-def _describe(e: TensorEntry, part: Part, rule: Rule) -> str:
+def _describe(e: TensorEntry, part: Landing, rule: Rule) -> str:
     return f"{part.piece_shape(e.shape)} {_out_dtype(rule, e)}"
 
 
@@ -737,7 +737,7 @@ def _object_reader(source: Source) -> Any:
 
 
 def _slots_error(
-    rule: Rule, out: str, ps: list[tuple[_Slot, Part, Rule, TensorEntry]], want: list[_Slot], joined: bool
+    rule: Rule, out: str, ps: list[tuple[_Slot, Landing, Rule, TensorEntry]], want: list[_Slot], joined: bool
 ) -> str:
     """The message for stacked positions that are not 0..n-1, or joined parts missing or repeated."""
     slots = [p[0] for p in ps]

@@ -72,7 +72,7 @@ def _fills_whole(job: ChunkRead) -> bool:
     return (req is None or req.box.shape == c.shape == out.shape) and out.flags.c_contiguous
 
 
-class _Piece:
+class _SpannedChunk:
     """A packed chunk in several spans: its job, the spans still to copy their part
     (``left``) into ``whole``: its output's bytes (a whole, C-contiguous output) or a
     buffer of its own."""
@@ -86,7 +86,7 @@ class _Piece:
 
 
 def _job_of(item: Any) -> ChunkRead:
-    return item.job if type(item) is _Piece else item
+    return item.job if type(item) is _SpannedChunk else item
 
 
 class Checkpoint(Source):
@@ -318,7 +318,7 @@ class Checkpoint(Source):
     def _packed_spans(self, jobs: list[ChunkRead], size: int, grid: int) -> list[tuple[int, int, list[Any]]]:
         """``jobs`` (packed chunks of one array) as spans of zarr chunks
         (:func:`xckpt.storage._packedio.plan_spans`): ``(first, stop, items)``, an item a job, or
-        for a tensor in several spans one :class:`_Piece` they share."""
+        for a tensor in several spans one :class:`_SpannedChunk` they share."""
         jobs.sort(key=lambda j: _packed_at(j[1]))
         ranges = []
         for job in jobs:
@@ -336,7 +336,7 @@ class Checkpoint(Source):
             for i in held:
                 parts[i] += 1
         lock = threading.Lock()
-        items: list[Any] = [_Piece(job, n, lock) if n > 1 else job for job, n in zip(jobs, parts)]
+        items: list[Any] = [_SpannedChunk(job, n, lock) if n > 1 else job for job, n in zip(jobs, parts)]
         return [(first, stop, [items[i] for i in held]) for first, stop, held in spans]
 
     def _submit_packed(
@@ -385,11 +385,11 @@ class Checkpoint(Source):
     def _unpack(self, base: int, items: list[Any], data: np.ndarray) -> int:
         """Check each packed chunk of a span (``data``: the packed bytes from ``base`` on)
         against its crc32 and copy it to its output; the bytes filled. A tensor in several
-        spans (a :class:`_Piece`) is assembled first, and checked and copied out by the
+        spans (a :class:`_SpannedChunk`) is assembled first, and checked and copied out by the
         span that completes it. Runs on a read thread for direct reads."""
         mv, done, end = memoryview(data).cast("B"), 0, base + data.nbytes
         for item in items:
-            if type(item) is _Piece:
+            if type(item) is _SpannedChunk:
                 c = item.job[1]
                 start = _packed_at(c)
                 lo, hi = max(start, base), min(start + c.nbytes, end)
