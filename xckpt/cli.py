@@ -37,7 +37,7 @@ from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
 from xckpt.inspect import human_bytes
 from xckpt.layout import Shard, parse_placements
-from xckpt.native.steps import manager_steps, steps_table
+from xckpt.native.steps import manager_steps, read_tiers, steps_table
 from xckpt.plan import plan_load
 from xckpt.source import Source
 
@@ -68,7 +68,7 @@ def _ls_location(args: argparse.Namespace) -> int:
         ck = open_source(args.path, format=args.format, allow_pickle=args.allow_pickle)
     except CheckpointNotFoundError:
         infos = manager_steps(args.path) if args.format in (None, "xckpt") else []
-        if not infos:
+        if not infos and (args.format not in (None, "xckpt") or read_tiers(args.path) is None):
             raise
         print(steps_table(args.path, infos))
         return 0

@@ -242,6 +242,7 @@ def make_plan(
     *,
     round_bytes: int = ROUND_BYTES,
     max_cell: int = MAX_CELL_BYTES,
+    holders: Callable[[str, int], frozenset[int] | None] | None = None,
 ) -> Plan:
     """Who reads what and sends it to whom (see the module); the same on every rank.
 
@@ -250,6 +251,10 @@ def make_plan(
         read_units: ``Source.read_units``: the storage units a box of a chunk costs.
         needs: per rank, the boxes it loads.
         round_bytes, max_cell: see :data:`ROUND_BYTES`, :data:`MAX_CELL_BYTES`.
+        holders: the ranks able to read chunk ``i`` of tensor ``name`` (None: every
+            rank; a source whose copies live on some ranks only, the checkpoint
+            manager's local tiers, says which). A part is read by a rank that needs
+            it and holds it when there is one, else by a holder, which sends it.
     """
     world = len(needs)
     by_chunk: dict[tuple[str, int], list[tuple[int, L.Box]]] = {}
@@ -274,8 +279,10 @@ def make_plan(
             gid = parent[gid]
         return gid
 
+    holding: dict[int, frozenset[int] | None] = {}  # group id -> the ranks holding all its chunks
     for (name, ci), parts in by_chunk.items():
-        if all(r == parts[0][0] for r, _b in parts):
+        hold = None if holders is None else holders(name, ci)
+        if all(r == parts[0][0] for r, _b in parts) and (hold is None or parts[0][0] in hold):
             solo[parts[0][0]].extend((name, b) for _r, b in parts)
             continue
         t = entry(name)
@@ -287,8 +294,10 @@ def make_plan(
         else:
             shared = _shared_parts(parts, functools.partial(_units_of, read_units, name, chunk, itemsize))
             for r, b in parts:
-                if b not in shared:
+                if b not in shared and (hold is None or r in hold):
                     solo[r].append((name, b))
+            if hold is not None:
+                shared |= {b for r, b in parts if r not in hold}
             parts = [(r, b) for r, b in parts if b in shared]
             pieces = _lattice(parts, chunk, itemsize, max_cell) if parts else []
         for box, ranks in pieces:
@@ -298,9 +307,11 @@ def make_plan(
                 gid = roots[0]
                 for other in roots[1:]:
                     parent[other] = gid
+                    holding[gid] = _meet(holding.get(gid), holding.pop(other, None))
             else:
                 gid = len(parent)
                 parent.append(gid)
+            holding[gid] = _meet(holding.get(gid), hold)
             for k in keys:
                 owner[k] = gid
             placed.append((gid, (name, ci), box, ranks, itemsize))
@@ -318,7 +329,7 @@ def make_plan(
     # read, sent and received), counting this group's reading and sending
     work = [0] * world
     groups: list[Group] = []
-    for reads, cells in building.values():
+    for gid, (reads, cells) in building.items():
         pos = {k: i for i, k in enumerate(reads)}
         size = sum(b.volume * i for b, i in reads.values())
         sends = 0  # bytes sent if the reader needed nothing
@@ -328,7 +339,11 @@ def make_plan(
             sends += n * len(ranks)
             for r in ranks:
                 needed[r] = needed.get(r, 0) + n
-        cost = {r: size + sends - needed[r] for r in sorted(needed)}
+        can = holding.get(gid)
+        able = sorted(needed) if can is None else [r for r in sorted(needed) if r in can] or sorted(can)
+        if not able:
+            raise XckptError(f"internal: read_once found no rank holding {[k[0] for k in reads][:3]}")
+        cost = {r: size + sends - needed.get(r, 0) for r in able}
         reader = min(cost, key=lambda r: (work[r] + cost[r], r))
         work[reader] += cost[reader]
         for r, n in needed.items():
@@ -361,6 +376,11 @@ def make_plan(
     if cur:
         rounds.append(tuple(cur))
     return Plan(tuple(tuple(s) for s in solo), tuple(rounds))
+
+
+def _meet(a: frozenset[int] | None, b: frozenset[int] | None) -> frozenset[int] | None:
+    """The ranks in both holder sets (None: every rank)."""
+    return b if a is None else a if b is None else a & b
 
 
 def _layout(cells: Sequence[Cell]) -> tuple[list[int], int]:
@@ -623,7 +643,7 @@ def load_once(
     needs = [
         decoded.get(m) or decoded.setdefault(m, _decode_needs(m, names, r, where)) for r, m in enumerate(msgs)
     ]
-    plan = make_plan(ckpt.info, ckpt.read_units, needs)
+    plan = make_plan(ckpt.info, ckpt.read_units, needs, holders=getattr(ckpt, "holders", None))
     dtypes = {t: torch_dtype(ckpt.info(t).dtype) for t in {need.name for rn in needs for need in rn}}
     np_dtypes = {t: ckpt.info(t).np_dtype for t in dtypes}
     pin = (

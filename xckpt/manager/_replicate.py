@@ -1,0 +1,220 @@
+"""Replication of local steps: each rank's part sent to ranks on other nodes (DESIGN.md section 11).
+
+A rank's part of a local step is its files in the step's directory: ``ranks/<r>.json``
+and the data key space its manifest names (``data/<r>/``, or ``data/<r>.<token>/``
+after an overwrite). :class:`Replicator` sends those bytes to the ranks
+:func:`xckpt.manager._tiers.replica_pairs` names, which write them under the same
+names in their own local directory: a replica is a copy a reader cannot tell from the
+original, with the writer's checksums (the manifest's own, each chunk's crc32).
+
+Call protocol (:meth:`Replicator.run`, every rank of the manager's group, the manager's
+local-tier thread, one step at a time):
+
+1. one exchange of every rank's outcome of its local write: when any failed, every
+   rank raises (nothing is sent);
+2. each rank packs its part (a header of file names, sizes and crc32s, then the bytes),
+   and the ranks exchange sizes, then payloads (one ``batch_isend_irecv`` each, on a
+   gloo group of the replication's own, so it never interleaves with the training's
+   or the manager's collectives);
+3. each receiver checks every file against its crc32 and writes it (a temporary name,
+   then a rename), the data first and the rank manifest last: a kill part way leaves
+   no manifest, so the copy is not counted;
+4. a last exchange of outcomes: every rank returns once every replica of the step is
+   stored, or every rank raises.
+
+Every collective waits at most ``TIMEOUT_S``; a rank that stopped makes the others
+raise instead of hanging. Bytes travel as uint8 tensors, never pickles.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from xckpt.errors import ManifestError, XckptError
+from xckpt.manifest import Manifest
+
+__all__ = ["Replicator", "pack", "unpack", "TIMEOUT_S"]
+
+#: Seconds any one exchange of a replication may wait for the other ranks.
+TIMEOUT_S = 600.0
+
+
+def _data_dirs(manifest: Manifest) -> set[str]:
+    """The data key spaces (``data/<x>``) a rank manifest's chunks and objects name."""
+    dirs = set()
+    for t in manifest.tensors.values():
+        for c in t.chunks:
+            dirs.add("/".join(c.key.split("/", 2)[:2]))
+    for o in manifest.objects:
+        if o.key is not None:
+            dirs.add("/".join(o.key.split("/", 2)[:2]))
+    return {d for d in dirs if d.startswith("data/")}
+
+
+def pack(step_dir: str, rank: int) -> np.ndarray:
+    """Rank ``rank``'s part of the local step at ``step_dir`` as one uint8 buffer: an 8-byte
+    header length, the header (JSON: each file's name, size and crc32), the files' bytes,
+    the rank manifest last."""
+    mkey = f"ranks/{rank}.json"
+    with open(os.path.join(step_dir, mkey), "rb") as fh:
+        mbytes = fh.read()
+    m = Manifest.loads(mbytes, os.path.join(step_dir, mkey))
+    files: list[tuple[str, int]] = []
+    for d in sorted(_data_dirs(m)):
+        for base, _dirs, names in os.walk(os.path.join(step_dir, d)):
+            for n in sorted(names):
+                full = os.path.join(base, n)
+                files.append((os.path.relpath(full, step_dir), os.path.getsize(full)))
+    files.append((mkey, len(mbytes)))
+    body = sum(s for _n, s in files)
+    # crc32s are filled once the bytes are in place; the header's length is fixed first
+    crcs = [0] * len(files)
+    head = _header(files, crcs)
+    out = np.empty(8 + len(head) + body, dtype=np.uint8)
+    pos = 8 + len(head)
+    for i, (name, size) in enumerate(files[:-1]):
+        view = memoryview(out[pos : pos + size])  # type: ignore[arg-type]
+        with open(os.path.join(step_dir, name), "rb") as fh:
+            if fh.readinto(view) != size:
+                raise XckptError(f"local step {step_dir!r}: {name} changed size while it was replicated")
+        crcs[i] = zlib.crc32(view)
+        pos += size
+    out[pos:] = np.frombuffer(mbytes, dtype=np.uint8)
+    crcs[-1] = zlib.crc32(mbytes)
+    head = _header(files, crcs)
+    out[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
+    out[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    return out
+
+
+def _header(files: Sequence[tuple[str, int]], crcs: Sequence[int]) -> bytes:
+    # fixed-width crc32s, so the header's length does not depend on their values
+    return json.dumps({"files": [[n, s, f"{c:08x}"] for (n, s), c in zip(files, crcs)]}).encode()
+
+
+def unpack(buf: np.ndarray, step_dir: str, src: int) -> None:
+    """Write the part rank ``src`` sent (:func:`pack`'s buffer) into ``step_dir``: every file
+    checked against its crc32, the data first, the rank manifest last.
+
+    Raises:
+        XckptError: a damaged or malformed buffer (nothing of it counts as a copy).
+    """
+    where = f"the replica of rank {src}'s part of local step {step_dir!r}"
+    try:
+        n = int.from_bytes(buf[:8].tobytes(), "little")
+        files = json.loads(buf[8 : 8 + n].tobytes())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise XckptError(f"{where}: its header cannot be read ({e}); nothing was written") from None
+    mkey = f"ranks/{src}.json"
+    if not files or files[-1][0] != mkey:
+        raise XckptError(f"{where}: it does not end with {mkey}; nothing was written")
+    old = os.path.join(step_dir, mkey)
+    if os.path.exists(old):
+        os.remove(old)  # a stale copy must not count while the new one is written
+    pos = 8 + n
+    for name, size, crc in files:
+        parts = name.split("/")
+        if name.startswith("/") or ".." in parts or not (parts[0] == "data" or name == mkey):
+            raise XckptError(f"{where}: it names a file outside the step ({name!r}); nothing more was written")
+        data = buf[pos : pos + size]
+        if len(data) != size or f"{zlib.crc32(memoryview(data)):08x}" != crc:  # type: ignore[arg-type]
+            raise XckptError(f"{where}: {name} fails its crc32 check after the transfer; the copy was dropped")
+        if name == mkey:
+            try:
+                Manifest.loads(data.tobytes(), os.path.join(step_dir, mkey))
+            except ManifestError as e:
+                raise XckptError(f"{where}: its manifest is damaged ({e}); the copy was dropped") from None
+        path = os.path.join(step_dir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(memoryview(data))  # type: ignore[arg-type]
+        os.replace(tmp, path)
+        pos += size
+
+
+class Replicator:
+    """Sends this rank's local steps to its destinations and stores its sources' (see the module).
+
+    Built on every rank at the same point (it makes a gloo group over the manager's group).
+    """
+
+    def __init__(self, process_group: Any, rank: int, world: int, pairs: Sequence[tuple[int, int]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
+        group = process_group if process_group is not None else dist.group.WORLD
+        self._ranks = sorted(dist.get_process_group_ranks(group))
+        self.group = dist.new_group(ranks=self._ranks, backend="gloo", use_local_synchronization=True)
+        self.rank, self.world = rank, world
+        self.dsts = [d for s, d in pairs if s == rank]
+        self.srcs = [s for s, d in pairs if d == rank]
+        self.timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        #: Bytes this rank sent in its last replication (benchmarks read it).
+        self.sent_bytes = 0
+
+    def _wait(self, works: Sequence[Any], step: int, what: str) -> None:
+        for w in works:
+            try:
+                w.wait(timeout=self.timeout)
+            except RuntimeError as e:
+                raise XckptError(
+                    f"replicating local step {step}: rank {self.rank} got no {what} within {TIMEOUT_S:g} s "
+                    f"({e}): another rank stopped (failed or was killed); the previous local step stays "
+                    "restorable"
+                ) from e
+
+    def _agree(self, err: BaseException | None, step: int, what: str) -> None:
+        """Every rank returns, or every rank raises (this rank its own error)."""
+        torch, dist = self._torch, self._dist
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        mine = torch.tensor([0 if err is None else 1], dtype=torch.int64)
+        self._wait([dist.all_gather(out, mine, group=self.group, async_op=True)], step, f"outcome of {what}")
+        if err is not None:
+            raise err
+        failed = [r for r, t in enumerate(out) if int(t.item())]
+        if failed:
+            raise XckptError(
+                f"local step {step}: {what} failed on ranks {failed} (see their errors); the step is not "
+                "counted and the previous local step stays restorable"
+            )
+
+    def _exchange(self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], step: int) -> None:
+        dist = self._dist
+        ops = [dist.P2POp(dist.irecv, buf, self._ranks[s], self.group) for s, buf in recvs]
+        ops += [dist.P2POp(dist.isend, buf, self._ranks[d], self.group) for d, buf in sends]
+        if ops:
+            self._wait(dist.batch_isend_irecv(ops), step, "replica")
+
+    def run(self, step: int, step_dir: str, err: BaseException | None) -> None:
+        """Replicate local step ``step`` (this rank's part is in ``step_dir``); see the module."""
+        torch = self._torch
+        self._agree(err, step, "the local save")
+        fail: BaseException | None = None
+        payload = torch.zeros(0, dtype=torch.uint8)
+        try:
+            if self.dsts:
+                payload = torch.from_numpy(pack(step_dir, self.rank))
+        except (OSError, XckptError) as e:
+            fail = e
+        self._agree(fail, step, "packing the replicas")
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = {s: torch.zeros(1, dtype=torch.int64) for s in self.srcs}
+        self._exchange([(d, size) for d in self.dsts], list(sizes.items()), step)
+        got = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes.items()}
+        self._exchange([(d, payload) for d in self.dsts], list(got.items()), step)
+        self.sent_bytes = payload.numel() * len(self.dsts)
+        try:
+            for s, buf in got.items():
+                unpack(buf.numpy(), step_dir, s)
+        except (OSError, XckptError) as e:
+            fail = e
+        self._agree(fail, step, "storing the replicas")
