@@ -7,13 +7,12 @@ node is lost by deleting its directory and running the next phase without its ra
 with a replaced node: an empty directory). Spawning is the expensive part, so the phases
 run once (a module fixture) and each check is its own test, from what the ranks report:
 
-1. 4 ranks save steps 1..8 (local every 2, persistent every 5);
-2. 4 ranks restore with node A's copy of rank 0's part of step 8 damaged: the replica on
-   node B serves; a byte flip in a replica is refused when it is the only copy;
-3. node B is lost; 3 ranks (node A + a replaced node) restore step 6 (step 8's only
+1. 4 ranks save steps 1..8 (local every 2, persistent every 5), restore step 8, then
+   restore it again with node A's copy of rank 0's part damaged: node B's replica serves;
+2. node B is lost; 3 ranks (node A + a replaced node) restore step 6 (step 8's only
    intact copy of rank 0's part was on node B), train on, save step 8 at 3 ranks, and are
    SIGKILLed at a random point of step 10's local save and replication;
-4. 2 ranks (node A + a replaced node) restore the newest local step left (8, or 10 when
+3. 2 ranks (node A + a replaced node) restore the newest local step left (8, or 10 when
    the kill came after it was complete), then a persistent step by number, then, with
    every local copy damaged, fall back to the persistent step.
 
@@ -23,6 +22,8 @@ device-copy hook (the GPU path's logic on CPU).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -38,6 +39,7 @@ import torch
 from dist_utils import RankError, run_ranks
 
 import xckpt
+from xckpt.cli import main
 from xckpt.errors import XckptError
 from xckpt.manager import CheckpointManager
 from xckpt.manager._tiers import replica_pairs
@@ -127,14 +129,20 @@ def _phase_save(rank: int, world: int, base: str) -> dict:
         m.wait()
         out = {"local": m.local_steps(), "steps": m.steps(), "warnings": [str(w.message) for w in caught]}
     out["files"] = sorted(os.listdir(os.path.join(local, "8", "ranks")))
+    out["dirs"] = sorted(os.listdir(local))
     out["restored"] = _restore(m, mesh)
+    # node A's own copy of rank 0's part of step 8 damaged: node B's replica serves
+    if rank == 0:
+        _flip(_data_of(os.path.join(base, "A", "8"), 0))
+    torch.distributed.barrier()
+    out["damaged"] = _restore(m, mesh)
     m.close()
     return out
 
 
 def _flip(path: str) -> None:
     """Flip one byte in the middle of the largest file under ``path``."""
-    files = [os.path.join(b, f) for b, _d, fs in os.walk(path) for f in fs]
+    files = [path] if os.path.isfile(path) else [os.path.join(b, f) for b, _d, fs in os.walk(path) for f in fs]
     big = max(files, key=os.path.getsize)
     with open(big, "r+b") as fh:
         fh.seek(os.path.getsize(big) // 2)
@@ -146,17 +154,6 @@ def _flip(path: str) -> None:
 def _data_of(step_dir: str, rank: int) -> str:
     return next(os.path.join(step_dir, "data", d) for d in os.listdir(os.path.join(step_dir, "data"))
                 if d.split(".")[0] == str(rank))
-
-
-def _phase_damaged_primary(rank: int, world: int, base: str) -> dict:
-    mesh = _mesh(world)
-    if rank == 0:
-        _flip(_data_of(os.path.join(base, "A", "8"), 0))  # node A's own copy of rank 0's part
-    torch.distributed.barrier()
-    m = _manager(os.path.join(base, "root"), _node_dir(base, rank, 2, ["A", "B"]))
-    out = {"restored": _restore(m, mesh)}
-    m.close()
-    return out
 
 
 def _phase_three(rank: int, world: int, base: str, frac: float) -> dict:
@@ -188,10 +185,11 @@ def _phase_two(rank: int, world: int, base: str) -> dict:
     mesh = _mesh(world)
     m = _manager(os.path.join(base, "root"), _node_dir(base, rank, 1, ["A", "D"]), ranks_per_node=1)
     out = {"restored": _restore(m, mesh), "persistent": _restore(m, mesh, step=5)}
-    if rank == 0:
-        for s in os.listdir(os.path.join(base, "A")):
-            for d in os.listdir(os.path.join(base, "A", s, "data")):
-                _flip(os.path.join(base, "A", s, "data", d))
+    if rank == 0:  # every chunk file of every local copy on the surviving node
+        for b, _d, fs in os.walk(os.path.join(base, "A")):
+            for f in fs:
+                if f.startswith("c.") and os.path.getsize(os.path.join(b, f)):
+                    _flip(os.path.join(b, f))
     torch.distributed.barrier()
     out["fallback"] = _restore(m, mesh)
     m.close()
@@ -202,25 +200,19 @@ def _phase_two(rank: int, world: int, base: str) -> dict:
 def phases(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("tiers"))
     out = {"base": base}
-    out["save"] = run_ranks(_phase_save, 4, base, timeout=120)
-    from xckpt.cli import main
-
-    import contextlib
-    import io
-
+    out["save"] = run_ranks(_phase_save, 4, base, timeout=300)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         main(["ls", os.path.join(base, "root")])
     out["ls"] = buf.getvalue()
-    out["damaged"] = run_ranks(_phase_damaged_primary, 4, base, timeout=120)
     shutil.rmtree(os.path.join(base, "B"))  # node B is lost
     frac = random.Random().uniform(0.0, 1.2)
     out["frac"] = frac
     try:
-        run_ranks(_phase_three, 3, base, frac, timeout=120)
+        run_ranks(_phase_three, 3, base, frac, timeout=300)
     except RankError as e:
         out["killed"] = str(e)
-    out["two"] = run_ranks(_phase_two, 2, base, timeout=120)
+    out["two"] = run_ranks(_phase_two, 2, base, timeout=300)
     return out
 
 
@@ -229,7 +221,7 @@ def test_saves_local_steps_replicated_to_the_other_node(phases):
     assert all(x["local"] == [6, 8] and x["steps"] == [5] for x in r)
     # each node holds its own ranks' parts and the other node's: all four
     assert all(x["files"] == ["0.json", "1.json", "2.json", "3.json"] for x in r)
-    assert sorted(os.listdir(os.path.join(phases["base"], "A"))) == ["6", "8"]  # local_keep=2
+    assert all(x["dirs"] == ["6", "8"] for x in r)  # local_keep=2
     assert all(x["restored"][:2] == (8, True) for x in r)
     assert not any(x["warnings"] for x in r)
 
@@ -242,9 +234,9 @@ def test_ls_says_where_local_steps_are(phases):
 
 
 def test_an_intact_replica_serves_beside_a_damaged_primary(phases):
-    r = phases["damaged"]
-    assert all(x["restored"][:2] == (8, True) for x in r)
-    said = [w for x in r for w in x["restored"][2]]
+    r = [x["damaged"] for x in phases["save"]]
+    assert all(x[:2] == (8, True) for x in r)
+    said = [w for x in r for w in x[2]]
     assert any("local step 8" in w and "rank 0's part" in w and "check" in w for w in said), said
 
 
@@ -276,3 +268,135 @@ def test_every_local_copy_damaged_falls_back_to_persistent(phases):
     assert all(x["fallback"][:2] == (5, True) for x in r)
     said = [w for x in r for w in x["fallback"][2]]
     assert any("passed over" in w for w in said), said
+
+
+# -- one process -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "replicas", "pairs"),
+    [
+        (4, 2, 1, [(0, 2), (1, 3), (2, 0), (3, 1)]),
+        (3, 2, 1, [(0, 2), (1, 2), (2, 0)]),
+        (6, 2, 2, [(0, 2), (0, 4), (1, 3), (1, 5), (2, 4), (2, 0), (3, 5), (3, 1), (4, 0), (4, 2), (5, 1), (5, 3)]),
+        (4, 4, 1, []),
+        (2, 1, 0, []),
+    ],
+)
+def test_replicas_go_to_other_nodes(world, per_node, replicas, pairs):
+    got = replica_pairs(world, per_node, replicas)
+    assert got == pairs
+    assert all(s // per_node != d // per_node for s, d in got)
+
+
+def _hooked():
+    """A device-copy hook that copies when the writer waits on its event (as a CUDA copy on a
+    side stream lands later), counting calls."""
+    calls = []
+
+    def hook(host, src):
+        snapshot = src.detach().clone()
+        calls.append(tuple(src.shape))
+
+        class Event:
+            def synchronize(self):
+                host.copy_(snapshot)
+
+        return Event()
+
+    return hook, calls
+
+
+def test_one_process_local_steps_through_the_copy_hook(tmp_path):
+    """One process, torch state: local steps staged through the device-copy hook (the GPU
+    path's logic), kept by local_keep, restored bit for bit from the local tier; one node
+    warns once that nothing is replicated."""
+    hook, calls = _hooked()
+    local = str(tmp_path / "shm")
+    with pytest.warns(RuntimeWarning, match="not replicated: all 1 ranks are on one node"):
+        m = CheckpointManager(str(tmp_path / "root"), local=local, local_every=2, save_every=4,
+                              handle_preemption=False)
+    m.staging.device_copy = hook
+    sd = {"w": torch.zeros(64, 8), "h": torch.zeros(5, dtype=torch.bfloat16), "n": 0}
+    for step in range(1, 8):
+        sd["w"].fill_(step)
+        sd["h"].fill_(step / 3)
+        sd["n"] = step
+        m.save(step, sd)
+        sd["w"].add_(1000)  # the caller goes on at once: what was staged stays
+    m.wait()
+    assert m.local_steps() == [4, 6] and m.steps() == [4] and sorted(os.listdir(local)) == ["4", "6"]
+    assert len(calls) == 2 * (3 + 1)  # local steps 2, 4, 6 and persistent step 4
+    target = {"w": torch.empty(64, 8), "h": torch.empty(5, dtype=torch.bfloat16), "n": None}
+    m.restore(target)
+    assert target["n"] == 6 and torch.equal(target["w"], torch.full((64, 8), 6.0))
+    assert torch.equal(target["h"].view(torch.int16), torch.full((5,), 2.0, dtype=torch.bfloat16).view(torch.int16))
+    m.restore(target, step=4)
+    assert target["n"] == 4
+    m.close()
+    assert CheckpointManager(str(tmp_path / "root"), local=local, replicas=0).local_steps() == [4, 6]
+
+
+def test_one_process_numpy_and_fallback_to_persistent(tmp_path):
+    local = str(tmp_path / "shm")
+    m = CheckpointManager(str(tmp_path / "root"), local=local, local_every=1, save_every=3, replicas=0,
+                          handle_preemption=False)
+    state = {"a": np.zeros(1000, np.float32), "k": 0}
+    for step in range(1, 6):
+        state["a"][:] = step
+        state["k"] = step
+        m.save(step, state)
+    m.wait()
+    assert m.restore()["k"] == 5
+    for b, _d, fs in os.walk(local):
+        for f in fs:
+            if f.startswith("c."):
+                _flip(os.path.join(b, f))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = m.restore()
+    assert got["k"] == 3 and float(got["a"][0]) == 3.0  # the persistent step: no local copy is intact
+    said = [str(w.message) for w in caught]
+    assert any("local step 5: rank 0's copy of rank 0's part fails its check" in w for w in said), said
+    assert any("local step 5 is passed over" in w for w in said), said
+    with pytest.raises(XckptError, match=r"no complete copy of step 2 under .* persistent step numbers: \[3\]"):
+        m.restore(step=2)
+    m.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"local": "memory://shm"}, "is not a node-local directory"),
+        ({"local": "L", "replicas": -1}, "replicas must be an integer >= 0"),
+        ({"local": "L", "local_every": 0}, "local_every"),
+        ({"local": "L", "ranks_per_node": 0}, "ranks_per_node must be an integer >= 1"),
+    ],
+)
+def test_bad_tier_arguments(tmp_path, kwargs, match):
+    if kwargs["local"] == "L":
+        kwargs = {**kwargs, "local": str(tmp_path / "shm")}
+    with pytest.raises(XckptError, match=match):
+        CheckpointManager(str(tmp_path / "root"), handle_preemption=False, **kwargs)
+
+
+def test_nothing_anywhere_is_an_error(tmp_path):
+    m = CheckpointManager(str(tmp_path / "root"), local=str(tmp_path / "shm"), replicas=0, handle_preemption=False)
+    with pytest.raises(XckptError, match="no complete copy of any step .* nothing to restore"):
+        m.restore()
+
+
+def test_a_replica_damaged_in_transit_is_refused(tmp_path):
+    """What a receiver gets is checked file by file against the sender's crc32s before it
+    is written; a damaged buffer leaves no manifest (the copy does not count)."""
+    from xckpt.manager._replicate import pack, unpack
+
+    xckpt.save({"a": np.arange(300000, dtype=np.float32)}, str(tmp_path / "s"))
+    os.rename(tmp_path / "s" / "xckpt.json", tmp_path / "merged.json")  # as a rank-local save leaves it
+    buf = pack(str(tmp_path / "s"), 0)
+    unpack(buf.copy(), str(tmp_path / "good"), 0)
+    assert xckpt.load(str(tmp_path / "good"))["a"].tobytes() == np.arange(300000, dtype=np.float32).tobytes()
+    buf[len(buf) // 2] ^= 1
+    with pytest.raises(XckptError, match="fails its crc32 check after the transfer; the copy was dropped"):
+        unpack(buf, str(tmp_path / "bad"), 0)
+    assert not os.path.exists(tmp_path / "bad" / "ranks" / "0.json")

@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from xckpt import layout as L
 from xckpt.errors import ManifestError, XckptError
 from xckpt.manifest import Manifest, RankMerge, parse_document, parse_header
 from xckpt.native.commit import validate
 from xckpt.native.reader import Checkpoint
 from xckpt.native.steps import read_step, step_location, step_numbers
+from xckpt.source import ChunkRead
 from xckpt.storage import Location
 
 from ._tiers import Held, Tiers, coverage, holders_of
@@ -59,25 +59,24 @@ class TierSource(Checkpoint):
     def holders(self, name: str, index: int) -> frozenset[int]:
         return self._holders.get(self.info(name).chunks[index].rank, frozenset())
 
-    def _writer(self, name: str, box: L.Box) -> int:
-        t = self.info(name)
-        reqs = L.plan_reads(t.boxes, box)
-        return t.chunks[reqs[0].chunk].rank if reqs else -1
-
-    def read_into(self, items: Any, **kw: Any) -> Any:
-        items = list(items)
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
         try:
-            return super().read_into(items, **kw)
+            super()._read_chunks(jobs, bar)
         except XckptError as first:
-            # which copies fail: each item lies in one saved chunk (the read-once plan's reads)
-            for item in items:
+            # which copies fail: each job reads one saved chunk, of one writer rank
+            for job in jobs:
                 try:
-                    super().read_into([item], show_progress=False)
+                    super()._read_chunks([job], _NoBar())
                 except XckptError as e:
-                    self.bad.append((self._writer(item[0], item[1]), f"{type(e).__name__}: {e}"))
+                    self.bad.append((job[1].rank, f"{type(e).__name__}: {e}"))
             if not self.bad:
                 self.bad.append((-1, f"{type(first).__name__}: {first}"))
             raise
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
 
 
 def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str) -> Manifest:
@@ -91,6 +90,11 @@ def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str) -> M
     m = merge.result()
     validate(m, where)
     return m
+
+
+def _alike(tiers: Tiers, rank: int) -> frozenset[int]:
+    """The ranks reading the same copies as ``rank`` (its node's directory)."""
+    return frozenset(r for r, p in enumerate(tiers.places) if p == tiers.places[rank])
 
 
 def _warn(msg: str) -> None:
@@ -136,7 +140,7 @@ def _try_local(
             for (w, r), p in bad.items():
                 if r == me:
                     _warn(f"local step {step}: rank {me}'s copy of rank {w}'s part is damaged ({p})")
-                holders[w] = holders[w] - {r}
+                holders[w] = holders[w] - _alike(tiers, r)
             continue
         src = TierSource(sdir, merged, holders)
         err: BaseException | None = None
@@ -153,10 +157,13 @@ def _try_local(
             if err is not None:
                 raise err
             raise XckptError(f"restoring local step {step} failed on ranks {[r for r, (f, _) in enumerate(outcomes) if f]}")
+        told = set()
         for r, (w, p) in failed:
-            if r == me:
-                _warn(f"local step {step}: rank {me}'s copy of rank {w}'s part fails its check ({p[:400]})")
-            holders[w] = holders[w] - {r}
+            if r == me and w not in told:
+                told.add(w)
+                _warn(f"local step {step}: rank {me}'s copy of rank {w}'s part fails its check ({p[:400]}); "
+                      "another copy is used if one is intact")
+            holders[w] = holders[w] - _alike(tiers, r)
 
 
 def restore(

@@ -177,6 +177,8 @@ class Tiers:
         self._older = set(self._steps)  # steps of earlier runs (kept until this run has enough)
         self._mine: list[int] = []  # this run's completed rounds
         hosts = coord.gather((socket.gethostname(), self.dir))
+        #: Per rank, its node's directory: ranks with the same one read the same copies.
+        self.places: list[tuple[str, str]] = [tuple(h) for h in hosts]  # type: ignore[misc]
         if self.rank == 0:
             self._record(hosts)
 
