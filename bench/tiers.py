@@ -94,7 +94,7 @@ def _state(spec: list[Any], rank: int, world: int, mesh: Any) -> dict[str, Any]:
     out = {}
     for i, (n, s, d) in enumerate(spec):
         full = to_torch(make_array(i, tuple(s), d))
-        local = full.chunk(world, 0)[rank].contiguous()
+        local = full.chunk(world, 0)[rank].clone()  # its own storage (DCP copies storages)
         out[n] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
     return out
 

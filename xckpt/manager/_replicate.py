@@ -10,12 +10,12 @@ original, with the writer's checksums (the manifest's own, each chunk's crc32).
 Call protocol (:meth:`Replicator.run`, every rank of the manager's group, the manager's
 local-tier thread, one step at a time):
 
-1. one exchange of every rank's outcome of its local write: when any failed, every
-   rank raises (nothing is sent);
-2. each rank packs its part (a header of file names, sizes and crc32s, then the bytes),
-   and the ranks exchange sizes, then payloads (one ``batch_isend_irecv`` each, on a
-   gloo group of the replication's own, so it never interleaves with the training's
-   or the manager's collectives);
+1. each rank packs its part (a header of file names, sizes and crc32s, then the bytes);
+   one exchange of every rank's outcome of its local write and packing, with the
+   payload sizes: when any failed, every rank raises (nothing is sent);
+2. the ranks exchange the payloads (one ``batch_isend_irecv``, on a gloo group of the
+   replication's own, so it never interleaves with the training's or the manager's
+   collectives);
 3. each receiver checks every file against its crc32 and writes it (a temporary name,
    then a rename), the data first and the rank manifest last: a kill part way leaves
    no manifest, so the copy is not counted;
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import ManifestError, XckptError
-from xckpt.manifest import Manifest
+from xckpt.manifest import parse_document
 
 __all__ = ["Replicator", "pack", "unpack", "TIMEOUT_S"]
 
@@ -46,16 +46,15 @@ __all__ = ["Replicator", "pack", "unpack", "TIMEOUT_S"]
 TIMEOUT_S = 600.0
 
 
-def _data_dirs(manifest: Manifest) -> set[str]:
-    """The data key spaces (``data/<x>``) a rank manifest's chunks and objects name."""
-    dirs = set()
-    for t in manifest.tensors.values():
-        for c in t.chunks:
-            dirs.add("/".join(c.key.split("/", 2)[:2]))
-    for o in manifest.objects:
-        if o.key is not None:
-            dirs.add("/".join(o.key.split("/", 2)[:2]))
-    return {d for d in dirs if d.startswith("data/")}
+def _data_dirs(step_dir: str, rank: int) -> list[str]:
+    """The data key spaces of rank ``rank`` in ``step_dir``: ``data/<rank>`` or, after an
+    overwrite, ``data/<rank>.<token>`` (the writer deletes the key spaces it replaced once
+    its manifest is in place, so after a commit there is one)."""
+    try:
+        names = os.listdir(os.path.join(step_dir, "data"))
+    except FileNotFoundError:
+        return []
+    return sorted(f"data/{n}" for n in names if n == str(rank) or n.startswith(f"{rank}."))
 
 
 def pack(step_dir: str, rank: int) -> np.ndarray:
@@ -65,9 +64,8 @@ def pack(step_dir: str, rank: int) -> np.ndarray:
     mkey = f"ranks/{rank}.json"
     with open(os.path.join(step_dir, mkey), "rb") as fh:
         mbytes = fh.read()
-    m = Manifest.loads(mbytes, os.path.join(step_dir, mkey))
     files: list[tuple[str, int]] = []
-    for d in sorted(_data_dirs(m)):
+    for d in _data_dirs(step_dir, rank):
         for base, _dirs, names in os.walk(os.path.join(step_dir, d)):
             for n in sorted(names):
                 full = os.path.join(base, n)
@@ -80,7 +78,7 @@ def pack(step_dir: str, rank: int) -> np.ndarray:
     out = np.empty(8 + len(head) + body, dtype=np.uint8)
     pos = 8 + len(head)
     for i, (name, size) in enumerate(files[:-1]):
-        view = memoryview(out[pos : pos + size])  # type: ignore[arg-type]
+        view = memoryview(out[pos : pos + size])
         with open(os.path.join(step_dir, name), "rb") as fh:
             if fh.readinto(view) != size:
                 raise XckptError(f"local step {step_dir!r}: {name} changed size while it was replicated")
@@ -119,24 +117,30 @@ def unpack(buf: np.ndarray, step_dir: str, src: int) -> None:
     if os.path.exists(old):
         os.remove(old)  # a stale copy must not count while the new one is written
     pos = 8 + n
+    made: set[str] = set()
     for name, size, crc in files:
         parts = name.split("/")
         if name.startswith("/") or ".." in parts or not (parts[0] == "data" or name == mkey):
             raise XckptError(f"{where}: it names a file outside the step ({name!r}); nothing more was written")
         data = buf[pos : pos + size]
-        if len(data) != size or f"{zlib.crc32(memoryview(data)):08x}" != crc:  # type: ignore[arg-type]
+        if len(data) != size or f"{zlib.crc32(memoryview(data)):08x}" != crc:
             raise XckptError(f"{where}: {name} fails its crc32 check after the transfer; the copy was dropped")
         if name == mkey:
             try:
-                Manifest.loads(data.tobytes(), os.path.join(step_dir, mkey))
+                parse_document(data.tobytes(), os.path.join(step_dir, mkey))
             except ManifestError as e:
                 raise XckptError(f"{where}: its manifest is damaged ({e}); the copy was dropped") from None
         path = os.path.join(step_dir, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
+        folder = os.path.dirname(path)
+        if folder not in made:
+            os.makedirs(folder, exist_ok=True)
+            made.add(folder)
+        # data files in place (no manifest yet: the copy does not count until the last rename)
+        tmp = f"{path}.tmp{os.getpid()}" if name == mkey else path
         with open(tmp, "wb") as fh:
-            fh.write(memoryview(data))  # type: ignore[arg-type]
-        os.replace(tmp, path)
+            fh.write(memoryview(data))
+        if tmp != path:
+            os.replace(tmp, path)
         pos += size
 
 
@@ -172,20 +176,21 @@ class Replicator:
                     "restorable"
                 ) from e
 
-    def _agree(self, err: BaseException | None, step: int, what: str) -> None:
-        """Every rank returns, or every rank raises (this rank its own error)."""
+    def _agree(self, err: BaseException | None, step: int, what: str, size: int = 0) -> list[int]:
+        """Every rank returns every rank's ``size``, or every rank raises (this rank its own error)."""
         torch, dist = self._torch, self._dist
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        mine = torch.tensor([0 if err is None else 1], dtype=torch.int64)
+        out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+        mine = torch.tensor([0 if err is None else 1, size], dtype=torch.int64)
         self._wait([dist.all_gather(out, mine, group=self.group, async_op=True)], step, f"outcome of {what}")
         if err is not None:
             raise err
-        failed = [r for r, t in enumerate(out) if int(t.item())]
+        failed = [r for r, t in enumerate(out) if int(t[0])]
         if failed:
             raise XckptError(
                 f"local step {step}: {what} failed on ranks {failed} (see their errors); the step is not "
                 "counted and the previous local step stays restorable"
             )
+        return [int(t[1]) for t in out]
 
     def _exchange(self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], step: int) -> None:
         dist = self._dist
@@ -197,21 +202,17 @@ class Replicator:
     def run(self, step: int, step_dir: str, err: BaseException | None) -> None:
         """Replicate local step ``step`` (this rank's part is in ``step_dir``); see the module."""
         torch = self._torch
-        self._agree(err, step, "the local save")
-        fail: BaseException | None = None
         payload = torch.zeros(0, dtype=torch.uint8)
-        try:
-            if self.dsts:
+        if err is None and self.dsts:
+            try:
                 payload = torch.from_numpy(pack(step_dir, self.rank))
-        except (OSError, XckptError) as e:
-            fail = e
-        self._agree(fail, step, "packing the replicas")
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        sizes = {s: torch.zeros(1, dtype=torch.int64) for s in self.srcs}
-        self._exchange([(d, size) for d in self.dsts], list(sizes.items()), step)
-        got = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes.items()}
+            except (OSError, XckptError) as e:
+                err = e
+        sizes = self._agree(err, step, "the local save", payload.numel())
+        got = {s: torch.empty(sizes[s], dtype=torch.uint8) for s in self.srcs}
         self._exchange([(d, payload) for d in self.dsts], list(got.items()), step)
         self.sent_bytes = payload.numel() * len(self.dsts)
+        fail: BaseException | None = None
         try:
             for s, buf in got.items():
                 unpack(buf.numpy(), step_dir, s)

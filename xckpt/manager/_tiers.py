@@ -88,18 +88,19 @@ class Held:
 
 
 def _rmtree(path: str) -> None:
-    """Delete a step directory, its manifests first; what another rank of the node deleted
-    already is no error."""
+    """Delete a step directory, its manifests first. The other ranks of the node delete it
+    too, at the same time: what they removed first is no error, and this returns once the
+    directory is gone."""
     for sub in (os.path.join(path, "ranks"), path):
-        try:
-            shutil.rmtree(sub)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            if os.path.exists(sub):  # another rank removed part of it meanwhile: once more
-                shutil.rmtree(sub, ignore_errors=True)
-                if os.path.exists(sub):
-                    raise
+        for _ in range(5):
+            try:
+                shutil.rmtree(sub)
+            except FileNotFoundError:
+                pass  # an entry another rank removed meanwhile: look again
+            if not os.path.exists(sub):
+                break
+        else:
+            shutil.rmtree(sub)  # still there: the error, if any, is a real one
 
 
 class Tiers:
@@ -178,7 +179,7 @@ class Tiers:
         self._mine: list[int] = []  # this run's completed rounds
         hosts = coord.gather((socket.gethostname(), self.dir))
         #: Per rank, its node's directory: ranks with the same one read the same copies.
-        self.places: list[tuple[str, str]] = [tuple(h) for h in hosts]  # type: ignore[misc]
+        self.places: list[tuple[str, str]] = [tuple(h) for h in hosts]
         if self.rank == 0:
             self._record(hosts)
 
