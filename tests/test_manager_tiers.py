@@ -400,3 +400,22 @@ def test_a_replica_damaged_in_transit_is_refused(tmp_path):
     with pytest.raises(XckptError, match="fails its crc32 check after the transfer; the copy was dropped"):
         unpack(buf, str(tmp_path / "bad"), 0)
     assert not os.path.exists(tmp_path / "bad" / "ranks" / "0.json")
+
+
+@pytest.mark.gpu
+def test_cuda_local_steps_pinned_and_restored_onto_the_device(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    sd = {"w": torch.randn(1024, 512, device=dev), "b": torch.randn(77, device=dev).to(torch.bfloat16)}
+    m = CheckpointManager(str(tmp_path / "root"), local=str(tmp_path / "shm"), local_every=1, save_every=100,
+                          replicas=0, handle_preemption=False)
+    m.save(1, sd)
+    want = {k: v.cpu().clone() for k, v in sd.items()}
+    sd["w"].mul_(2)  # queued right after save returns: runs after the staging copy
+    m.wait()
+    target = {"w": torch.empty(1024, 512, device=dev), "b": torch.empty(77, device=dev, dtype=torch.bfloat16)}
+    m.restore(target)
+    assert torch.equal(target["w"].cpu(), want["w"])
+    assert torch.equal(target["b"].cpu().view(torch.int16), want["b"].view(torch.int16))
+    m.close()

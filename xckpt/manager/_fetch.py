@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import astuple
 from typing import Any
 
 from xckpt.errors import ManifestError, XckptError
@@ -188,7 +189,7 @@ def restore(
     for p in problems:
         _warn(f"a local copy is damaged and not used: {p}")
     persistent = step_numbers(root) if me == 0 else None
-    got = coord.gather(([(h.step, h.rank, h.save_id, h.world_size) for h in held], persistent))
+    got = coord.gather(([astuple(h) for h in held], persistent))
     everyone = {r: [Held(*t) for t in rows] for r, (rows, _p) in enumerate(got)}
     numbers = set(got[0][1] or [])
     local = coverage([h for hs in everyone.values() for h in hs])

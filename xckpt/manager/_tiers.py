@@ -41,7 +41,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from xckpt.errors import ManifestError, XckptError
@@ -85,6 +85,7 @@ class Held:
     rank: int
     save_id: str
     world_size: int
+    when: float = 0.0  # the manifest's modification time (which of two complete saves is newer)
 
 
 def _rmtree(path: str) -> None:
@@ -172,7 +173,7 @@ class Tiers:
         self._n = 0
         self._lock = threading.Lock()
         held, _problems = self.scan()
-        everyone = coord.gather([(h.step, h.rank, h.save_id, h.world_size) for h in held])
+        everyone = coord.gather([astuple(h) for h in held])
         #: Steps complete in the union of the local tiers (this run's rounds added as they finish).
         self._steps = set(complete_steps([Held(*t) for rows in everyone for t in rows]))
         self._older = set(self._steps)  # steps of earlier runs (kept until this run has enough)
@@ -212,6 +213,7 @@ class Tiers:
                 try:
                     with open(where, "rb") as fh:
                         data = fh.read()
+                        when = os.fstat(fh.fileno()).st_mtime
                     if parse_claim(data, where) is not None:
                         continue  # a save that did not commit: not a copy
                     h = parse_header(parse_document(data, where), where)
@@ -222,7 +224,7 @@ class Tiers:
                 except (ManifestError, OSError) as e:
                     problems.append(f"local step {name}, rank {stem}'s part on rank {self.rank}: {e}")
                     continue
-                held.append(Held(int(name), h.rank, h.save_id, h.world_size))
+                held.append(Held(int(name), h.rank, h.save_id, h.world_size, when))
         return held, problems
 
     def steps(self) -> list[int]:
@@ -375,17 +377,20 @@ def complete_steps(held: list[Held]) -> list[int]:
 
 def coverage(held: list[Held]) -> dict[int, tuple[bool, str, int]]:
     """Per step, the save whose parts are best covered: ``(complete, save_id, world_size)``;
-    a complete save first, then the most parts, then the larger save_id."""
+    a complete save first, then the most parts, then the most recently written."""
     by: dict[tuple[int, str, int], set[int]] = {}
+    when: dict[tuple[int, str, int], float] = {}
     for h in held:
         if 0 <= h.rank < h.world_size:
-            by.setdefault((h.step, h.save_id, h.world_size), set()).add(h.rank)
-    best: dict[int, tuple[tuple[bool, int, str], int]] = {}
+            key = (h.step, h.save_id, h.world_size)
+            by.setdefault(key, set()).add(h.rank)
+            when[key] = max(when.get(key, 0.0), h.when)
+    best: dict[int, tuple[tuple[bool, int, float, str], int]] = {}
     for (step, sid, w), ranks in by.items():
-        score = (len(ranks) == w, len(ranks), sid)
+        score = (len(ranks) == w, len(ranks), when[(step, sid, w)], sid)
         if step not in best or score > best[step][0]:
             best[step] = (score, w)
-    return {s: (score[0], score[2], w) for s, (score, w) in best.items()}
+    return {s: (score[0], score[3], w) for s, (score, w) in best.items()}
 
 
 def holders_of(everyone: Mapping[int, list[Held]], step: int, save_id: str) -> dict[int, set[int]]:
