@@ -40,7 +40,7 @@ from dist_utils import RankError, run_ranks
 
 import xckpt
 from xckpt.cli import main
-from xckpt.errors import XckptError
+from xckpt.errors import CorruptChunkError, XckptError
 from xckpt.manager import CheckpointManager
 from xckpt.manager._tiers import replica_pairs
 
@@ -387,19 +387,26 @@ def test_nothing_anywhere_is_an_error(tmp_path):
 
 
 def test_a_replica_damaged_in_transit_is_refused(tmp_path):
-    """What a receiver gets is checked file by file against the sender's crc32s before it
-    is written; a damaged buffer leaves no manifest (the copy does not count)."""
+    """A replica is the writer's files under the same names, with the writer's checksums: a
+    damaged manifest is refused on arrival (no copy counts), damaged data by every restore."""
     from xckpt.manager._replicate import pack, unpack
 
-    xckpt.save({"a": np.arange(300000, dtype=np.float32)}, str(tmp_path / "s"))
+    want = np.arange(300000, dtype=np.float32)
+    xckpt.save({"a": want}, str(tmp_path / "s"))
     os.rename(tmp_path / "s" / "xckpt.json", tmp_path / "merged.json")  # as a rank-local save leaves it
     buf = pack(str(tmp_path / "s"), 0)
     unpack(buf.copy(), str(tmp_path / "good"), 0)
-    assert xckpt.load(str(tmp_path / "good"))["a"].tobytes() == np.arange(300000, dtype=np.float32).tobytes()
-    buf[len(buf) // 2] ^= 1
-    with pytest.raises(XckptError, match="fails its crc32 check after the transfer; the copy was dropped"):
-        unpack(buf, str(tmp_path / "bad"), 0)
+    assert xckpt.load(str(tmp_path / "good"))["a"].tobytes() == want.tobytes()
+    bad = buf.copy()
+    bad[-40] ^= 1  # in the manifest (last)
+    with pytest.raises(XckptError, match="its manifest is damaged .*; the copy was dropped"):
+        unpack(bad, str(tmp_path / "bad"), 0)
     assert not os.path.exists(tmp_path / "bad" / "ranks" / "0.json")
+    bad = buf.copy()
+    bad[len(buf) // 2] ^= 1  # in the data
+    unpack(bad, str(tmp_path / "flipped"), 0)
+    with pytest.raises(CorruptChunkError, match="fails its crc32c check"):
+        xckpt.load(str(tmp_path / "flipped"))
 
 
 @pytest.mark.gpu

@@ -10,15 +10,16 @@ original, with the writer's checksums (the manifest's own, each chunk's crc32).
 Call protocol (:meth:`Replicator.run`, every rank of the manager's group, the manager's
 local-tier thread, one step at a time):
 
-1. each rank packs its part (a header of file names, sizes and crc32s, then the bytes);
+1. each rank packs its part (a header of file names and sizes, then the bytes);
    one exchange of every rank's outcome of its local write and packing, with the
    payload sizes: when any failed, every rank raises (nothing is sent);
 2. the ranks exchange the payloads (one ``batch_isend_irecv``, on a gloo group of the
    replication's own, so it never interleaves with the training's or the manager's
    collectives);
-3. each receiver checks every file against its crc32 and writes it (a temporary name,
-   then a rename), the data first and the rank manifest last: a kill part way leaves
-   no manifest, so the copy is not counted;
+3. each receiver writes the files, the data first and the rank manifest last (its
+   checksum checked, a temporary name, then a rename): a kill part way leaves no
+   manifest, so the copy is not counted. The data carry the writer's checksums, which
+   every restore checks (a replica damaged in transit or at rest is found there);
 4. a last exchange of outcomes: every rank returns once every replica of the step is
    stored, or every rank raises.
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,8 +59,10 @@ def _data_dirs(step_dir: str, rank: int) -> list[str]:
 
 def pack(step_dir: str, rank: int) -> np.ndarray:
     """Rank ``rank``'s part of the local step at ``step_dir`` as one uint8 buffer: an 8-byte
-    header length, the header (JSON: each file's name, size and crc32), the files' bytes,
-    the rank manifest last."""
+    header length, the header (JSON: each file's name and size), the files' bytes, the rank
+    manifest last. The bytes carry their own checksums (each zarr chunk's crc32c, each
+    packed chunk's crc32 and the manifest's SHA-256 in the manifest), which a restore
+    checks on every read; the manifest's is checked on arrival too."""
     mkey = f"ranks/{rank}.json"
     with open(os.path.join(step_dir, mkey), "rb") as fh:
         mbytes = fh.read()
@@ -71,35 +73,23 @@ def pack(step_dir: str, rank: int) -> np.ndarray:
                 full = os.path.join(base, n)
                 files.append((os.path.relpath(full, step_dir), os.path.getsize(full)))
     files.append((mkey, len(mbytes)))
-    body = sum(s for _n, s in files)
-    # crc32s are filled once the bytes are in place; the header's length is fixed first
-    crcs = [0] * len(files)
-    head = _header(files, crcs)
-    out = np.empty(8 + len(head) + body, dtype=np.uint8)
-    pos = 8 + len(head)
-    for i, (name, size) in enumerate(files[:-1]):
-        view = memoryview(out[pos : pos + size])
-        with open(os.path.join(step_dir, name), "rb") as fh:
-            if fh.readinto(view) != size:
-                raise XckptError(f"local step {step_dir!r}: {name} changed size while it was replicated")
-        crcs[i] = zlib.crc32(view)
-        pos += size
-    out[pos:] = np.frombuffer(mbytes, dtype=np.uint8)
-    crcs[-1] = zlib.crc32(mbytes)
-    head = _header(files, crcs)
+    head = json.dumps({"files": [[n, size] for n, size in files]}).encode()
+    out = np.empty(8 + len(head) + sum(size for _n, size in files), dtype=np.uint8)
     out[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
     out[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    pos = 8 + len(head)
+    for name, size in files[:-1]:
+        with open(os.path.join(step_dir, name), "rb") as fh:
+            if fh.readinto(memoryview(out[pos : pos + size])) != size:
+                raise XckptError(f"local step {step_dir!r}: {name} changed size while it was replicated")
+        pos += size
+    out[pos:] = np.frombuffer(mbytes, dtype=np.uint8)
     return out
 
 
-def _header(files: Sequence[tuple[str, int]], crcs: Sequence[int]) -> bytes:
-    # fixed-width crc32s, so the header's length does not depend on their values
-    return json.dumps({"files": [[n, s, f"{c:08x}"] for (n, s), c in zip(files, crcs)]}).encode()
-
-
 def unpack(buf: np.ndarray, step_dir: str, src: int) -> None:
-    """Write the part rank ``src`` sent (:func:`pack`'s buffer) into ``step_dir``: every file
-    checked against its crc32, the data first, the rank manifest last.
+    """Write the part rank ``src`` sent (:func:`pack`'s buffer) into ``step_dir``: the data
+    first, the rank manifest last, once its checksum is checked.
 
     Raises:
         XckptError: a damaged or malformed buffer (nothing of it counts as a copy).
@@ -118,13 +108,13 @@ def unpack(buf: np.ndarray, step_dir: str, src: int) -> None:
         os.remove(old)  # a stale copy must not count while the new one is written
     pos = 8 + n
     made: set[str] = set()
-    for name, size, crc in files:
+    for name, size in files:
         parts = name.split("/")
         if name.startswith("/") or ".." in parts or not (parts[0] == "data" or name == mkey):
             raise XckptError(f"{where}: it names a file outside the step ({name!r}); nothing more was written")
         data = buf[pos : pos + size]
-        if len(data) != size or f"{zlib.crc32(memoryview(data)):08x}" != crc:
-            raise XckptError(f"{where}: {name} fails its crc32 check after the transfer; the copy was dropped")
+        if len(data) != size:
+            raise XckptError(f"{where}: {name} is cut short; the copy was dropped")
         if name == mkey:
             try:
                 parse_document(data.tobytes(), os.path.join(step_dir, mkey))
