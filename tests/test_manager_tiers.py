@@ -380,6 +380,16 @@ def test_bad_tier_arguments(tmp_path, kwargs, match):
         CheckpointManager(str(tmp_path / "root"), handle_preemption=False, **kwargs)
 
 
+def test_ls_on_a_root_with_local_steps_only(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, local=str(tmp_path / "shm"), local_every=1, save_every=100, replicas=0,
+                           handle_preemption=False) as m:
+        m.save(1, {"a": np.ones(3)})
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "0 complete steps" in out and "local steps: every 1 steps on 1 nodes" in out and "latest 1" in out
+
+
 def test_nothing_anywhere_is_an_error(tmp_path):
     m = CheckpointManager(str(tmp_path / "root"), local=str(tmp_path / "shm"), replicas=0, handle_preemption=False)
     with pytest.raises(XckptError, match="no complete copy of any step .* nothing to restore"):
