@@ -504,7 +504,9 @@ class CheckpointManager:
         :class:`~xckpt.torch.LoadResult` returned; a JAX target (a pytree of
         ``ShapeDtypeStruct``s with shardings, shardings, or arrays) gives the restored
         pytree (``xckpt.jax.load``); with no target, every tensor (numpy) and object by
-        name; a mapping of numpy arrays is filled in place and returned.
+        name; a mapping of numpy arrays is filled in place and returned. With ``local=``,
+        the newest complete step of either tier (``step``: looked for in both), read from
+        the local copies the ranks hold where it is local (:mod:`xckpt.manager._fetch`).
 
         Args:
             target: what to restore into (see above).
