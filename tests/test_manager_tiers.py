@@ -37,6 +37,8 @@ import numpy as np
 import pytest
 import torch
 from dist_utils import RankError, run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import xckpt
 from xckpt.cli import main
@@ -287,6 +289,20 @@ def test_replicas_go_to_other_nodes(world, per_node, replicas, pairs):
     got = replica_pairs(world, per_node, replicas)
     assert got == pairs
     assert all(s // per_node != d // per_node for s, d in got)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 16), st.integers(0, 4))
+def test_replica_pairs_property(world, per_node, replicas):
+    """Every rank sends min(replicas, other nodes) copies, each to a rank of another node,
+    no two to one node."""
+    nodes = -(-world // per_node)
+    got = replica_pairs(world, per_node, replicas)
+    for r in range(world):
+        dsts = [d for s, d in got if s == r]
+        assert len(dsts) == min(replicas, nodes - 1)
+        assert all(0 <= d < world and d // per_node != r // per_node for d in dsts)
+        assert len({d // per_node for d in dsts}) == len(dsts)
 
 
 def _hooked():
