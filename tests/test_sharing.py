@@ -157,6 +157,20 @@ def test_plan_keeps_unshared_parts_local():
 
 
 
+def test_plan_reads_only_from_holders():
+    """With ``holders`` (the manager's local tiers: node A's ranks 0, 1 hold every part, a
+    replaced node B holds none): a part is read by a rank that needs it and holds it, else
+    by a holder, which sends it; the holders share the work."""
+    shape = (100, 24)
+    writers = [L.Box((25 * k, 0), (25, 24)) for k in range(4)]
+    entries = {"t": _entry(shape, writers, 25)}
+    needs = [[Need("t", b) for b in _layout("rows", shape, 4, r)] for r in range(4)]
+    plan = make_plan(entries.__getitem__, _units, needs, holders=lambda name, i: frozenset({0, 1}))
+    assert plan.solo == ((("t", writers[0]),), (("t", writers[1]),), (), ())
+    cells = {c.box: (g.reader, c.ranks) for rnd in plan.rounds for g in rnd for c in g.cells}
+    assert cells == {writers[2]: (0, (2,)), writers[3]: (1, (3,))}
+
+
 def test_the_planner_runs_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"

@@ -41,7 +41,7 @@ from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
 from xckpt.inspect import human_bytes
 from xckpt.layout import Shard, parse_placements
-from xckpt.native.steps import manager_steps, steps_table
+from xckpt.native.steps import manager_steps, read_tiers, steps_table
 from xckpt.plan import plan_load
 from xckpt.rules import shipped_rule_sets
 from xckpt.source import Source
@@ -77,8 +77,9 @@ def _ls_location(args: argparse.Namespace) -> int:
     try:
         ck = open_source(args.path, format=args.format, allow_pickle=args.allow_pickle, step=args.step)
     except CheckpointNotFoundError:
-        infos = manager_steps(args.path) if args.format in (None, "xckpt") and args.step is None else []
-        if not infos:
+        root = args.format in (None, "xckpt") and args.step is None  # a manager root, perhaps
+        infos = manager_steps(args.path) if root else []
+        if not infos and (not root or read_tiers(args.path) is None):
             raise
         print(steps_table(args.path, infos))
         return 0

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xckpt import layout as L
+from xckpt.errors import XckptError
 from xckpt.manifest import Chunk, TensorEntry
 
 __all__ = ["ROUND_BYTES", "MAX_CELL_BYTES", "Need", "Cell", "Group", "Plan", "make_plan", "messages"]
@@ -195,6 +196,13 @@ def _bbox(a: L.Box, b: L.Box) -> L.Box:
 _ByChunk = dict[tuple[str, int], list[tuple[int, L.Box]]]
 #: A cell placed in a group: (group id, (name, chunk index), box, ranks needing it, itemsize).
 _Placed = tuple[int, tuple[str, int], L.Box, tuple[int, ...], int]
+#: A group being built: its reads {(name, chunk): (bounding box, itemsize)}, its cells
+#: [((name, chunk), box, ranks)], and the ranks able to read it (None: every rank).
+_Building = tuple[
+    dict[tuple[str, int], tuple[L.Box, int]],
+    list[tuple[tuple[str, int], L.Box, tuple[int, ...]]],
+    "frozenset[int] | None",
+]
 
 
 def make_plan(
@@ -204,6 +212,7 @@ def make_plan(
     *,
     round_bytes: int = ROUND_BYTES,
     max_cell: int = MAX_CELL_BYTES,
+    holders: Callable[[str, int], frozenset[int] | None] | None = None,
 ) -> Plan:
     """Who reads what and sends it to whom (see the module); the same on every rank.
 
@@ -213,17 +222,23 @@ def make_plan(
         needs: per rank, the boxes it loads.
         round_bytes: see `ROUND_BYTES`.
         max_cell: see `MAX_CELL_BYTES`.
+        holders: the ranks able to read chunk `i` of tensor `name` (None: every rank; a
+            source whose copies live on some ranks only, the checkpoint manager's local
+            tiers, says which). A part is read by a rank that needs it and holds it when
+            there is one, else by a holder, which sends it.
     """
     world = len(needs)
     solo: list[list[tuple[str, L.Box]]] = [[] for _ in range(world)]
     placed = _UnitGroups()
     for (name, ci), parts in _parts_by_chunk(entry, needs).items():
-        if all(r == parts[0][0] for r, _b in parts):
+        hold = None if holders is None else holders(name, ci)
+        if all(r == parts[0][0] for r, _b in parts) and (hold is None or parts[0][0] in hold):
             solo[parts[0][0]].extend((name, b) for _r, b in parts)
             continue
         t = entry(name)
-        for box, ranks in _cells(name, t.chunks[ci], t.np_dtype.itemsize, parts, read_units, max_cell, solo):
-            placed.add(read_units, name, ci, t.chunks[ci], box, ranks, t.np_dtype.itemsize)
+        cells = _cells(name, t.chunks[ci], t.np_dtype.itemsize, parts, read_units, max_cell, solo, hold)
+        for box, ranks in cells:
+            placed.add(read_units, name, ci, t.chunks[ci], box, ranks, t.np_dtype.itemsize, hold)
     groups = _choose_readers(placed.groups(), world)
     return Plan(tuple(tuple(s) for s in solo), _cut_rounds(groups, world, round_bytes))
 
@@ -250,17 +265,20 @@ def _cells(
     read_units: Callable[[str, Chunk, L.Box, int], Mapping[Hashable, int]],
     max_cell: int,
     solo: list[list[tuple[str, L.Box]]],
+    hold: frozenset[int] | None,
 ) -> list[tuple[L.Box, tuple[int, ...]]]:
     """The shared cells of one chunk with the ranks needing each; parts no other rank
-    shares go to `solo` (read by their rank alone)."""
+    shares, of a rank that holds the chunk, go to `solo` (read by their rank alone)."""
     first = parts[0][1]
     if all(b == first for _r, b in parts) and chunk.grid is None and first.volume * itemsize <= max_cell:
         # replicas of one small stored piece (many small tensors): one cell
         return [(first, tuple(sorted({r for r, _b in parts})))]
     shared = _shared_parts(parts, functools.partial(_units_of, read_units, name, chunk, itemsize))
     for r, b in parts:
-        if b not in shared:
+        if b not in shared and (hold is None or r in hold):
             solo[r].append((name, b))
+    if hold is not None:  # a rank that cannot read the chunk is sent its part
+        shared |= {b for r, b in parts if r not in hold}
     parts = [(r, b) for r, b in parts if b in shared]
     return _lattice(parts, chunk, itemsize, max_cell) if parts else []
 
@@ -273,6 +291,7 @@ class _UnitGroups:
         self.owner: dict[Hashable, int] = {}  # storage unit -> a group id
         self.parent: list[int] = []
         self.placed: list[_Placed] = []
+        self.holding: dict[int, frozenset[int] | None] = {}  # group id -> the ranks holding all its chunks
 
     def find(self, gid: int) -> int:
         parent = self.parent
@@ -290,6 +309,7 @@ class _UnitGroups:
         box: L.Box,
         ranks: tuple[int, ...],
         itemsize: int,
+        hold: frozenset[int] | None = None,
     ) -> None:
         keys = list(read_units(name, chunk, box, itemsize)) or [("cell", name, ci, box)]
         roots = sorted({self.find(self.owner[k]) for k in keys if k in self.owner})
@@ -297,15 +317,18 @@ class _UnitGroups:
             gid = roots[0]
             for other in roots[1:]:
                 self.parent[other] = gid
+                self.holding[gid] = _meet(self.holding.get(gid), self.holding.pop(other, None))
         else:
             gid = len(self.parent)
             self.parent.append(gid)
+        self.holding[gid] = _meet(self.holding.get(gid), hold)
         for k in keys:
             self.owner[k] = gid
         self.placed.append((gid, (name, ci), box, ranks, itemsize))
 
-    def groups(self) -> list[tuple[dict[tuple[str, int], tuple[L.Box, int]], list[tuple[tuple[str, int], L.Box, tuple[int, ...]]]]]:
-        """Each group's reads `{(name, chunk): (bounding box, itemsize)}` and cells, by first cell."""
+    def groups(self) -> list[_Building]:
+        """Each group's reads `{(name, chunk): (bounding box, itemsize)}`, cells and the ranks
+        able to read it (None: every rank), by first cell."""
         building: dict[
             int,
             tuple[dict[tuple[str, int], tuple[L.Box, int]], list[tuple[tuple[str, int], L.Box, tuple[int, ...]]]],
@@ -315,18 +338,20 @@ class _UnitGroups:
             held = reads.get(key)
             reads[key] = (box if held is None else _bbox(held[0], box), itemsize)
             cells.append((key, box, ranks))
-        return list(building.values())
+        return [(reads, cells, self.holding.get(gid)) for gid, (reads, cells) in building.items()]
 
 
-def _choose_readers(
-    building: Sequence[tuple[dict[tuple[str, int], tuple[L.Box, int]], list[tuple[tuple[str, int], L.Box, tuple[int, ...]]]]],
-    world: int,
-) -> list[Group]:
-    """Each group's reader, in plan order: the rank needing the group with the least work
-    so far (bytes read, sent and received), counting this group's reading and sending."""
+def _choose_readers(building: Sequence[_Building], world: int) -> list[Group]:
+    """Each group's reader, in plan order: the rank needing the group (among those able to
+    read it) with the least work so far (bytes read, sent and received), counting this
+    group's reading and sending; a group no rank needing it can read goes to a holder.
+
+    Raises:
+        XckptError: no rank can read a group (the holders reported none).
+    """
     work = [0] * world
     groups: list[Group] = []
-    for reads, cells in building:
+    for reads, cells, can in building:
         pos = {k: i for i, k in enumerate(reads)}
         size = sum(b.volume * i for b, i in reads.values())
         sends = 0  # bytes sent if the reader needed nothing
@@ -336,7 +361,10 @@ def _choose_readers(
             sends += n * len(ranks)
             for r in ranks:
                 needed[r] = needed.get(r, 0) + n
-        cost = {r: size + sends - needed[r] for r in sorted(needed)}
+        able = sorted(needed) if can is None else [r for r in sorted(needed) if r in can] or sorted(can)
+        if not able:
+            raise XckptError(f"read_once: no rank holds {[k[0] for k in reads][:3]}")
+        cost = {r: size + sends - needed.get(r, 0) for r in able}
         reader = min(cost, key=lambda r: (work[r] + cost[r], r))
         work[reader] += cost[reader]
         for r, n in needed.items():
@@ -350,6 +378,11 @@ def _choose_readers(
             )
         )
     return groups
+
+
+def _meet(a: frozenset[int] | None, b: frozenset[int] | None) -> frozenset[int] | None:
+    """The ranks in both holder sets (None: every rank)."""
+    return b if a is None else a if b is None else a & b
 
 
 def _cut_rounds(groups: Sequence[Group], world: int, round_bytes: int) -> tuple[tuple[Group, ...], ...]:

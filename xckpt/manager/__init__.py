@@ -8,7 +8,9 @@ any world size, mesh, placement or sharding. Reading a root without a manager
 
 The family: ``_manager`` (the class), ``_policy`` (retention and ranking, pure),
 ``_staging`` (the host buffers), ``_adapters`` (which framework saves a state),
-``_coord`` (how ranks agree), ``_preemption`` (the SIGTERM handler).
+``_coord`` (how ranks agree), ``_preemption`` (the SIGTERM handler); the local tier
+(DESIGN.md section 11): ``_tiers`` (local steps, retention, the root's ``tiers.json``),
+``_replicate`` (copies to other nodes), ``_fetch`` (restore from both tiers, verified).
 """
 
 from __future__ import annotations

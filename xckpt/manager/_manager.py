@@ -56,9 +56,11 @@ from xckpt.storage import Location, Storage, location_name, location_spec
 
 from ._adapters import framework_of, restore_state, start_save
 from ._coord import coordinator
+from ._fetch import restore as restore_tiers
 from ._policy import Policy, positive_count
 from ._preemption import SigtermFlag
 from ._staging import HostBuffers
+from ._tiers import Tiers
 
 __all__ = ["CheckpointManager"]
 
@@ -90,6 +92,15 @@ class CheckpointManager:
         process_group: the torch group whose ranks save together (default: world).
         handle_preemption: install a SIGTERM handler (chaining any earlier one) that
             makes the next ``should_save`` true on every rank.
+        local: the local tier (DESIGN.md section 11): a node-local directory (``/dev/shm/<job>``,
+            a local NVMe disk) the ranks of a node share. Every ``local_every`` steps
+            ``save`` also saves each rank's part there (staged like a persistent save, written
+            and replicated in the background) whatever ``save_every`` says.
+        local_every: save a local step every N steps (None: every ``save`` call).
+        local_keep: local steps kept (the newest complete ones).
+        replicas: ranks on other nodes that keep a copy of each rank's local part.
+        ranks_per_node: ranks per node (nodes are consecutive groups; default
+            ``LOCAL_WORLD_SIZE``, else all ranks on one node).
 
     Raises:
         XckptError: a bad rule (a count below 1, ``keep_best`` without ``metric``, a
@@ -113,6 +124,11 @@ class CheckpointManager:
         rank_local: bool = False,
         process_group: Any = None,
         handle_preemption: bool = True,
+        local: Location | None = None,
+        local_every: int | None = None,
+        local_keep: int = 2,
+        replicas: int = 1,
+        ranks_per_node: int | None = None,
     ) -> None:
         self._policy = Policy(
             keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric, mode=mode
@@ -139,6 +155,17 @@ class CheckpointManager:
         self._decision: tuple[int, bool] | None = None
         self._preempted = False
         self._closed = False
+        # -- local tier (DESIGN.md section 11; xckpt.manager._tiers) --
+        self._tiers: Tiers | None = None
+        if local is not None:
+            if self._coord.kind == "jax":
+                raise XckptError("the local tier replicates over torch.distributed; a multi-process JAX job "
+                                 "cannot use local= (use the persistent root alone)")
+            self._tiers = Tiers(
+                self.root, local, local_every=local_every, local_keep=local_keep, replicas=replicas,
+                ranks_per_node=ranks_per_node, coord=self._coord, run=self._run, process_group=process_group,
+            )
+        # -- end local tier --
         self._sigterm = SigtermFlag()
         if self._handle:
             self._sigterm.install()
@@ -245,6 +272,8 @@ class CheckpointManager:
         decided, self._decision = self._decision, None
         go = decided[1] if decided is not None and decided[0] == step else self._decide(step)
         self._decision = None
+        if self._tiers is not None and self._tiers.due(step):  # local tier: before the persistent save
+            self._local_save(step, state)
         if not (go or force):
             return False
         kind = framework_of(state)
@@ -280,6 +309,8 @@ class CheckpointManager:
             raise XckptError("rank_local=True is for torch saves; a multi-process JAX save is coordinated")
         self._n += 1
         save_id = plan["save_id"]
+        if self._tiers is not None:
+            self._tiers.wait_written()  # the local write of this step still reads the staging buffers
         finish = start_save(
             kind,
             state,
@@ -300,6 +331,21 @@ class CheckpointManager:
         if self._preempted:
             self._exit()
         return True
+
+    def _local_save(self, step: int, state: Any) -> None:
+        """Stage ``state`` as local step ``step`` (see :mod:`xckpt.manager._tiers`)."""
+        if self._tiers is None:
+            return
+        kind = framework_of(state)
+        if kind == "numpy" and self._coord.kind != "single":
+            kind = self._coord.kind
+        self._tiers.save(step, state, kind, self.staging, self._inflight)
+
+    def local_steps(self) -> list[int]:
+        """The local steps the job holds, ascending (none without ``local=``): complete across
+        the local tiers when the manager was built, plus the local saves finished since
+        (on every rank, replicas included), less those local retention deleted."""
+        return [] if self._tiers is None else self._tiers.steps()
 
     def _plan(self, step: int, metrics: Any, force: bool) -> tuple[dict[str, Any], BaseException | None]:
         """Rank 0: what to do with step ``step`` (from storage as last listed)."""
@@ -458,7 +504,9 @@ class CheckpointManager:
         :class:`~xckpt.torch.LoadResult` returned; a JAX target (a pytree of
         ``ShapeDtypeStruct``s with shardings, shardings, or arrays) gives the restored
         pytree (``xckpt.jax.load``); with no target, every tensor (numpy) and object by
-        name; a mapping of numpy arrays is filled in place and returned.
+        name; a mapping of numpy arrays is filled in place and returned. With ``local=``,
+        the newest complete step of either tier (``step``: looked for in both), read from
+        the local copies the ranks hold where it is local (:mod:`xckpt.manager._fetch`).
 
         Args:
             target: what to restore into (see above).
@@ -474,11 +522,27 @@ class CheckpointManager:
         kind = framework_of(target, "restore target")
         if kind == "numpy" and target is not None and self._coord.kind != "single":
             kind = self._coord.kind
+        if self._tiers is not None:
+            return self._restore_tiers(kind, target, step, load_options)
         chosen = self._coord.share(self._choose(step) if self._coord.rank == 0 else None)
         if isinstance(chosen, str):
             raise XckptError(chosen)
         return restore_state(
             kind, step_location(self.root, chosen), target, process_group=self._pg, options=load_options
+        )
+
+    def _restore_tiers(self, kind: str, target: Any, step: int | None, options: dict[str, Any]) -> Any:
+        """Restore the newest complete step of both tiers (see :mod:`xckpt.manager._fetch`)."""
+        if self._tiers is None:
+            raise XckptError("internal: no local tier")
+        local_opts = {**options, "read_once": True} if kind == "torch" else options
+
+        def load(where: Any, opts: dict[str, Any]) -> Any:
+            return restore_state(kind, where, target, process_group=self._pg, options=opts)
+
+        return restore_tiers(
+            self._tiers, self.root, self._name, None if step is None else check_step(step),
+            lambda: sorted(self._known()), lambda src: load(src, local_opts), lambda loc: load(loc, options),
         )
 
     def _choose(self, step: int | None) -> int | str:
@@ -505,6 +569,13 @@ class CheckpointManager:
         """Return once the save in flight and its retention are done (on every rank,
         coordinated; see the module for rank-local); raise its error."""
         err = self._finish_previous()
+        if self._tiers is not None:
+            try:
+                self._tiers.finish()
+            except Exception as e:
+                if err is None:
+                    raise
+                err.add_note(f"(the local save also failed: {e})")
         if err is not None:
             raise err
 
@@ -521,6 +592,8 @@ class CheckpointManager:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._tiers is not None:
+                self._tiers.close()
             self.staging.clear()
 
     def __enter__(self) -> CheckpointManager:

@@ -97,11 +97,16 @@ class Checkpoint(Source):
 
     format = "xckpt"
 
-    def __init__(self, path: Location, *, context: Any = None) -> None:
+    def __init__(self, path: Location, *, context: Any = None, manifest: Manifest | None = None) -> None:
+        """Open ``path``; with ``manifest`` (already read and validated by the caller, as the
+        checkpoint manager merges a local step's rank manifests from several copies), its
+        data is read from ``path`` and no manifest is read there."""
         self.storage = NativeStorage(path, context)
         self.path = self.storage.path
-        data = self.storage.read_key("xckpt.json")
-        if data is not None:
+        data = None if manifest is not None else self.storage.read_key("xckpt.json")
+        if manifest is not None:
+            m = manifest
+        elif data is not None:
             m = Manifest.loads(data, f"{self.path}/xckpt.json")
             if m.rank is not None:
                 raise ManifestError(f"{self.path}/xckpt.json has rank {m.rank}; expected null")

@@ -26,6 +26,7 @@ here talks to other ranks.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -56,6 +57,9 @@ __all__ = [
     "manager_root_error",
     "delete_step",
     "steps_table",
+    "TIERS_KEY",
+    "read_tiers",
+    "tiers_lines",
     "encode_metrics",
     "decode_metrics",
     "check_step",
@@ -405,6 +409,44 @@ def _fmt_metrics(m: Mapping[str, Any] | None) -> str:
     return " ".join(parts)
 
 
+#: A manager root's record of its local tiers (DESIGN.md section 11), written by the
+#: manager's rank 0 when built and after each local step: where each node's local
+#: directory is, how often local steps are saved, the latest one. JSON; only read by
+#: ``xckpt ls`` (restores ask the ranks themselves, never this record).
+TIERS_KEY = "tiers.json"
+
+
+def read_tiers(root: Location, *, context: Any = None) -> dict[str, Any] | None:
+    """The root's tier record (:data:`TIERS_KEY`), or None when it has none or it is unreadable."""
+    try:
+        data = Storage(root, context).read_key(TIERS_KEY)
+        doc = json.loads(data) if data is not None else None
+    except (XckptError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == "xckpt-tiers" else None
+
+
+def tiers_lines(doc: Mapping[str, Any]) -> list[str]:
+    """What ``xckpt ls ROOT`` says of the local steps, from a tier record."""
+    try:
+        nodes = [f"{n['host']}:{n['local']} (ranks {n['ranks'][0]}-{n['ranks'][-1]})" for n in doc["nodes"]]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(doc["updated_at"])))
+        lines = [
+            f"local steps: every {doc['local_every']} steps on {len(nodes)} nodes' local directories "
+            f"({doc['replicas']} replicas on other nodes, {doc['local_keep']} kept), not under this root:"
+        ]
+        lines += [f"  {n}" for n in nodes[:16]] + ([f"  ... ({len(nodes)} nodes)"] if len(nodes) > 16 else [])
+        latest = doc.get("latest_local_step")
+        lines.append(
+            f"  as of {when}: local steps {doc.get('local_steps', [])}"
+            + (f", latest {latest}" if latest is not None else "")
+            + "; CheckpointManager(root, local=...).restore() uses the newest complete step of both tiers"
+        )
+    except (KeyError, TypeError, ValueError, IndexError):
+        return [f"local steps: the tier record {TIERS_KEY} is unreadable"]
+    return lines
+
+
 def steps_table(root: Location, infos: Sequence[StepInfo]) -> str:
     """The text ``xckpt ls ROOT`` prints for a manager root: one line a step, then a summary."""
     rows = [("step", "state", "saved", "metrics")]
@@ -426,4 +468,7 @@ def steps_table(root: Location, infos: Sequence[StepInfo]) -> str:
     for i in partial:
         lines.append(f"  step {i.step}: {(i.problem or '').splitlines()[0][:300]}")
     lines.append("open one with xckpt.open(root, step='latest') or `xckpt ls ROOT/<step>`")
+    tiers = read_tiers(root)
+    if tiers is not None:
+        lines += tiers_lines(tiers)
     return "\n".join(lines)

@@ -304,7 +304,7 @@ def load_once(
     needs = [
         decoded.get(m) or decoded.setdefault(m, _decode_needs(m, names, r, where)) for r, m in enumerate(msgs)
     ]
-    plan = make_plan(ckpt.info, ckpt.read_units, needs)
+    plan = make_plan(ckpt.info, ckpt.read_units, needs, holders=getattr(ckpt, "holders", None))
     dtypes = {t: torch_dtype(ckpt.info(t).dtype) for t in {need.name for rn in needs for need in rn}}
     np_dtypes = {t: ckpt.info(t).np_dtype for t in dtypes}
     pin = (

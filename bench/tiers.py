@@ -1,0 +1,347 @@
+"""Checkpoint tiers (DESIGN.md section 11): local saves, replication and restore after a lost node.
+
+Four gloo ranks as two nodes (``ranks_per_node=2``: A = ranks 0-1, B = ranks 2-3), the
+local tier on ``/dev/shm`` (a directory per node), the persistent root on a local S3
+server (moto's, on 127.0.0.1) and on this disk. The state is W1 (``bench/_common.py``)
+of about ``--size-mib`` MiB, every tensor a DTensor split by rows over the four ranks
+(built from each rank's slice; the same bytes every run). Each repeat is a fresh set of
+processes; the table shows medians over ``--repeats`` (3). Per repeat:
+
+- **staging copy**: ``xckpt.torch``'s staging of the rank's shards into the manager's
+  host buffers alone (the copy a save cannot avoid), barrier to barrier, best of 3;
+- **local save stall**: ``CheckpointManager(root, local=..., local_every=1)``'s ``save``
+  of a local step (no persistent save due), with nothing in flight (each save's round
+  is waited for before the next), median of 3 saves;
+- **persistent save stall**: the same manager without ``local=`` saving to the root
+  (S3, disk): its ``save`` with ``async_save=True``;
+- **dcp.async_save stall**: ``torch.distributed.checkpoint.async_save`` to this disk
+  (its defaults), the call's time, then its future waited for;
+- **replication**: one more replication of a local step (``Replicator.run``: pack, send
+  to the other node, check, write), barrier to barrier, against a plain gloo
+  ``batch_isend_irecv`` of the same bytes between the same ranks;
+- **restore after losing node B**: node B's directory is deleted and its ranks come
+  back with an empty one (a replaced node); the manager with ``local=`` restores the
+  newest local step (its ranks fetch what they need from node A over gloo), against a
+  manager without ``local=`` restoring the same state from the persistent root (S3,
+  disk). Bytes read from the S3 root are tensorstore's ``bytes_read`` metrics during
+  the restore; every restore is checked bit for bit.
+
+Targets (issue 30): restore from tiers at most 0.5x the restore from S3, with 0 bytes read
+from the root; local save stall at most 1.1x the staging copy alone; replication at least
+0.7x the plain send.
+
+Usage, from the repository root::
+
+    .venv/bin/python bench/tiers.py                 # 128 MiB, 3 repeats
+    .venv/bin/python bench/tiers.py --quick         # 16 MiB, 1 repeat
+
+Results: a markdown table on stdout and ``bench/out/tiers.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from _common import (
+    load_average,
+    make_array,
+    markdown_table,
+    median,
+    out_dir,
+    spec_bytes,
+    to_torch,
+    workload_spec,
+)
+
+#: W1 dims giving about 2.7 MB a layer.
+DIMS = (256, 704, 8000)
+AWS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION")
+
+
+def _s3_bytes() -> int:
+    import tensorstore as ts
+
+    return sum(
+        int(v.get("value", 0))
+        for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3")
+        if m["name"].endswith("/bytes_read")
+        for v in m.get("values", [])
+    )
+
+
+def _timed(dist: Any, fn: Any) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _state(spec: list[Any], rank: int, world: int, mesh: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    out = {}
+    for i, (n, s, d) in enumerate(spec):
+        full = to_torch(make_array(i, tuple(s), d))
+        local = full.chunk(world, 0)[rank].clone()  # its own storage (DCP copies storages)
+        out[n] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return all(
+        torch.equal(a[n].to_local().reshape(-1).view(torch.uint8), b[n].to_local().reshape(-1).view(torch.uint8))
+        for n in b
+    )
+
+
+def _saves(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res: dict[str, Any]) -> None:
+    """Staging alone, local save stall, persistent save stalls, dcp.async_save stall."""
+    import torch.distributed.checkpoint as dcp
+
+    from xckpt.manager import CheckpointManager, HostBuffers
+    from xckpt.torch._staging import Stager
+
+    buffers = HostBuffers()
+
+    def stage() -> None:
+        st = Stager(buffers)
+        for n, t in sd.items():
+            st.stage((n, (0, 0)), t.to_local())
+        st.finish()
+
+    stage()  # allocate once, as a manager's second save finds its buffers
+    res["staging"] = min(_timed(dist, stage) for _ in range(3))
+    local = os.path.join(cfg["shm"], "A" if rank < 2 else "B")
+    m = CheckpointManager(cfg["roots"]["disk"] + "-l", local=local, local_every=1, save_every=10**9, local_keep=2,
+                          ranks_per_node=2, handle_preemption=False)
+    stalls = []
+    for step in range(1, 5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        m.save(step, sd)
+        stalls.append(time.perf_counter() - t0)
+        m.wait()
+    res["local_stall"] = median(stalls[1:])  # the first allocates the buffers
+    # one more replication of the last local step, against a plain send of the same bytes
+    rep = m._tiers.rep  # type: ignore[union-attr]
+    step_dir = m._tiers.step_dir(4)  # type: ignore[union-attr]
+    res["replicate_s"] = _timed(dist, lambda: rep.run(4, step_dir, None))
+    res["replicated_bytes"] = rep.sent_bytes
+    res["plain_send_s"] = _plain_send(dist, rank, rep)
+    m.close()
+    for kind, root in cfg["roots"].items():
+        p = CheckpointManager(root, save_every=1, keep_last=1, handle_preemption=False)
+        stalls = []
+        for step in range(1, 4):
+            dist.barrier()
+            t0 = time.perf_counter()
+            p.save(step, sd)
+            stalls.append(time.perf_counter() - t0)
+            p.wait()
+        p.close()
+        res[f"persistent_stall_{kind}"] = median(stalls[1:])
+    stalls = []
+    for step in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, checkpoint_id=os.path.join(cfg["dcp"], str(step)))
+        stalls.append(time.perf_counter() - t0)
+        fut.result()
+    res["dcp_stall"] = median(stalls[1:])
+
+
+def _plain_send(dist: Any, rank: int, rep: Any) -> float:
+    """The same bytes each rank replicated, sent with one gloo batch_isend_irecv."""
+    import torch
+
+    n = torch.tensor([rep.sent_bytes // max(1, len(rep.dsts))], dtype=torch.int64)
+    sizes = {s: torch.zeros(1, dtype=torch.int64) for s in rep.srcs}
+    rep._exchange([(d, n) for d in rep.dsts], list(sizes.items()), 0)
+    payload = torch.ones(int(n.item()), dtype=torch.uint8)
+    got = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes.items()}
+    return _timed(dist, lambda: rep._exchange([(d, payload) for d in rep.dsts], list(got.items()), 0))
+
+
+def _restores(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res: dict[str, Any]) -> None:
+    """Node B lost: restore from the tiers, against restoring the same state from the roots."""
+    import torch
+
+    from xckpt.manager import CheckpointManager
+
+    def blank() -> dict[str, Any]:
+        return {n: t * 0 for n, t in sd.items()}
+
+    if rank == 0:
+        shutil.rmtree(os.path.join(cfg["shm"], "B"))
+    dist.barrier()
+    local = os.path.join(cfg["shm"], "A" if rank < 2 else "B2")
+    m = CheckpointManager(cfg["roots"]["s3"], local=local, local_every=1, local_keep=2, ranks_per_node=2,
+                          handle_preemption=False)
+    target = blank()
+    before = _s3_bytes()
+    res["restore_tiers_s"] = _timed(dist, lambda: m.restore(target))
+    res["restore_tiers_root_bytes"] = _s3_bytes() - before
+    res["restore_tiers_exact"] = _same(target, sd)
+    m.close()
+    for kind, root in cfg["roots"].items():
+        p = CheckpointManager(root, handle_preemption=False)
+        target = blank()
+        res[f"restore_{kind}_s"] = _timed(dist, lambda p=p, target=target: p.restore(target))
+        res[f"restore_{kind}_exact"] = _same(target, sd)
+        p.close()
+    del torch
+
+
+def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="2", **cfg["env"])
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        mesh = init_device_mesh("cpu", (world,))
+        sd = _state([tuple(x) for x in cfg["spec"]], rank, world, mesh)
+        res: dict[str, Any] = {}
+        _saves(dist, rank, cfg, sd, res)
+        _restores(dist, rank, cfg, sd, res)
+        dist.barrier()
+        dist.destroy_process_group()
+        out.put((rank, True, res))
+    except BaseException:  # noqa: B036 - reported to the parent
+        import traceback
+
+        out.put((rank, False, traceback.format_exc()))
+
+
+def _run_ranks(world: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world:
+            try:
+                rank, ok, value = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise SystemExit(f"ranks did not finish in {timeout} s; finished: {sorted(got)}") from None
+            if not ok:
+                raise SystemExit(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(world)]
+
+
+def _one(spec: Any, s3: Any) -> dict[str, Any]:
+    """One repeat in fresh processes; rank 0's figures (byte counts summed over ranks)."""
+    shm = tempfile.mkdtemp(prefix="xckpt-bench-tiers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    disk = tempfile.mkdtemp(prefix="tiers-", dir=out_dir())
+    cfg = {
+        "spec": spec,
+        "shm": shm,
+        "dcp": os.path.join(disk, "dcp"),
+        "roots": {"s3": s3.fresh("tiers"), "disk": os.path.join(disk, "root")},
+        "env": {k: os.environ[k] for k in AWS},
+    }
+    try:
+        per = _run_ranks(4, cfg, timeout=3600)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    r0 = dict(per[0])
+    r0["restore_tiers_root_bytes"] = sum(p["restore_tiers_root_bytes"] for p in per)
+    r0["replicated_bytes"] = sum(p["replicated_bytes"] for p in per)
+    r0["exact"] = all(p[k] for p in per for k in p if k.endswith("_exact"))
+    return r0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=float, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="16 MiB, 1 repeat")
+    args = ap.parse_args()
+    if args.quick:
+        args.size_mib, args.repeats = 16, 1
+    spec = workload_spec("W1", args.size_mib / 1024, DIMS)
+    total = spec_bytes(spec)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import logging
+
+    import s3_server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    gen = s3_server.serve()
+    s3 = next(gen)
+    try:
+        runs = [_one(spec, s3) for _ in range(args.repeats)]
+    finally:
+        gen.close()
+
+    def med(k: str) -> float:
+        return median([r[k] for r in runs])
+
+    mib = total / (1 << 20)
+    rep_gbps = med("replicated_bytes") / med("replicate_s") / 1e9
+    plain_gbps = med("replicated_bytes") / med("plain_send_s") / 1e9
+    checks = {
+        "restore from tiers <= 0.5x restore from S3": med("restore_tiers_s") <= 0.5 * med("restore_s3_s"),
+        "0 bytes read from the persistent root": max(r["restore_tiers_root_bytes"] for r in runs) == 0,
+        "local save stall <= 1.1x the staging copy": med("local_stall") <= 1.1 * med("staging"),
+        "replication >= 0.7x the plain send": rep_gbps >= 0.7 * plain_gbps,
+        "every restore bit-exact": all(r["exact"] for r in runs),
+    }
+    rows = [
+        ["staging copy alone (anchor)", med("staging"), 1.0],
+        ["local save stall", med("local_stall"), med("local_stall") / med("staging")],
+        ["persistent save stall, S3 root", med("persistent_stall_s3"), med("persistent_stall_s3") / med("staging")],
+        ["persistent save stall, disk root", med("persistent_stall_disk"),
+         med("persistent_stall_disk") / med("staging")],
+        ["dcp.async_save stall, disk", med("dcp_stall"), med("dcp_stall") / med("staging")],
+        ["restore from S3 root (anchor)", med("restore_s3_s"), 1.0],
+        ["restore from disk root", med("restore_disk_s"), med("restore_disk_s") / med("restore_s3_s")],
+        ["restore from tiers, node B lost", med("restore_tiers_s"), med("restore_tiers_s") / med("restore_s3_s")],
+        ["plain gloo send (anchor)", med("plain_send_s"), 1.0],
+        ["replication", med("replicate_s"), rep_gbps / plain_gbps],
+    ]
+    print(f"\nstate {mib:.0f} MiB (W1, rows split over 4 gloo ranks = 2 nodes), medians of {args.repeats}; "
+          f"load {load_average()}\n")
+    print(markdown_table(["what", "seconds", "ratio to its anchor"], rows))
+    print(f"\nreplication {rep_gbps:.2f} GB/s, plain send {plain_gbps:.2f} GB/s; bytes read from the root during "
+          f"the tier restore: {max(r['restore_tiers_root_bytes'] for r in runs)}")
+    for k, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {k}")
+    path = out_dir() / "tiers.json"
+    path.write_text(json.dumps({"size_mib": mib, "runs": runs, "checks": checks, "id": uuid.uuid4().hex}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

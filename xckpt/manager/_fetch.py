@@ -1,0 +1,229 @@
+"""Restore from the newest complete step of either tier, verified (DESIGN.md section 11).
+
+Call protocol (:func:`restore`, every rank of the manager's group, after the saves in
+flight finished):
+
+1. each rank lists what its local directory holds (every rank manifest's checksum
+   checked; a damaged one is a warning on that rank) and the ranks exchange it, with
+   rank 0's list of the persistent root's step numbers (one listing: no manifest or
+   data of the root is read unless a persistent step is the one restored);
+2. every rank walks the same candidates, newest first (a step in both tiers: the
+   local copy first). A local step is a candidate when the surviving copies hold
+   parts ``0..W-1`` of one save; its rank manifests are sent, each by one holder, to
+   every rank (one exchange), which merges them into the step's manifest;
+3. the ranks load it with ``xckpt.torch.load(..., read_once=True)`` over a source
+   whose chunks are read only by ranks holding a copy of them (``holders``): a rank
+   that needs bytes it does not hold receives them from a holder. Every chunk a
+   holder reads is checked against its crc32 (zarr's crc32c codec, packed chunks'
+   crc32s); a copy that fails is named in a warning on the rank that read it, and
+   after one exchange of outcomes every rank retries without that copy (another
+   replica serves), or, with no intact copy left, passes to the next candidate;
+4. a persistent candidate is restored from the root as the manager always did (rank
+   0 checks it is complete first).
+
+A step passed over is named in a warning (on the rank that found why) with the rank
+and the problem; a restore never fills a target from a copy that failed a check.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import astuple
+from typing import Any
+
+from xckpt.errors import ManifestError, XckptError
+from xckpt.manifest import Manifest, RankMerge, parse_document, parse_header
+from xckpt.native.commit import validate
+from xckpt.native.reader import Checkpoint
+from xckpt.native.steps import read_step, step_location, step_numbers
+from xckpt.source import ChunkRead
+from xckpt.storage import Location
+
+from ._tiers import Held, Tiers, coverage, holders_of
+
+__all__ = ["TierSource", "restore"]
+
+
+class TierSource(Checkpoint):
+    """A local step read from this rank's copies: the merged manifest of every copy, chunk
+    reads from this node's directory, and which ranks hold each chunk (``holders``, what
+    the read-once plan reads)."""
+
+    def __init__(self, path: str, manifest: Manifest, holders: Mapping[int, frozenset[int]]) -> None:
+        super().__init__(path, manifest=manifest)
+        self._holders = holders
+        #: (saved rank, problem) of every copy this rank failed to read.
+        self.bad: list[tuple[int, str]] = []
+
+    def holders(self, name: str, index: int) -> frozenset[int]:
+        return self._holders.get(self.info(name).chunks[index].rank, frozenset())
+
+    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
+        try:
+            super()._read_chunks(jobs, bar)
+        except XckptError as first:
+            # which copies fail: each job reads one saved chunk, of one writer rank
+            for job in jobs:
+                try:
+                    super()._read_chunks([job], _NoBar())
+                except XckptError as e:
+                    self.bad.append((job[1].rank, f"{type(e).__name__}: {e}"))
+            if not self.bad:
+                self.bad.append((-1, f"{type(first).__name__}: {first}"))
+            raise
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str) -> Manifest:
+    merge = RankMerge(where, world)
+    for r in range(world):
+        wh = f"{where}/ranks/{r}.json"
+        h = parse_header(parse_document(docs[r], wh), wh)
+        if h.rank != r or h.save_id != save_id or h.world_size != world:
+            raise ManifestError(f"{wh} is rank {h.rank} of save {h.save_id!r}, expected rank {r} of {save_id!r}")
+        merge.add(h, wh)
+    m = merge.result()
+    validate(m, where)
+    return m
+
+
+def _alike(tiers: Tiers, rank: int) -> frozenset[int]:
+    """The ranks reading the same copies as ``rank`` (its node's directory)."""
+    return frozenset(r for r, p in enumerate(tiers.places) if p == tiers.places[rank])
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def _try_local(
+    tiers: Tiers, step: int, save_id: str, world: int, everyone: Mapping[int, list[Held]], load: Callable[[Any], Any]
+) -> tuple[bool, Any]:
+    """Load local step ``step`` (collective); ``(True, result)``, or ``(False, None)`` when no
+    intact copy of some part is left (warned)."""
+    coord, me = tiers.coord, tiers.rank
+    holders = {w: frozenset(rs) for w, rs in holders_of(everyone, step, save_id).items()}
+    sdir = tiers.step_dir(step)
+    while True:
+        lost = [w for w in range(world) if not holders.get(w)]
+        if lost:
+            if me == 0:
+                _warn(
+                    f"local step {step} is passed over: no intact copy of rank(s) {lost[:20]}'s part is left "
+                    "(their node is gone or replaced and its replicas are missing or damaged)"
+                )
+            return False, None
+        chosen = {w: min(holders[w]) for w in range(world)}
+        mine: dict[int, bytes] = {}
+        problem = None
+        for w in (w for w, h in chosen.items() if h == me):
+            try:
+                with open(os.path.join(sdir, "ranks", f"{w}.json"), "rb") as fh:
+                    mine[w] = fh.read()
+            except OSError as e:
+                problem = (w, f"its manifest cannot be read: {e}")
+        got = coord.gather((mine, problem))
+        bad = {(w, r): p for r, (_m, pr) in enumerate(got) if pr is not None for w, p in [pr]}
+        docs = {w: d for m, _p in got for w, d in m.items()}
+        merged = None
+        if not bad:
+            try:
+                merged = _merge(docs, world, save_id, sdir)
+            except (ManifestError, XckptError) as e:
+                bad = {(w, chosen[w]): f"{e}" for w in range(world)}  # cannot tell which: drop the step
+        if merged is None:
+            for (w, r), p in bad.items():
+                if r == me:
+                    _warn(f"local step {step}: rank {me}'s copy of rank {w}'s part is damaged ({p})")
+                holders[w] = holders[w] - _alike(tiers, r)
+            continue
+        src = TierSource(sdir, merged, holders)
+        err: BaseException | None = None
+        result = None
+        try:
+            result = load(src)
+        except Exception as e:  # every rank exchanges its outcome below
+            err = e
+        outcomes = coord.gather((err is not None, src.bad))
+        failed = [(r, b) for r, (f, bs) in enumerate(outcomes) if f for b in bs]
+        if not any(f for f, _b in outcomes):
+            return True, result
+        if not failed or any(w < 0 for _r, (w, _p) in failed):
+            if err is not None:
+                raise err
+            raise XckptError(f"restoring local step {step} failed on ranks {[r for r, (f, _) in enumerate(outcomes) if f]}")
+        told = set()
+        for r, (w, p) in failed:
+            if r == me and w not in told:
+                told.add(w)
+                _warn(f"local step {step}: rank {me}'s copy of rank {w}'s part fails its check ({p[:400]}); "
+                      "another copy is used if one is intact")
+            holders[w] = holders[w] - _alike(tiers, r)
+
+
+def restore(
+    tiers: Tiers,
+    root: Location,
+    name: str,
+    step: int | None,
+    known_complete: Callable[[], list[int]],
+    load_local: Callable[[Any], Any],
+    load_persistent: Callable[[Location], Any],
+) -> Any:
+    """The newest complete step of both tiers (or ``step``), restored; see the module.
+
+    Args:
+        known_complete: rank 0's complete persistent steps from the manager's own record
+            (no read of the root), to spare the check of a step it already knows.
+        load_local: loads from a source (collective).
+        load_persistent: loads from a persistent step's location (collective).
+    """
+    coord, me = tiers.coord, tiers.rank
+    held, problems = tiers.scan()
+    for p in problems:
+        _warn(f"a local copy is damaged and not used: {p}")
+    persistent = step_numbers(root) if me == 0 else None
+    got = coord.gather(([astuple(h) for h in held], persistent))
+    everyone = {r: [Held(*t) for t in rows] for r, (rows, _p) in enumerate(got)}
+    numbers = set(got[0][1] or [])
+    local = coverage([h for hs in everyone.values() for h in hs])
+    candidates = sorted(set(local) | numbers, reverse=True)
+    if step is not None:
+        candidates = [step] if step in candidates else []
+    for s in candidates:
+        if s in local:
+            full, sid, world = local[s]
+            if full:
+                ok, result = _try_local(tiers, s, sid, world, everyone, load_local)
+                if ok:
+                    return result
+            elif me == 0:
+                _warn(f"local step {s} is passed over: no surviving copy holds every rank's part of it")
+        if s in numbers:
+            verdict = None
+            if me == 0:
+                if s not in known_complete():
+                    try:
+                        info = read_step(root, s)
+                    except XckptError as e:
+                        verdict = f"cannot be read ({e})"
+                    else:
+                        verdict = None if info.complete else f"is incomplete ({(info.problem or '')[:300]})"
+            verdict = coord.share(verdict)
+            if verdict is None:
+                return load_persistent(step_location(root, s))
+            if me == 0:
+                _warn(f"persistent step {s} of {name!r} is passed over: it {verdict}")
+    local_done = sorted(s for s, (full, _i, _w) in local.items() if full)
+    what = f"step {step}" if step is not None else "any step"
+    raise XckptError(
+        f"no complete copy of {what} under {name!r} or in the local tiers (local steps complete across the "
+        f"surviving nodes: {local_done}; persistent step numbers: {sorted(numbers)}); nothing to restore. "
+        "Start from scratch, or point the manager at the root and local directories that hold the run"
+    )
