@@ -37,8 +37,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from xckpt.convert import convert
 from xckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, XckptError
 from xckpt.manifest import Manifest
+from xckpt.native._codecs import check_compression
 from xckpt.native.commit import read_rank_manifests
 from xckpt.native.steps import (
     MANAGER_KEY,
@@ -56,6 +58,7 @@ from xckpt.storage import Location, Storage, location_name, location_spec
 
 from ._adapters import framework_of, restore_state, start_save
 from ._coord import coordinator
+from ._incremental import ManifestCache, base_step, check_replace, dedup_for, retain_steps
 from ._policy import Policy, positive_count
 from ._preemption import SigtermFlag
 from ._staging import HostBuffers
@@ -90,6 +93,12 @@ class CheckpointManager:
         process_group: the torch group whose ranks save together (default: world).
         handle_preemption: install a SIGTERM handler (chaining any earlier one) that
             makes the next ``should_save`` true on every rank.
+        compression: the codec of array chunks, None (raw), ``"zstd"`` or
+            ``"shuffle-zstd"`` (format version 6; packed small tensors stay raw).
+        references: array chunks equal to the same chunk of the previous complete step
+            (same tensor, box and dtype; equal BLAKE2b-128 hashes of their bytes) are stored
+            as references to it, not written again; retention keeps referenced data
+            (DESIGN.md section 12; `export` makes a standalone copy of a step).
 
     Raises:
         XckptError: a bad rule (a count below 1, ``keep_best`` without ``metric``, a
@@ -113,6 +122,8 @@ class CheckpointManager:
         rank_local: bool = False,
         process_group: Any = None,
         handle_preemption: bool = True,
+        compression: str | None = None,
+        references: bool = True,
     ) -> None:
         self._policy = Policy(
             keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric, mode=mode
@@ -124,6 +135,11 @@ class CheckpointManager:
         self._name = location_name(root)
         self._async, self._rank_local, self._pg = bool(async_save), bool(rank_local), process_group
         self._handle = bool(handle_preemption)
+        # -- incremental (section 12) --
+        self._compression = check_compression(compression)
+        self._references = bool(references)
+        self._manifests = ManifestCache(self.root)
+        # -- end incremental --
         self._coord = coordinator(process_group)
         #: This run's token, in every save id (``<step>-<run>-<n>``): a save that replaces
         #: a step left by a killed run never reuses that run's id (the writer refuses that).
@@ -291,6 +307,7 @@ class CheckpointManager:
             async_save=self._async,
             process_group=self._pg,
             rank_local=self._rank_local,
+            writer_options=self._writer_options(plan.get("base")),
         )
         if self._async:
             self._inflight_step = step
@@ -328,9 +345,21 @@ class CheckpointManager:
                 }, None
             meta = {MANAGER_KEY: {"step": step, "metrics": enc, "saved_at": time.time()}}
             action = "replace" if step in cache else "new"
-            return {"action": action, "save_id": f"{step}-{self._run}-{self._n}", "metadata": meta}, None
+            if action == "replace" and self._references:  # incremental: never over referenced data
+                check_replace(self.root, self._manifests, done, step)
+            base = base_step(cache, step) if self._references else None
+            return {
+                "action": action, "save_id": f"{step}-{self._run}-{self._n}", "metadata": meta, "base": base,
+            }, None
         except XckptError as e:
             return {"action": "error", "message": str(e)}, e
+
+    def _writer_options(self, base: int | None) -> dict[str, Any]:
+        """Compression and the step to reference (section 12) for this rank's writers."""
+        out: dict[str, Any] = {"compression": self._compression}
+        if self._references:
+            out["dedup"] = dedup_for(self._manifests, base)
+        return out
 
     def _pool(self) -> cf.ThreadPoolExecutor:
         if self._executor is None:
@@ -421,11 +450,19 @@ class CheckpointManager:
         cache = {i.step: i for i in infos}
         with self._lock:
             self._cache = dict(cache)
-        for s in stale + delete:
-            delete_step(self.root, s)
+
+        def handled(s: int) -> None:
             cache.pop(s, None)
             with self._lock:
                 self._cache = dict(cache)
+
+        if self._references:  # incremental: referenced data stays (see _incremental)
+            kept = [i.step for i in complete if i.step not in set(delete)]
+            retain_steps(self.root, self._manifests, kept, stale + delete, handled)
+            return
+        for s in stale + delete:
+            delete_step(self.root, s)
+            handled(s)
 
     def _finish_previous(self) -> BaseException | None:
         """Wait for the save in flight; its error (with a note naming the step), or None."""
@@ -498,6 +535,23 @@ class CheckpointManager:
         if s not in done:
             return f"step {s} is not a complete step of {self._name!r}; its complete steps are {done}"
         return s
+
+    def export(self, step: int, dst: str | os.PathLike[str], *, compression: str | None = None) -> str:
+        """Copy step ``step`` to ``dst`` as a standalone checkpoint (every referenced chunk's
+        bytes copied in, so it reads without the root); the output path.
+
+        Args:
+            step: a complete step.
+            dst: a local path that does not exist yet.
+            compression: the codec of the copy's array chunks (default raw).
+
+        Raises:
+            XckptError: ``step`` is not a complete step; ``dst`` exists.
+        """
+        s = check_step(step)
+        if s not in self.steps():
+            raise XckptError(f"step {s} is not a complete step of {self._name!r}; its complete steps are {self.steps()}")
+        return convert(step_location(self.root, s), dst, to_format="xckpt", compression=compression)
 
     # -- the end -----------------------------------------------------------------
 

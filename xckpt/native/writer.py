@@ -82,7 +82,7 @@ from xckpt.native._zarr import NativeStorage, inner_chunk_shape, packed_grid
 from xckpt.native.commit import read_rank_manifests
 from xckpt.storage import Location, storage_error
 
-__all__ = ["Writer", "save", "finalize", "derived_save_id", "tensor_key_id", "ALL_HELD"]
+__all__ = ["Writer", "save", "finalize", "derived_save_id", "tensor_key_id", "ALL_HELD", "Dedup"]
 
 #: Chunks at most this large are packed as byte ranges of one array per rank.
 PACK_THRESHOLD = 256 << 10
