@@ -43,8 +43,11 @@ class ManifestCache:
     def get(self, step: int) -> Manifest:
         m = self._m.get(step)
         if m is None:
-            with Checkpoint(step_location(self.root, step)) as ck:
+            ck = Checkpoint(step_location(self.root, step))
+            try:
                 m = ck.manifest
+            finally:
+                ck.close()
             self._m[step] = m
         return m
 
