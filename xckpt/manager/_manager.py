@@ -345,7 +345,7 @@ class CheckpointManager:
                 }, None
             meta = {MANAGER_KEY: {"step": step, "metrics": enc, "saved_at": time.time()}}
             action = "replace" if step in cache else "new"
-            if action == "replace" and self._references:  # incremental: never over referenced data
+            if self._references:  # incremental: never over data a complete step references
                 check_replace(self.root, self._manifests, done, step)
             base = base_step(cache, step) if self._references else None
             return {
