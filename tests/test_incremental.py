@@ -204,3 +204,25 @@ def test_sigkill_in_saves_and_retention(tmp_path):
         .get("refs", {}).values()
     }
     assert {int(d) for d in os.listdir(root)} == kept
+
+
+def test_golden_v6_checkpoint_loads_unchanged():
+    """tests/golden/v6 (make_golden_v6.py): a manager root whose step 1 references step 0's
+    shuffle-zstd bytes, and a two-rank save with a zstd rank beside a raw one."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).parent / "golden" / "v6"
+    expect = json.loads((root / "expected.json").read_text())
+    cases = [(root / "root" / s, t) for s, t in expect["root"].items()] + [(root / "ranks", expect["ranks"])]
+    for path, tensors in cases:
+        with xckpt.open(path) as ck:
+            for name, spec in tensors.items():
+                arr = ck.read(name)
+                assert arr.dtype == xckpt.manifest.numpy_dtype(spec["dtype"]) and list(arr.shape) == spec["shape"]
+                assert hashlib.sha256(arr.tobytes()).hexdigest() == spec["sha256"], (path, name)
+            assert ck.verify() == []
+    m = json.loads((root / "root" / "1" / "xckpt.json").read_bytes())
+    assert m["version"] == 6 and m["codecs"] == {"0": "shuffle-zstd"}
+    assert [r["step"] for r in m["refs"].values()] == [0] and len(m["hashes"]) == 2
+    assert json.loads((root / "ranks" / "xckpt.json").read_bytes())["codecs"] == {"0": "zstd"}
