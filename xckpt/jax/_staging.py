@@ -33,6 +33,8 @@ class HostBuffers(Protocol):
         self, key: Hashable, shape: tuple[int, ...], dtype: Hashable, alloc: Callable[[], Any]
     ) -> Any: ...
 
+    def compare(self, key: Hashable, old: Any, new: Any) -> None: ...
+
     def end(self) -> None: ...
 
 
@@ -40,5 +42,6 @@ def stage_host(buffers: HostBuffers, key: Hashable, data: Any) -> np.ndarray:
     """``data`` (a shard's jax.Array or a numpy array) copied into its buffer in ``buffers``."""
     src = np.asarray(data)  # a CPU device buffer is viewed, not copied; a GPU one was fetched
     buf = buffers.take(key, tuple(src.shape), src.dtype, functools.partial(np.empty, src.shape, src.dtype))
+    buffers.compare(key, buf, src)  # row deltas: compare, then copy
     np.copyto(buf, src, casting="no")
     return buf

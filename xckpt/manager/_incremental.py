@@ -3,7 +3,9 @@
 A manager save passes its writers a `Dedup` of the previous complete step (the highest
 below the step being saved): each array chunk whose BLAKE2b-128 hash equals that of the
 same box of the same tensor there is recorded as a reference (`refs` in the manifest,
-naming the step that holds the bytes), not written again.
+naming the step that holds the bytes), not written again; a 2-D box of which fewer than
+half the rows changed since that step (compared with the staged copy, when the staging
+holds that step's values) is stored as a row patch over its base (`deltas`).
 
 Retention then deletes data only when no kept step references it, in two phases, so a
 kill at any moment never leaves a complete step whose data is gone:
@@ -29,7 +31,9 @@ from xckpt.native.reader import Checkpoint
 from xckpt.native.steps import StepInfo, delete_step, step_location
 from xckpt.storage import Location, Storage, location_name
 
-__all__ = ["ManifestCache", "dedup_for", "retain_steps", "delete_manifests", "check_replace"]
+__all__ = [
+    "ManifestCache", "dedup_for", "base_step", "retain_steps", "delete_manifests", "check_replace", "rows_predicate",
+]
 
 
 class ManifestCache:
@@ -55,25 +59,50 @@ class ManifestCache:
         for s in steps:
             self._m.pop(s, None)
 
+    def uses(self, step: int) -> set[int]:
+        """The steps whose data step ``step`` reads: its references' and its row patches'."""
+        m = self.get(step)
+        return {r.step for r in m.refs.values()} | {p.step for chain in m.deltas.values() for p in chain}
+
     def referenced(self, steps: Iterable[int]) -> set[int]:
-        """The steps whose data ``steps`` reference (excluding themselves)."""
+        """The steps whose data ``steps`` read (themselves included when they do)."""
         out: set[int] = set()
         for s in steps:
-            out.update(r.step for r in self.get(s).refs.values())
+            out |= self.uses(s)
         return out
 
 
-def dedup_for(cache: ManifestCache | None, base: int | None) -> Dedup:
-    """What a save's writers compare with: step ``base`` (None: only hashes are recorded)."""
-    if base is None or cache is None:
-        return Dedup()
-    return Dedup(base, cache.get(base))
+def dedup_for(
+    cache: ManifestCache, base: int | None, step: int, changed: Any = None, full_every: int = 8
+) -> Dedup:
+    """What a save of ``step`` compares with: step ``base`` (None: only hashes are recorded),
+    and with ``changed`` (the staging's changed rows, when it holds ``base``'s values) row deltas."""
+    if base is None:
+        return Dedup(step=step)
+    return Dedup(base, cache.get(base), step=step, changed=changed, full_every=full_every)
 
 
 def base_step(infos: Mapping[int, StepInfo], step: int) -> int | None:
     """The step a save of ``step`` references: the highest complete step below it."""
     below = [s for s, i in infos.items() if i.complete and s < step]
     return max(below) if below else None
+
+
+def rows_predicate(row_deltas: Any) -> Any:
+    """Which tensors (by name) a manager compares row by row: ``True`` every one, a list of
+    names those, ``False`` none (None).
+
+    Raises:
+        XckptError: anything else.
+    """
+    if row_deltas is True:
+        return lambda name: True
+    if row_deltas is False:
+        return None
+    if isinstance(row_deltas, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in row_deltas):
+        names = frozenset(row_deltas)
+        return names.__contains__
+    raise XckptError(f"row_deltas={row_deltas!r}: pass True (every 2-D tensor), False, or a list of tensor names")
 
 
 def _fsync_dir(path: str) -> None:
@@ -124,7 +153,7 @@ def check_replace(root: Location, cache: ManifestCache, complete: Iterable[int],
     Raises:
         XckptError: naming the steps that reference it.
     """
-    users = [s for s in complete if step in {r.step for r in cache.get(s).refs.values()}]
+    users = [s for s in complete if s != step and step in cache.uses(s)]
     if users:
         raise XckptError(
             f"step {step} of {location_name(root)!r} is kept as data: complete steps {users} reference its "

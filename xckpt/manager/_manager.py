@@ -58,7 +58,7 @@ from xckpt.storage import Location, Storage, location_name, location_spec
 
 from ._adapters import framework_of, restore_state, start_save
 from ._coord import coordinator
-from ._incremental import ManifestCache, base_step, check_replace, dedup_for, retain_steps
+from ._incremental import ManifestCache, base_step, check_replace, dedup_for, retain_steps, rows_predicate
 from ._policy import Policy, positive_count
 from ._preemption import SigtermFlag
 from ._staging import HostBuffers
@@ -99,6 +99,12 @@ class CheckpointManager:
             (same tensor, box and dtype; equal BLAKE2b-128 hashes of their bytes) are stored
             as references to it, not written again; retention keeps referenced data
             (DESIGN.md section 12; `export` makes a standalone copy of a step).
+        row_deltas: ``True`` (every 2-D tensor), a list of tensor names, or ``False``: a
+            2-D box of which fewer than half the rows changed since the previous step
+            (compared with its staged copy: async saves) stores only the changed rows
+            over a base; needs ``references``.
+        full_every: a box is saved whole at least every this many saves, so a read
+            applies at most ``full_every - 1`` row patches.
 
     Raises:
         XckptError: a bad rule (a count below 1, ``keep_best`` without ``metric``, a
@@ -124,6 +130,8 @@ class CheckpointManager:
         handle_preemption: bool = True,
         compression: str | None = None,
         references: bool = True,
+        row_deltas: bool | list[str] = True,
+        full_every: int = 8,
     ) -> None:
         self._policy = Policy(
             keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric, mode=mode
@@ -139,6 +147,8 @@ class CheckpointManager:
         self._compression = check_compression(compression)
         self._references = bool(references)
         self._manifests = ManifestCache(self.root)
+        self._full_every = positive_count("full_every", full_every) or 8
+        self._staged: int | None = None  # the step whose values the staging buffers hold
         # -- end incremental --
         self._coord = coordinator(process_group)
         #: This run's token, in every save id (``<step>-<run>-<n>``): a save that replaces
@@ -149,6 +159,7 @@ class CheckpointManager:
         self._cache: dict[int, StepInfo] | None = None  # rank 0: every step, as last listed
         #: The host buffers async saves stage into (reused across saves of one structure).
         self.staging = HostBuffers()
+        self.staging.rows_for = rows_predicate(row_deltas) if self._references else None
         self._executor: cf.ThreadPoolExecutor | None = None
         self._inflight: cf.Future[None] | None = None
         self._inflight_step: int | None = None
@@ -296,6 +307,8 @@ class CheckpointManager:
             raise XckptError("rank_local=True is for torch saves; a multi-process JAX save is coordinated")
         self._n += 1
         save_id = plan["save_id"]
+        options = self._writer_options(step, plan.get("base"))
+        self._staged = None  # the staging is refilled below: it holds this step's values once done
         finish = start_save(
             kind,
             state,
@@ -307,8 +320,9 @@ class CheckpointManager:
             async_save=self._async,
             process_group=self._pg,
             rank_local=self._rank_local,
-            writer_options=self._writer_options(plan.get("base")),
+            writer_options=options,
         )
+        self._staged = step if self._async else None
         if self._async:
             self._inflight_step = step
             self._inflight = self._pool().submit(self._complete, step, save_id, finish, True)
@@ -354,11 +368,12 @@ class CheckpointManager:
         except XckptError as e:
             return {"action": "error", "message": str(e)}, e
 
-    def _writer_options(self, base: int | None) -> dict[str, Any]:
-        """Compression and the step to reference (section 12) for this rank's writers."""
+    def _writer_options(self, step: int, base: int | None) -> dict[str, Any]:
+        """Compression, the step to reference and row deltas (section 12) for this rank's writers."""
         out: dict[str, Any] = {"compression": self._compression}
         if self._references:
-            out["dedup"] = dedup_for(self._manifests, base)
+            changed = self.staging.changed if base is not None and base == self._staged else None
+            out["dedup"] = dedup_for(self._manifests, base, step, changed, self._full_every)
         return out
 
     def _pool(self) -> cf.ThreadPoolExecutor:

@@ -47,7 +47,7 @@ from xckpt.manifest._chunks import Chunk
 from xckpt.manifest._document import Header, Manifest, merge_manifests, parse_document, parse_header
 from xckpt.manifest._entries import ObjectEntry, PlacementInfo, TensorEntry, ValueRange, paused_gc
 from xckpt.manifest._grids import GRID_MIN_CELLS, GridChunks
-from xckpt.manifest._incremental import CODEC_NAMES, Ref
+from xckpt.manifest._incremental import CODEC_NAMES, Patch, Ref
 from xckpt.manifest._merge import RankMerge
 from xckpt.manifest._objects import MAX_OBJECT_DEPTH, decode_value, encode_value
 from xckpt.manifest._signed import CLAIM_PREFIX, Claim, claim_bytes, dumps_json, manifest_bytes, parse_claim
@@ -60,6 +60,7 @@ __all__ = [
     "GRID_VERSION",
     "INCREMENTAL_VERSION",
     "CODEC_NAMES",
+    "Patch",
     "Ref",
     "MAX_CHUNKS",
     "MAX_ELEMENTS",

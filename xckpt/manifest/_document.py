@@ -74,7 +74,15 @@ from xckpt.manifest._checks import (
 )
 from xckpt.manifest._entries import Chunk, ObjectEntry, TensorEntry, paused_gc
 from xckpt.manifest._grids import GridChunks, check_dirs
-from xckpt.manifest._incremental import Ref, check_codecs, check_hashes, check_refs, incremental_json
+from xckpt.manifest._incremental import (
+    Patch,
+    Ref,
+    check_codecs,
+    check_deltas,
+    check_hashes,
+    check_refs,
+    incremental_json,
+)
 from xckpt.manifest._rows import _packed_keys, _tensor_entries, _tensors_to_json
 from xckpt.manifest._signed import _checksum_state, manifest_bytes
 
@@ -100,6 +108,7 @@ class Manifest:
     codecs: Mapping[int, str] = field(default_factory=dict)
     refs: Mapping[str, Ref] = field(default_factory=dict)
     hashes: Mapping[str, str] = field(default_factory=dict)
+    deltas: Mapping[str, tuple[Patch, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         tensors, packed = _tensors_to_json(self.tensors)
@@ -125,7 +134,7 @@ class Manifest:
         }
         if dirs:
             doc["dirs"] = {str(r): d for r, d in sorted(dirs.items())}
-        doc.update(incremental_json(self.codecs, self.refs, self.hashes))
+        doc.update(incremental_json(self.codecs, self.refs, self.hashes, self.deltas))
         return doc
 
     def dumps(self) -> bytes:
@@ -163,6 +172,7 @@ class Manifest:
                 codecs=h.codecs,
                 refs=h.refs,
                 hashes=h.hashes,
+                deltas=h.deltas,
             )
         except ManifestError:
             raise
@@ -223,6 +233,7 @@ class Header(NamedTuple):
     codecs: dict[int, str] = {}  # noqa: RUF012  (never mutated: a NamedTuple default)
     refs: dict[str, Ref] = {}  # noqa: RUF012
     hashes: dict[str, str] = {}  # noqa: RUF012
+    deltas: dict[str, tuple[Patch, ...]] = {}  # noqa: RUF012
 
 
 def parse_header(d: Any, where: str) -> Header:
@@ -279,13 +290,13 @@ def parse_header(d: Any, where: str) -> Header:
     if "dirs" in d and d["version"] < GRID_VERSION:
         raise ManifestError(f"{where}: a version {d['version']} manifest has no dirs member; the file was edited")
     dirs = check_dirs(d.get("dirs"), where, world_size)
-    late = [k for k in ("codecs", "refs", "hashes") if k in d]
+    late = [k for k in ("codecs", "refs", "hashes", "deltas") if k in d]
     if late and d["version"] < INCREMENTAL_VERSION:
         raise ManifestError(f"{where}: a version {d['version']} manifest has no {late[0]} member; the file was edited")
     return Header(
         d["version"], save_id, world_size, rank, storage, packed, dirs, metadata, tensors_raw, objects_raw,
-        check_codecs(d.get("codecs"), where, world_size), check_refs(d.get("refs"), where),
-        check_hashes(d.get("hashes"), where),
+        check_codecs(d.get("codecs"), where, world_size), refs := check_refs(d.get("refs"), where),
+        check_hashes(d.get("hashes"), where), check_deltas(d.get("deltas"), where, refs),
     )
 
 
@@ -309,12 +320,14 @@ def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
     codecs: dict[int, str] = {}
     refs: dict[str, Ref] = {}
     hashes: dict[str, str] = {}
+    deltas: dict[str, tuple[Patch, ...]] = {}
     for m in parts:
         storage.update(m.storage)
         dirs.update(m.dirs)
         codecs.update(m.codecs)
         refs.update(m.refs)
         hashes.update(m.hashes)
+        deltas.update(m.deltas)
         metadata.update(m.metadata)
         for name, t in m.tensors.items():
             prev = tensors.get(name)
@@ -356,4 +369,5 @@ def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
         codecs=codecs,
         refs=refs,
         hashes=hashes,
+        deltas=deltas,
     )

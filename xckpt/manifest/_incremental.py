@@ -12,7 +12,13 @@ merge by union, and grids, packed rows and chunk lists stay as version 5 has the
   another reference), and ``K`` passes the same key checks as every key;
 - ``"hashes": {"<array key>": "<32 hex digits>"}``: BLAKE2b-128 of the array chunk's raw
   bytes (little-endian, C order), written by manager saves that reference unchanged
-  chunks, so the next save can compare without reading the data back.
+  chunks, so the next save can compare without reading the data back;
+- ``"deltas": {"<array key>": [patch, ...]}``: row deltas of a 2-D array chunk (whose
+  ``refs`` entry names its base, a full copy). Its value is the base with each patch
+  applied in order; a patch ``{"step": S, "key": P, "rows": n, "grid": g, "storage",
+  "codec"?}`` is two arrays of step ``S``: ``P-idx`` (n int64 row indices inside the
+  chunk, increasing) and ``P-rows`` (n rows of the chunk's dtype and width), both in
+  zarr chunks of ``g`` rows; each patch's rows replace those rows.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from typing import Any
 from xckpt.errors import ManifestError
 from xckpt.manifest._checks import MAX_CHUNKS, MAX_WORLD_SIZE, STORAGE_KINDS, _check_key
 
-__all__ = ["CODEC_NAMES", "Ref", "check_codecs", "check_refs", "check_hashes", "incremental_json"]
+__all__ = [
+    "CODEC_NAMES", "Ref", "Patch", "check_codecs", "check_refs", "check_hashes", "check_deltas", "incremental_json",
+]
 
 #: Codecs a manifest may name (version 6).
 CODEC_NAMES = ("zstd", "shuffle-zstd")
@@ -44,6 +52,30 @@ class Ref:
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.step, "key": self.key, "storage": self.storage}
+        if self.codec is not None:
+            d["codec"] = self.codec
+        return d
+
+
+#: Longest chain of patches one chunk may name (the manager's full_every bounds it far lower).
+MAX_PATCHES = 1024
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Row delta of an array chunk: ``rows`` rows stored as arrays ``key-idx`` and ``key-rows``
+    of step ``step``, in zarr chunks of ``grid`` rows."""
+
+    step: int
+    key: str
+    rows: int
+    grid: int
+    storage: str
+    codec: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"step": self.step, "key": self.key, "rows": self.rows, "grid": self.grid,
+                             "storage": self.storage}
         if self.codec is not None:
             d["codec"] = self.codec
         return d
@@ -98,7 +130,34 @@ def check_hashes(raw: Any, where: str) -> dict[str, str]:
     return out
 
 
-def incremental_json(codecs: Mapping[int, str], refs: Mapping[str, Ref], hashes: Mapping[str, str]) -> dict[str, Any]:
+def check_deltas(raw: Any, where: str, refs: Mapping[str, Ref]) -> dict[str, tuple[Patch, ...]]:
+    """The ``deltas`` member, checked (absent: ``{}``): each chunk with deltas has a base in ``refs``."""
+    if raw is None:
+        return {}
+    out = {}
+    for k, chain in _object(raw, "deltas", where, MAX_CHUNKS).items():
+        _check_key(k, where)
+        if k not in refs or not isinstance(chain, list) or not 0 < len(chain) <= MAX_PATCHES:
+            raise ManifestError(f"{where}: deltas of {k[:80]!r} must be a list of patches over a base in refs")
+        patches = []
+        for p in chain:
+            if not isinstance(p, dict) or set(p) - {"step", "key", "rows", "grid", "storage", "codec"}:
+                raise ManifestError(f"{where}: a patch of {k[:80]!r} must be {{step, key, rows, grid, storage, codec?}}")
+            step, key, rows, grid = p.get("step"), p.get("key"), p.get("rows"), p.get("grid")
+            storage, codec = p.get("storage"), p.get("codec")
+            if (type(step) is not int or not 0 <= step <= _MAX_STEP or type(rows) is not int or not 0 < rows < 1 << 40
+                    or type(grid) is not int or not 0 < grid < 1 << 40 or storage not in STORAGE_KINDS
+                    or (codec is not None and codec not in CODEC_NAMES)):
+                raise ManifestError(f"{where}: bad patch of {k[:80]!r}: {p!r}"[:300])
+            patches.append(Patch(step, _check_key(key, where), rows, grid, storage, codec))
+        out[k] = tuple(patches)
+    return out
+
+
+def incremental_json(
+    codecs: Mapping[int, str], refs: Mapping[str, Ref], hashes: Mapping[str, str],
+    deltas: Mapping[str, tuple[Patch, ...]] | None = None,
+) -> dict[str, Any]:
     """The version 6 members of a manifest document (only those that are not empty)."""
     doc: dict[str, Any] = {}
     if codecs:
@@ -107,4 +166,6 @@ def incremental_json(codecs: Mapping[int, str], refs: Mapping[str, Ref], hashes:
         doc["refs"] = {k: r.to_json() for k, r in sorted(refs.items())}
     if hashes:
         doc["hashes"] = dict(sorted(hashes.items()))
+    if deltas:
+        doc["deltas"] = {k: [p.to_json() for p in chain] for k, chain in sorted(deltas.items())}
     return doc

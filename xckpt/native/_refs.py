@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from xckpt.errors import XckptError
-from xckpt.manifest import Chunk, Manifest, Ref
+from xckpt.manifest import Chunk, Manifest, Patch, Ref
 from xckpt.native._zarr import NativeStorage
 from xckpt.storage import Location, local_root, location_spec
 
@@ -95,37 +95,58 @@ class Resolver:
         return "" if ref is None else f" (stored in step {ref.step} as {ref.key})"
 
 
+class _Prev(NamedTuple):
+    """A previous step's array chunk: its hash (None: not hashed), where its base bytes are,
+    and the row patches over them."""
+
+    digest: str | None
+    target: Ref
+    chain: tuple[Patch, ...]
+
+
 class Dedup:
-    """The previous retained step ``step`` of a manager root, for a save that references
-    the chunks it shares with it (see the module).
+    """The previous complete step ``base`` of a manager root, for a save of step ``step``
+    that references the chunks it shares with it and stores only the changed rows of
+    others (see the module, and `xckpt.native._deltas` for row deltas).
 
     Args:
-        step: the previous step's number (None: there is none; the save only records hashes).
+        base: the previous step's number (None: there is none; the save only records hashes).
         manifest: its (merged) manifest.
+        step: the step being saved (named by its own row patches).
+        changed: the rows of a staged buffer changed since ``base`` (None: not compared),
+            `xckpt.manager.HostBuffers.changed`.
+        full_every: a chunk's chain of patches stays shorter than this.
     """
 
-    def __init__(self, step: int | None = None, manifest: Manifest | None = None) -> None:
-        self.step, self._m = step, manifest
-        self._by_name: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[str, Ref]]] = {}
+    def __init__(
+        self, base: int | None = None, manifest: Manifest | None = None, *, step: int = 0,
+        changed: Callable[[np.ndarray], np.ndarray | None] | None = None, full_every: int = 8,
+    ) -> None:
+        self.base, self._m, self.step = base, manifest, step
+        self._changed, self.full_every = changed, full_every
+        self._by_name: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], _Prev]] = {}
 
-    def _index(self, name: str) -> dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[str, Ref]]:
+    def _index(self, name: str) -> dict[tuple[tuple[int, ...], tuple[int, ...]], _Prev]:
         got = self._by_name.get(name)
         if got is None:
-            got = {}
-            if self._m is None or self.step is None:
+            got = self._by_name[name] = {}
+            m, base = self._m, self.base
+            if m is None or base is None:
                 return got
-            t = self._m.tensors.get(name)
-            hashes, refs = self._m.hashes, self._m.refs
+            t = m.tensors.get(name)
             for c in t.chunks if t is not None else ():
-                h = hashes.get(c.key) if c.form == "array" else None
-                if h is None:
+                if c.form != "array":
                     continue
-                target = refs.get(c.key) or Ref(
-                    self.step, c.key, self._m.storage.get(c.rank, "ocdbt"), self._m.codecs.get(c.rank)
-                )
-                got[(c.offset, c.shape)] = (h, target)
-            self._by_name[name] = got
+                target = m.refs.get(c.key) or Ref(base, c.key, m.storage.get(c.rank, "ocdbt"), m.codecs.get(c.rank))
+                got[(c.offset, c.shape)] = _Prev(m.hashes.get(c.key), target, tuple(m.deltas.get(c.key, ())))
         return got
+
+    def _prev(self, name: str, dtype: str, gshape: tuple[int, ...], offset: tuple[int, ...],
+              shape: tuple[int, ...]) -> _Prev | None:
+        t = self._m.tensors.get(name) if self._m is not None else None
+        if t is None or t.dtype != dtype or tuple(t.shape) != tuple(gshape):
+            return None
+        return self._index(name).get((tuple(offset), tuple(shape)))
 
     def match(
         self, name: str, dtype: str, gshape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...],
@@ -134,11 +155,22 @@ class Dedup:
         """Where the bytes of ``name``'s box ``(offset, shape)`` are stored when the previous
         step holds the same box of the same tensor (dtype, global shape) with hash ``digest``;
         else None."""
-        t = self._m.tensors.get(name) if self._m is not None else None
-        if t is None or t.dtype != dtype or tuple(t.shape) != tuple(gshape):
+        prev = self._prev(name, dtype, gshape, offset, shape)
+        return prev.target if prev is not None and not prev.chain and prev.digest == digest else None
+
+    def delta(
+        self, name: str, dtype: str, gshape: tuple[int, ...], offset: tuple[int, ...], arr: np.ndarray,
+    ) -> tuple[Ref, tuple[Patch, ...], np.ndarray] | None:
+        """The base, its patches so far and the rows changed since, when the 2-D box ``arr``
+        (a staged buffer) is worth a row delta: its changed rows are known, fewer than half,
+        and the chain stays shorter than ``full_every``; else None (write it whole)."""
+        rows = self._changed(arr) if self._changed is not None and arr.ndim == 2 else None
+        if rows is None or 2 * len(rows) >= arr.shape[0]:
             return None
-        got = self._index(name).get((tuple(offset), tuple(shape)))
-        return got[1] if got is not None and got[0] == digest else None
+        prev = self._prev(name, dtype, gshape, offset, tuple(arr.shape))
+        if prev is None or (len(rows) and len(prev.chain) + 1 >= self.full_every):
+            return None
+        return prev.target, prev.chain, rows
 
 
 def referenced_steps(manifests: Mapping[int, Manifest]) -> set[int]:

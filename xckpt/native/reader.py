@@ -39,6 +39,7 @@ from xckpt.manifest import (
     decode_value,
 )
 from xckpt.native import _fileio, _packedio
+from xckpt.native._deltas import Patches
 from xckpt.native._refs import Resolver
 from xckpt.native._zarr import NativeStorage, packed_grid
 from xckpt.native.commit import read_rank_manifests, validate
@@ -120,6 +121,7 @@ class Checkpoint(Source):
         self._root = _fileio.local_root(self.storage.url)
         #: Where each array chunk's bytes are (its rank's codec; another step's, for a reference).
         self._where_of = Resolver(self.storage, m, context)
+        self._patches = Patches(self.storage, context)
         self._packed_stored: dict[str, tuple[int, int, str] | None] = {}
 
     # -- metadata -----------------------------------------------------------
@@ -180,6 +182,15 @@ class Checkpoint(Source):
                 bar.update(n if what else n.nbytes)
         if err is not None:
             raise err
+        if self.manifest.deltas:  # row deltas over the bases just read (format version 6)
+            self._apply_deltas(direct + through_ts)
+
+    def _apply_deltas(self, jobs: Sequence[ChunkRead]) -> None:
+        deltas = self.manifest.deltas
+        for name, c, req, out in jobs:
+            chain = deltas.get(c.key)
+            if chain and req is not None:
+                self._patches.apply(chain, c.shape, self.info(name).dtype, req.chunk_slices, out[req.target_slices])
 
     def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
         """A packed chunk is one read of its bytes; an array chunk reads every inner zarr
@@ -568,7 +579,19 @@ class Checkpoint(Source):
             for done, fut in inflight:
                 done.check(self, fut, problems)
                 bar.update(done.nbytes)
-        return list(problems.values()) + self._verify_objects()
+        return list(problems.values()) + self._verify_objects() + self._verify_patches()
+
+    def _verify_patches(self) -> list[str]:
+        """Every row patch (format version 6) read whole: its crc32c and indices checked."""
+        problems = []
+        for name in self.names() if self.manifest.deltas else ():
+            for c in self.info(name).chunks:
+                for p in self.manifest.deltas.get(c.key, ()):
+                    try:
+                        self._patches.load(p, c.shape[0], c.shape[1], self.info(name).dtype)
+                    except CorruptChunkError as e:
+                        problems.append(f"tensor {name!r}, chunk {c.box}: {e}")
+        return problems
 
     def _array_slabs(self, name: str, c: Chunk) -> list[_Slab]:
         if not c.shape:

@@ -63,6 +63,7 @@ from xckpt.manifest import (
     Claim,
     Manifest,
     ObjectEntry,
+    Patch,
     PlacementInfo,
     TensorEntry,
     ValueRange,
@@ -185,6 +186,7 @@ class Writer:
         self._dedup = dedup
         self._refs: dict[str, Any] = {}
         self._hashes: dict[str, str] = {}
+        self._deltas: dict[str, tuple[Any, ...]] = {}
         self.storage = NativeStorage(path, context)
         #: A local directory: "plain" chunks are written with direct file I/O (xckpt.storage._fileio).
         self._root = _fileio.local_root(self.storage.url)
@@ -437,7 +439,9 @@ class Writer:
                 grid=tuple(grid),
                 value_range=chunk_value_range,
             )
-            if self._dedup is not None and self._reference(name, key, gshape, off, shape, arr):
+            if self._dedup is not None and (
+                self._delta(name, key, gshape, off, arr) or self._reference(name, key, gshape, off, shape, arr)
+            ):
                 self._chunks[name].append(chunk)
                 return
             if self._pending and self._pending_bytes + self._packed_size + nbytes > self.inflight_bytes:
@@ -464,6 +468,30 @@ class Writer:
         if ref is None:
             return False
         self._refs[key] = ref
+        return True
+
+    def _delta(self, name: str, key: str, gshape: tuple[int, ...], off: tuple[int, ...], arr: np.ndarray) -> bool:
+        """Store only the rows of 2-D array chunk ``key`` that changed since the previous step,
+        when worth it (`xckpt.native._refs.Dedup.delta`): its base is referenced and a patch
+        of its changed rows (``key-idx``, ``key-rows``) written; True when so."""
+        dedup = self._dedup
+        got = dedup.delta(name, self._tensors[name]["dtype"], gshape, off, arr) if dedup is not None else None
+        if got is None or dedup is None:
+            return False
+        target, chain, rows = got
+        if len(rows):
+            grid = inner_chunk_shape((len(rows), arr.shape[1]), arr.itemsize)
+            if grid[1] != arr.shape[1]:
+                return False  # rows too wide to store whole in one zarr chunk: write the box
+            idx = np.ascontiguousarray(rows, dtype=np.int64)
+            vals = np.ascontiguousarray(arr[idx])
+            self._pending.append(_Pending(f"{key}-idx", "int64", idx, [grid[0]], self.compression))
+            self._pending.append(_Pending(f"{key}-rows", self._tensors[name]["dtype"], vals, grid, self.compression))
+            self._pending_bytes += idx.nbytes + vals.nbytes
+            chain = (*chain, Patch(dedup.step, key, len(rows), grid[0], self.kind, self.compression))
+        self._refs[key] = target
+        if chain:
+            self._deltas[key] = chain
         return True
 
     def _array_key(self, name: str) -> str:
@@ -675,6 +703,7 @@ class Writer:
             codecs={self.rank: self.compression} if self.compression else {},
             refs=dict(self._refs),
             hashes=dict(self._hashes),
+            deltas=dict(self._deltas),
         )
 
 
