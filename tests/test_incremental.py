@@ -123,39 +123,51 @@ def test_torch_state_references(tmp_path):
     assert torch.equal(out["lora"], torch.full((300, 300), 1.0))
 
 
-def _tensor_state(versions: dict[str, int]) -> dict[str, np.ndarray]:
-    return {n: np.full(N, v + 0.25 * i, np.float32) for i, (n, v) in enumerate(sorted(versions.items()))}
+def _tensor_state(versions: dict[str, int], table: np.ndarray) -> dict[str, np.ndarray]:
+    out = {n: np.full(N, v + 0.25 * i, np.float32) for i, (n, v) in enumerate(sorted(versions.items()))}
+    out["tab"] = table
+    return out
 
 
-def _check_root(root, expected: dict[int, dict[str, int]]) -> None:
+def _check_root(root, expected: dict[int, dict[str, np.ndarray]]) -> None:
     """Every complete step reads its own values; step directories on disk are exactly the
-    complete steps and the steps they reference (nothing leaked, nothing missing)."""
+    complete steps and the steps whose data they read (nothing leaked, nothing missing)."""
     steps = xckpt.CheckpointManager(str(root), handle_preemption=False).steps()
     needed = set(steps)
     for s in steps:
         with xckpt.open(step_location(str(root), s)) as ck:
-            for n, v in _tensor_state(expected[s]).items():
+            for n, v in expected[s].items():
                 assert ck.read(n).tobytes() == v.tobytes(), (s, n)
             needed |= {r.step for r in ck.manifest.refs.values()}
+            needed |= {p.step for chain in ck.manifest.deltas.values() for p in chain}
     assert {int(d) for d in os.listdir(root)} == needed
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    changes=st.lists(st.sets(st.sampled_from("abc")), min_size=1, max_size=5),
+    changes=st.lists(
+        st.tuples(st.sets(st.sampled_from("abc")), st.lists(st.integers(0, 1099), max_size=12)), min_size=1, max_size=5
+    ),
     keep_last=st.one_of(st.none(), st.integers(1, 3)),
     keep_every=st.one_of(st.none(), st.integers(2, 3)),
+    full_every=st.integers(2, 4),
 )
-def test_reference_counting_property(tmp_path_factory, changes, keep_last, keep_every):
+def test_reference_counting_property(tmp_path_factory, changes, keep_last, keep_every, full_every):
+    """Any saves (tensors unchanged or not, a table's rows changed or not: references and
+    row patches) under any retention: every complete step reads back, and exactly the data
+    the complete steps read is left on disk."""
     root = tmp_path_factory.mktemp("r")
     versions = {"a": 0, "b": 0, "c": 0}
-    expected: dict[int, dict[str, int]] = {}
-    with _mgr(root, keep_last=keep_last, keep_every=keep_every) as m:
-        for step, changed in enumerate(changes):
+    table = np.zeros((1100, 64), np.float32)  # 281,600 bytes: an array chunk
+    expected: dict[int, dict[str, np.ndarray]] = {}
+    with _mgr(root, keep_last=keep_last, keep_every=keep_every, full_every=full_every, async_save=True) as m:
+        for step, (changed, rows) in enumerate(changes):
             for n in changed:
                 versions[n] += 1
-            m.save(step, _tensor_state(versions))
-            expected[step] = dict(versions)
+            table[rows] += 1
+            m.save(step, _tensor_state(versions, table))
+            m.wait()
+            expected[step] = {k: v.copy() for k, v in _tensor_state(versions, table).items()}
             _check_root(root, expected)
 
 
