@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import CorruptChunkError
-from xckpt.manifest import Patch
+from xckpt.manifest import Patch, numpy_dtype
+from xckpt.native import _fileio
 from xckpt.native._refs import sibling
 from xckpt.native._zarr import NativeStorage
 from xckpt.storage import corrupt
@@ -41,24 +42,48 @@ class Patches:
             CorruptChunkError: its arrays are missing, damaged, or their indices are not
                 increasing rows of the box.
         """
-        with self._lock:
-            got = self._loaded.get((p.step, p.key))
-        if got is not None:
-            return got
+        self.load_all([(p, rows, cols, dtype)])
+        return self._loaded[(p.step, p.key)]
+
+    def load_all(self, items: list[tuple[Patch, int, int, str]]) -> None:
+        """:meth:`load` of every item, their reads in flight together."""
+        started = []
+        for p, rows, cols, dtype in items:
+            with self._lock:
+                if (p.step, p.key) in self._loaded:
+                    continue
+            started.append((p, rows, *self._start(p, cols, dtype)))
+        for p, rows, where, futs, i, v in started:
+            try:
+                for f in futs:
+                    f.result() if hasattr(f, "result") else f()
+            except (ValueError, OSError) as e:
+                raise corrupt(where, e) from None
+            if len(i) and (i[0] < 0 or i[-1] >= rows or (len(i) > 1 and not bool((np.diff(i) > 0).all()))):
+                raise CorruptChunkError(f"{where}: its row indices are not increasing rows of a {rows}-row box")
+            with self._lock:
+                self._loaded[(p.step, p.key)] = (i, v)
+
+    def _start(self, p: Patch, cols: int, dtype: str) -> tuple[str, list[Any], np.ndarray, np.ndarray]:
+        """Start reading patch ``p``: what to name it, what to wait for, and its arrays."""
         where = f"checkpoint {self._storage.path!r}: row patch {p.key} of step {p.step}"
         st = NativeStorage(sibling(self._storage.url, p.step), self._context)
+        root = _fileio.local_root(st.url)
+        i, v = np.empty(p.rows, np.int64), np.empty((p.rows, cols), numpy_dtype(dtype))
+        parts = [(f"{p.key}-idx", "int64", (p.grid,), i), (f"{p.key}-rows", dtype, (p.grid, cols), v)]
+        futs: list[Any] = []
         try:
-            idx = st.open_array(f"{p.key}-idx", p.storage, "int64", (p.rows,), (p.grid,), p.codec).result()
-            vals = st.open_array(f"{p.key}-rows", p.storage, dtype, (p.rows, cols), (p.grid, cols), p.codec).result()
-            i, v = idx.read().result(), vals.read().result()
-        except ValueError as e:
+            for k, dt, g, out in parts:
+                if root is not None and p.storage != "ocdbt":  # a local directory: read directly
+                    region = tuple(slice(0, s) for s in out.shape)
+                    futs.append(_fileio.submit_read(root, _fileio.ChunkRead(k, out.shape, g, region, out, p.storage,
+                                                                            p.codec)))
+                else:
+                    arr = st.open_array(k, p.storage, dt, out.shape, g, p.codec)
+                    futs.append(lambda arr=arr, out=out: out.__setitem__(..., arr.result().read().result()))
+        except (ValueError, OSError) as e:
             raise corrupt(where, e) from None
-        if len(i) and (i[0] < 0 or i[-1] >= rows or (len(i) > 1 and not bool((np.diff(i) > 0).all()))):
-            raise CorruptChunkError(f"{where}: its row indices are not increasing rows of a {rows}-row box")
-        got = (np.asarray(i, np.int64), np.asarray(v))
-        with self._lock:
-            self._loaded[(p.step, p.key)] = got
-        return got
+        return where, futs, i, v
 
     def apply(self, chain: tuple[Patch, ...], box: tuple[int, ...], dtype: str, chunk_slices: tuple[slice, ...],
               out: np.ndarray) -> None:

@@ -187,6 +187,9 @@ class Checkpoint(Source):
 
     def _apply_deltas(self, jobs: Sequence[ChunkRead]) -> None:
         deltas = self.manifest.deltas
+        self._patches.load_all([
+            (p, c.shape[0], c.shape[1], self.info(name).dtype) for name, c, _r, _o in jobs for p in deltas.get(c.key, ())
+        ])
         for name, c, req, out in jobs:
             chain = deltas.get(c.key)
             if chain and req is not None:
