@@ -220,7 +220,8 @@ def test_sigkill_in_saves_and_retention(tmp_path):
 
 def test_golden_v6_checkpoint_loads_unchanged():
     """tests/golden/v6 (make_golden_v6.py): a manager root whose step 1 references step 0's
-    shuffle-zstd bytes, and a two-rank save with a zstd rank beside a raw one."""
+    shuffle-zstd bytes and patches 5 rows of a table, and a two-rank save with a zstd rank
+    beside a raw one."""
     import hashlib
     from pathlib import Path
 
@@ -236,5 +237,7 @@ def test_golden_v6_checkpoint_loads_unchanged():
             assert ck.verify() == []
     m = json.loads((root / "root" / "1" / "xckpt.json").read_bytes())
     assert m["version"] == 6 and m["codecs"] == {"0": "shuffle-zstd"}
-    assert [r["step"] for r in m["refs"].values()] == [0] and len(m["hashes"]) == 2
+    assert sorted(r["step"] for r in m["refs"].values()) == [0, 0] and len(m["hashes"]) == 1
+    ((patch,),) = m["deltas"].values()
+    assert patch["step"] == 1 and patch["rows"] == 5 and patch["codec"] == "shuffle-zstd"
     assert json.loads((root / "ranks" / "xckpt.json").read_bytes())["codecs"] == {"0": "zstd"}

@@ -1,8 +1,9 @@
 """Writes tests/golden/v6 once: format version 6 (codecs, references to other steps, chunk hashes).
 
 - ``root/``: a manager root of two steps saved with ``compression="shuffle-zstd"``: step 1's
-  frozen ``w`` is a reference to step 0's bytes (``refs``), its changed ``f`` is written;
-  every array chunk has its BLAKE2b-128 in ``hashes``; ``b`` is a packed row (raw);
+  frozen ``w`` is a reference to step 0's bytes (``refs``), its changed ``f`` is written,
+  its table ``tab`` (5 rows changed) is a row patch over step 0's (``deltas``); array
+  chunks written whole have their BLAKE2b-128 in ``hashes``; ``b`` is a packed row (raw);
 - ``ranks/``: a two-rank save whose rank 0 compresses with ``"zstd"`` and rank 1 writes
   raw (``codecs`` names rank 0 only), finalized.
 
@@ -28,7 +29,10 @@ rng = np.random.default_rng(6)
 w = (rng.standard_normal((400, 400)) * 0.02).astype(ml_dtypes.bfloat16)  # 320 KB: an array chunk
 f0 = rng.standard_normal((260, 260)).astype(np.float32)
 b = np.arange(5, dtype=np.int64)
-steps = {0: {"w": w, "f": f0, "b": b}, 1: {"w": w, "f": f0 * 2, "b": b + 1}}
+tab = np.arange(600 * 128, dtype=np.float32).reshape(600, 128)  # 307 KB
+tab1 = tab.copy()
+tab1[[3, 97, 98, 400, 599]] = -1.5
+steps = {0: {"w": w, "f": f0, "b": b, "tab": tab}, 1: {"w": w, "f": f0 * 2, "b": b + 1, "tab": tab1}}
 with xckpt.CheckpointManager(root / "root", compression="shuffle-zstd", handle_preemption=False) as m:
     for s, st in steps.items():
         m.save(s, st)
