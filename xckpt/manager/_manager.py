@@ -148,7 +148,8 @@ class CheckpointManager:
         self._references = bool(references)
         self._manifests = ManifestCache(self.root)
         self._full_every = positive_count("full_every", full_every) or 8
-        self._staged: int | None = None  # the step whose values the staging buffers hold
+        #: (step, staging generation) of the values the staging buffers hold (row deltas)
+        self._staged: tuple[int, int] | None = None
         # -- end incremental --
         self._coord = coordinator(process_group)
         #: This run's token, in every save id (``<step>-<run>-<n>``): a save that replaces
@@ -322,7 +323,7 @@ class CheckpointManager:
             rank_local=self._rank_local,
             writer_options=options,
         )
-        self._staged = step if self._async else None
+        self._staged = (step, self.staging.generation) if self._async else None
         if self._async:
             self._inflight_step = step
             self._inflight = self._pool().submit(self._complete, step, save_id, finish, True)
@@ -372,7 +373,8 @@ class CheckpointManager:
         """Compression, the step to reference and row deltas (section 12) for this rank's writers."""
         out: dict[str, Any] = {"compression": self._compression}
         if self._references:
-            changed = self.staging.changed if base is not None and base == self._staged else None
+            held = (base, self.staging.generation)  # staged by the save of base, and nothing since
+            changed = self.staging.changed if base is not None and held == self._staged else None
             out["dedup"] = dedup_for(self._manifests, base, step, changed, self._full_every)
         return out
 

@@ -61,9 +61,13 @@ class HostBuffers:
         self.rows_for: Callable[[str], bool] | None = None
         self._reused: set[Hashable] = set()
         self._changed: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+        #: Stagings begun so far: a manager compares rows against its buffers only when no
+        #: other save (another tier's, say) has refilled them since its own.
+        self.generation = 0
 
     def begin(self) -> None:
         """Start staging one save."""
+        self.generation += 1
         self._taken = set()
         self._reused = set()
         self._changed = {}
