@@ -64,6 +64,11 @@ class HostBuffers:
         #: Stagings begun so far: a manager compares rows against its buffers only when no
         #: other save (another tier's, say) has refilled them since its own.
         self.generation = 0
+        #: Keys found wholly unchanged, by the generation that found it: not compared again
+        #: for ``probe_every`` stagings (a frozen tensor costs no comparison in the stall;
+        #: the writer's hashes still find it unchanged).
+        self._frozen: dict[Hashable, int] = {}
+        self.probe_every = 8
 
     def begin(self) -> None:
         """Start staging one save."""
@@ -95,12 +100,19 @@ class HostBuffers:
             return
         if not self.rows_for(name):
             return
+        found = self._frozen.get(key)
+        if found is not None and self.generation - found < self.probe_every:
+            return
         new = np.asarray(new)
         if new.shape != old.shape or new.dtype != old.dtype or not (new.flags.c_contiguous and old.flags.c_contiguous):
             return
         rows = changed_rows(old, new)
         if rows is not None:
             self._changed[(old.__array_interface__["data"][0], old.shape)] = rows
+        if rows is not None and not len(rows):
+            self._frozen[key] = self.generation
+        else:
+            self._frozen.pop(key, None)
 
     def changed(self, buf: np.ndarray) -> np.ndarray | None:
         """The rows of buffer ``buf`` this save changed (None: not compared)."""
