@@ -18,7 +18,9 @@ class StagingPool(Protocol):
     """What a staging pool offers.
 
     Call protocol of one save: `begin()`; `take(key, shape, dtype, alloc)` per box staged
-    (the previous save's buffer when shape and dtype match, else `alloc()`); `end()`.
+    (the previous save's buffer when shape and dtype match, else `alloc()`); optionally
+    `compare(key, old, new)` before a box is copied into its buffer (which rows changed
+    since the last save, for row deltas); `end()`.
 
     Attributes:
         device_copy: a hook `device_copy(host, tensor) -> event or None` that replaces
@@ -33,5 +35,7 @@ class StagingPool(Protocol):
     def take(
         self, key: Hashable, shape: tuple[int, ...], dtype: Hashable, alloc: Callable[[], Any]
     ) -> Any: ...
+
+    def compare(self, key: Hashable, old: Any, new: Any) -> None: ...
 
     def end(self) -> None: ...

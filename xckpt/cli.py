@@ -309,6 +309,11 @@ def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="SIZE",
         help="largest shard of a Hugging Face directory: bytes, or 5GB (10^9), 500MiB (2^20); default 5GB",
     )
+    s.add_argument(
+        "--compression",
+        choices=["zstd", "shuffle-zstd"],
+        help="xckpt output: compress array chunks (shuffle-zstd: byte shuffle, then zstd; best for floats)",
+    )
     s.add_argument("--no-verify", action="store_true", help="skip re-reading the output (faster)")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST (after success)")
     s.add_argument(
@@ -335,6 +340,7 @@ def _convert(args: argparse.Namespace) -> int:
             verify=not args.no_verify,
             max_shard_size=size,
             allow_pickle=args.allow_pickle,
+            compression=args.compression,
         )
     except VerifyMismatchError as e:
         print(f"xckpt convert: verify failed: {e}", file=sys.stderr)

@@ -396,6 +396,7 @@ def convert(
     max_shard_size: int | str | None = None,
     allow_pickle: bool = False,
     show_progress: bool | None = None,
+    compression: str | None = None,
 ) -> str:
     """Convert the checkpoint at ``src`` (any format) into ``dst``, chunk by chunk.
 
@@ -420,6 +421,8 @@ def convert(
         allow_pickle: convert pickled objects (DCP's non-tensor values); without
             it they are skipped with a warning naming them.
         show_progress: progress bar (default: when stderr is a TTY).
+        compression: xckpt output only: the codec of its array chunks, None (raw),
+            ``"zstd"`` or ``"shuffle-zstd"`` (format version 6).
 
     Returns:
         The output path.
@@ -440,6 +443,10 @@ def convert(
     out_fmt = formats.FORMATS.get(fmt)
     if out_fmt is None:
         raise XckptError(f"unknown output format {fmt!r}; known: {', '.join(formats.FORMATS)}")
+    if compression is not None and fmt != "xckpt":
+        raise XckptError(
+            f"compression={compression!r} is for xckpt output; {out!r} is written as {fmt}, which has no codecs"
+        )
     hf_dir = fmt == "safetensors" and not out.lower().endswith(".safetensors")
     shard: int | None = None
     if max_shard_size is not None:
@@ -473,7 +480,10 @@ def convert(
         total = sum(source.info(n).nbytes for n in names)
         try:  # the Sink call protocol, steps 2 to 4
             with progress(total, f"convert to {fmt}", show_progress) as bar:
-                job = WriteJob(source, tmp, names, objects, shard, bar, per_rank, record=verify and fmt != "xckpt")
+                job = WriteJob(
+                    source, tmp, names, objects, shard, bar, per_rank, record=verify and fmt != "xckpt",
+                    compression=compression,
+                )
                 _check(out_fmt, job)
                 os.makedirs(parent, exist_ok=True)
                 out_fmt.sink.write(job)

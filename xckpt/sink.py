@@ -130,6 +130,7 @@ class WriteJob:
         bar: progress; sinks call ``bar.update(nbytes)`` as tensor bytes land.
         per_rank_objects: names in ``objects`` saved per rank; their value is the
             list of every rank's value, in rank order.
+        compression: the codec of an xckpt output's array chunks (None: raw).
         record: record a crc32c per source box as it is read, for verify (the driver
             turns it off without verify, and for xckpt output, which checks its own).
     """
@@ -142,6 +143,7 @@ class WriteJob:
     bar: Progress
     per_rank_objects: frozenset[str] = frozenset()
     record: bool = True
+    compression: str | None = None
     _buffers: Buffers = field(default_factory=Buffers, init=False, repr=False, compare=False)
     _crcs: dict[BoxKey, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     _partial: dict[BoxKey, int] = field(default_factory=dict, init=False, repr=False, compare=False)

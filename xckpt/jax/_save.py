@@ -44,7 +44,7 @@ from xckpt._staging import StagingPool
 from xckpt.errors import ObjectError, UnsupportedPlacementError, XckptError
 from xckpt.layout import Box, choose_writer
 from xckpt.manifest import DTYPES, Manifest
-from xckpt.native.writer import ALL_HELD, Writer, finalize
+from xckpt.native.writer import ALL_HELD, Dedup, Writer, finalize
 from xckpt.storage import Location
 
 from ._staging import stage_host
@@ -140,6 +140,8 @@ def save(
     show_progress: bool | None = None,
     async_save: bool = False,
     staging: StagingPool | None = None,
+    compression: str | None = None,
+    dedup: Dedup | None = None,
 ) -> Manifest | cf.Future[Manifest]:
     """Save a pytree of jax.Arrays, numpy arrays and scalars to ``path``.
 
@@ -165,6 +167,8 @@ def save(
         staging: host buffers reused across saves (:class:`xckpt.manager.HostBuffers`,
             what :class:`xckpt.CheckpointManager` passes): each box is copied into
             its buffer instead of a fresh host copy (see :mod:`xckpt.jax._staging`).
+        compression, dedup: as for [Writer][xckpt.Writer] (array chunks' codec: None,
+            ``"zstd"`` or ``"shuffle-zstd"``; a manager's previous step to reference).
 
     Returns:
         This process's manifest (the whole checkpoint's when single-process),
@@ -193,7 +197,8 @@ def save(
     if overwrite and world == 1 and sid is None:
         sid = "s-" + secrets.token_hex(8)
     w = Writer(path, rank=me, world_size=world, save_id=sid, overwrite=overwrite, storage=storage,
-               metadata=metadata, progress=show_progress, inflight_bytes=ALL_HELD)  # all host arrays are held
+               metadata=metadata, progress=show_progress, inflight_bytes=ALL_HELD, compression=compression,
+               dedup=dedup)  # all host arrays are held
     _barrier(f"xckpt-open-{w.save_id}")
     try:
         if staging is not None:

@@ -30,5 +30,6 @@ def stage_host(buffers: StagingPool, key: Hashable, data: Any) -> np.ndarray:
     """``data`` (a shard's jax.Array or a numpy array) copied into its buffer in ``buffers``."""
     src = np.asarray(data)  # a CPU device buffer is viewed, not copied; a GPU one was fetched
     buf = buffers.take(key, tuple(src.shape), src.dtype, functools.partial(np.empty, src.shape, src.dtype))
+    buffers.compare(key, buf, src)  # row deltas: compare, then copy
     np.copyto(buf, src, casting="no")
     return buf

@@ -86,6 +86,7 @@ def start_save(
     async_save: bool,
     process_group: Any,
     rank_local: bool,
+    writer_options: Mapping[str, Any] | None = None,
 ) -> Callable[[], Any]:
     """Start saving ``state`` with adapter ``kind``; returns what finishes the write.
 
@@ -93,7 +94,8 @@ def start_save(
     ``staging`` before this returns (the adapters' foreground part); the returned
     callable runs the rest (the write, the commit, and in coordinated saves the
     exchange with the other ranks) on the manager's save thread. Without it the save
-    is complete when this returns and the callable does nothing.
+    is complete when this returns and the callable does nothing. ``writer_options``
+    (``compression``, ``dedup``) go to the adapter's save and on to its writers.
     """
     options: dict[str, Any] = {
         "save_id": save_id,
@@ -102,7 +104,9 @@ def start_save(
         "show_progress": False,
         "async_save": async_save,
         "staging": staging if async_save else None,
+        **(writer_options or {}),
     }
+    extra = dict(writer_options or {})
     if kind == "torch":
         import xckpt.torch as xt
 
@@ -119,14 +123,16 @@ def start_save(
             )
         if not async_save:
             save_mapping(
-                state, location, save_id=save_id, overwrite=overwrite, metadata=metadata, show_progress=False
+                state, location, save_id=save_id, overwrite=overwrite, metadata=metadata, show_progress=False,
+                **extra,
             )
             return _nothing
         staged = stage_mapping(staging, state)
 
         def write() -> Any:
             return save_mapping(
-                staged, location, save_id=save_id, overwrite=overwrite, metadata=metadata, show_progress=False
+                staged, location, save_id=save_id, overwrite=overwrite, metadata=metadata, show_progress=False,
+                **extra,
             )
 
         return write

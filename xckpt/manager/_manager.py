@@ -37,8 +37,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from xckpt.convert import convert
 from xckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, XckptError
 from xckpt.manifest import Manifest
+from xckpt.native._codecs import check_compression
 from xckpt.native.commit import read_rank_manifests
 from xckpt.native.steps import (
     MANAGER_KEY,
@@ -57,6 +59,7 @@ from xckpt.storage import Location, Storage, location_name, location_spec
 from ._adapters import framework_of, restore_state, start_save
 from ._coord import coordinator
 from ._fetch import restore as restore_tiers
+from ._incremental import ManifestCache, base_step, check_replace, dedup_for, retain_steps, rows_predicate
 from ._policy import Policy, positive_count
 from ._preemption import SigtermFlag
 from ._staging import HostBuffers
@@ -101,6 +104,18 @@ class CheckpointManager:
         replicas: ranks on other nodes that keep a copy of each rank's local part.
         ranks_per_node: ranks per node (nodes are consecutive groups; default
             ``LOCAL_WORLD_SIZE``, else all ranks on one node).
+        compression: the codec of array chunks, None (raw), ``"zstd"`` or
+            ``"shuffle-zstd"`` (format version 6; packed small tensors stay raw).
+        references: array chunks equal to the same chunk of the previous complete step
+            (same tensor, box and dtype; equal BLAKE2b-128 hashes of their bytes) are stored
+            as references to it, not written again; retention keeps referenced data
+            (DESIGN.md section 12; `export` makes a standalone copy of a step).
+        row_deltas: ``True`` (every 2-D tensor), a list of tensor names, or ``False``: a
+            2-D box of which fewer than half the rows changed since the previous step
+            (compared with its staged copy: async saves) stores only the changed rows
+            over a base; needs ``references``.
+        full_every: a box is saved whole at least every this many saves, so a read
+            applies at most ``full_every - 1`` row patches.
 
     Raises:
         XckptError: a bad rule (a count below 1, ``keep_best`` without ``metric``, a
@@ -129,6 +144,10 @@ class CheckpointManager:
         local_keep: int = 2,
         replicas: int = 1,
         ranks_per_node: int | None = None,
+        compression: str | None = None,
+        references: bool = True,
+        row_deltas: bool | list[str] = True,
+        full_every: int = 8,
     ) -> None:
         self._policy = Policy(
             keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric, mode=mode
@@ -140,6 +159,14 @@ class CheckpointManager:
         self._name = location_name(root)
         self._async, self._rank_local, self._pg = bool(async_save), bool(rank_local), process_group
         self._handle = bool(handle_preemption)
+        # -- incremental (section 12) --
+        self._compression = check_compression(compression)
+        self._references = bool(references)
+        self._manifests = ManifestCache(self.root)
+        self._full_every = positive_count("full_every", full_every) or 8
+        #: (step, staging generation) of the values the staging buffers hold (row deltas)
+        self._staged: tuple[int, int] | None = None
+        # -- end incremental --
         self._coord = coordinator(process_group)
         #: This run's token, in every save id (``<step>-<run>-<n>``): a save that replaces
         #: a step left by a killed run never reuses that run's id (the writer refuses that).
@@ -149,6 +176,7 @@ class CheckpointManager:
         self._cache: dict[int, StepInfo] | None = None  # rank 0: every step, as last listed
         #: The host buffers async saves stage into (reused across saves of one structure).
         self.staging = HostBuffers()
+        self.staging.rows_for = rows_predicate(row_deltas) if self._references else None
         self._executor: cf.ThreadPoolExecutor | None = None
         self._inflight: cf.Future[None] | None = None
         self._inflight_step: int | None = None
@@ -311,6 +339,8 @@ class CheckpointManager:
         save_id = plan["save_id"]
         if self._tiers is not None:
             self._tiers.wait_written()  # the local write of this step still reads the staging buffers
+        options = self._writer_options(step, plan.get("base"))
+        self._staged = None  # the staging is refilled below: it holds this step's values once done
         finish = start_save(
             kind,
             state,
@@ -322,7 +352,9 @@ class CheckpointManager:
             async_save=self._async,
             process_group=self._pg,
             rank_local=self._rank_local,
+            writer_options=options,
         )
+        self._staged = (step, self.staging.generation) if self._async else None
         if self._async:
             self._inflight_step = step
             self._inflight = self._pool().submit(self._complete, step, save_id, finish, True)
@@ -374,9 +406,23 @@ class CheckpointManager:
                 }, None
             meta = {MANAGER_KEY: {"step": step, "metrics": enc, "saved_at": time.time()}}
             action = "replace" if step in cache else "new"
-            return {"action": action, "save_id": f"{step}-{self._run}-{self._n}", "metadata": meta}, None
+            if self._references:  # incremental: never over data a complete step references
+                check_replace(self.root, self._manifests, done, step)
+            base = base_step(cache, step) if self._references else None
+            return {
+                "action": action, "save_id": f"{step}-{self._run}-{self._n}", "metadata": meta, "base": base,
+            }, None
         except XckptError as e:
             return {"action": "error", "message": str(e)}, e
+
+    def _writer_options(self, step: int, base: int | None) -> dict[str, Any]:
+        """Compression, the step to reference and row deltas (section 12) for this rank's writers."""
+        out: dict[str, Any] = {"compression": self._compression}
+        if self._references:
+            held = (base, self.staging.generation)  # staged by the save of base, and nothing since
+            changed = self.staging.changed if base is not None and held == self._staged else None
+            out["dedup"] = dedup_for(self._manifests, base, step, changed, self._full_every)
+        return out
 
     def _pool(self) -> cf.ThreadPoolExecutor:
         if self._executor is None:
@@ -467,11 +513,19 @@ class CheckpointManager:
         cache = {i.step: i for i in infos}
         with self._lock:
             self._cache = dict(cache)
-        for s in stale + delete:
-            delete_step(self.root, s)
+
+        def handled(s: int) -> None:
             cache.pop(s, None)
             with self._lock:
                 self._cache = dict(cache)
+
+        if self._references:  # incremental: referenced data stays (see _incremental)
+            kept = [i.step for i in complete if i.step not in set(delete)]
+            retain_steps(self.root, self._manifests, kept, stale + delete, handled)
+            return
+        for s in stale + delete:
+            delete_step(self.root, s)
+            handled(s)
 
     def _finish_previous(self) -> BaseException | None:
         """Wait for the save in flight; its error (with a note naming the step), or None."""
@@ -562,6 +616,23 @@ class CheckpointManager:
         if s not in done:
             return f"step {s} is not a complete step of {self._name!r}; its complete steps are {done}"
         return s
+
+    def export(self, step: int, dst: str | os.PathLike[str], *, compression: str | None = None) -> str:
+        """Copy step ``step`` to ``dst`` as a standalone checkpoint (every referenced chunk's
+        bytes copied in, so it reads without the root); the output path.
+
+        Args:
+            step: a complete step.
+            dst: a local path that does not exist yet.
+            compression: the codec of the copy's array chunks (default raw).
+
+        Raises:
+            XckptError: ``step`` is not a complete step; ``dst`` exists.
+        """
+        s = check_step(step)
+        if s not in self.steps():
+            raise XckptError(f"step {s} is not a complete step of {self._name!r}; its complete steps are {self.steps()}")
+        return convert(step_location(self.root, s), dst, to_format="xckpt", compression=compression)
 
     # -- the end -----------------------------------------------------------------
 

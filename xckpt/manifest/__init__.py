@@ -12,7 +12,8 @@ read, before anything is sized from it. The family:
 * ``_chunks``: :class:`Chunk`, one stored box and where its bytes live;
 * ``_grids``: grid entries (version 5), :class:`GridChunks`: chunks as a grid, built on demand;
 * ``_document``: :class:`Manifest`, one rank's or the merged document, and merging;
-* ``_merge``: :class:`RankMerge`, rank manifests merged as they are parsed (grids recognised).
+* ``_merge``: :class:`RankMerge`, rank manifests merged as they are parsed (grids recognised);
+* ``_incremental``: version 6's codecs, references to other steps' arrays, chunk hashes.
 
 Code outside this folder imports from here.
 """
@@ -23,6 +24,7 @@ from xckpt.manifest._checks import (
     DTYPES,
     FORMAT,
     GRID_VERSION,
+    INCREMENTAL_VERSION,
     MAX_CHUNKS,
     MAX_ELEMENTS,
     MAX_EXTENT,
@@ -45,6 +47,7 @@ from xckpt.manifest._chunks import Chunk
 from xckpt.manifest._document import Header, Manifest, merge_manifests, parse_document, parse_header
 from xckpt.manifest._entries import ObjectEntry, PlacementInfo, TensorEntry, ValueRange, paused_gc
 from xckpt.manifest._grids import GRID_MIN_CELLS, GridChunks
+from xckpt.manifest._incremental import CODEC_NAMES, Patch, Ref
 from xckpt.manifest._merge import RankMerge
 from xckpt.manifest._objects import MAX_OBJECT_DEPTH, decode_value, encode_value
 from xckpt.manifest._signed import CLAIM_PREFIX, Claim, claim_bytes, dumps_json, manifest_bytes, parse_claim
@@ -55,6 +58,10 @@ __all__ = [
     "FORMAT",
     "GRID_MIN_CELLS",
     "GRID_VERSION",
+    "INCREMENTAL_VERSION",
+    "CODEC_NAMES",
+    "Patch",
+    "Ref",
     "MAX_CHUNKS",
     "MAX_ELEMENTS",
     "MAX_EXTENT",

@@ -14,10 +14,13 @@ import numpy as np
 from xckpt.errors import ManifestError, ObjectError
 
 FORMAT = "xckpt"
-VERSION = 5
+VERSION = 6
 #: Versions this xckpt reads (1: no checksum; 2: checksummed manifests; 3: storage "files";
-#: 4: packed rows; 5: grid entries and "dirs").
-READ_VERSIONS = (1, 2, 3, 4, 5)
+#: 4: packed rows; 5: grid entries and "dirs"; 6: "codecs", "refs" and "hashes").
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
+#: The first version with codecs, references to other steps and chunk hashes
+#: (see :mod:`xckpt.manifest._incremental`).
+INCREMENTAL_VERSION = 6
 #: The first version whose "tensors" may hold packed rows (see :mod:`xckpt.manifest._rows`).
 ROWS_VERSION = 4
 #: The first version whose entries may be grids (see :mod:`xckpt.manifest._grids`).

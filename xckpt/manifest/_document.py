@@ -63,6 +63,7 @@ from xckpt.errors import FormatVersionError, ManifestError
 from xckpt.manifest._checks import (
     FORMAT,
     GRID_VERSION,
+    INCREMENTAL_VERSION,
     MAX_KEY_LEN,
     MAX_WORLD_SIZE,
     READ_VERSIONS,
@@ -73,6 +74,15 @@ from xckpt.manifest._checks import (
 )
 from xckpt.manifest._entries import Chunk, ObjectEntry, TensorEntry, paused_gc
 from xckpt.manifest._grids import GridChunks, check_dirs
+from xckpt.manifest._incremental import (
+    Patch,
+    Ref,
+    check_codecs,
+    check_deltas,
+    check_hashes,
+    check_refs,
+    incremental_json,
+)
 from xckpt.manifest._rows import _packed_keys, _tensor_entries, _tensors_to_json
 from xckpt.manifest._signed import _checksum_state, manifest_bytes
 
@@ -93,6 +103,12 @@ class Manifest:
     #: Data directories other than ``data/<rank>`` (an overwriting save's ``data/<rank>.<token>``),
     #: by rank: what a grid's keys are relative to (version 5).
     dirs: Mapping[int, str] = field(default_factory=dict)
+    #: Version 6 (:mod:`xckpt.manifest._incremental`): each rank's codec of its array chunks,
+    #: arrays stored in another step of a manager root, and array chunks' BLAKE2b-128 hashes.
+    codecs: Mapping[int, str] = field(default_factory=dict)
+    refs: Mapping[str, Ref] = field(default_factory=dict)
+    hashes: Mapping[str, str] = field(default_factory=dict)
+    deltas: Mapping[str, tuple[Patch, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         tensors, packed = _tensors_to_json(self.tensors)
@@ -118,6 +134,7 @@ class Manifest:
         }
         if dirs:
             doc["dirs"] = {str(r): d for r, d in sorted(dirs.items())}
+        doc.update(incremental_json(self.codecs, self.refs, self.hashes, self.deltas))
         return doc
 
     def dumps(self) -> bytes:
@@ -152,6 +169,10 @@ class Manifest:
                 storage=h.storage,
                 metadata=h.metadata,
                 dirs=h.dirs,
+                codecs=h.codecs,
+                refs=h.refs,
+                hashes=h.hashes,
+                deltas=h.deltas,
             )
         except ManifestError:
             raise
@@ -209,6 +230,10 @@ class Header(NamedTuple):
     metadata: dict[str, Any]
     tensors: dict[str, Any]
     objects: list[Any]
+    codecs: dict[int, str] = {}  # noqa: RUF012  (never mutated: a NamedTuple default)
+    refs: dict[str, Ref] = {}  # noqa: RUF012
+    hashes: dict[str, str] = {}  # noqa: RUF012
+    deltas: dict[str, tuple[Patch, ...]] = {}  # noqa: RUF012
 
 
 def parse_header(d: Any, where: str) -> Header:
@@ -265,7 +290,14 @@ def parse_header(d: Any, where: str) -> Header:
     if "dirs" in d and d["version"] < GRID_VERSION:
         raise ManifestError(f"{where}: a version {d['version']} manifest has no dirs member; the file was edited")
     dirs = check_dirs(d.get("dirs"), where, world_size)
-    return Header(d["version"], save_id, world_size, rank, storage, packed, dirs, metadata, tensors_raw, objects_raw)
+    late = [k for k in ("codecs", "refs", "hashes", "deltas") if k in d]
+    if late and d["version"] < INCREMENTAL_VERSION:
+        raise ManifestError(f"{where}: a version {d['version']} manifest has no {late[0]} member; the file was edited")
+    return Header(
+        d["version"], save_id, world_size, rank, storage, packed, dirs, metadata, tensors_raw, objects_raw,
+        check_codecs(d.get("codecs"), where, world_size), refs := check_refs(d.get("refs"), where),
+        check_hashes(d.get("hashes"), where), check_deltas(d.get("deltas"), where, refs),
+    )
 
 
 @paused_gc()
@@ -285,9 +317,17 @@ def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
     storage: dict[int, str] = {}
     metadata: dict[str, Any] = {}
     dirs: dict[int, str] = {}
+    codecs: dict[int, str] = {}
+    refs: dict[str, Ref] = {}
+    hashes: dict[str, str] = {}
+    deltas: dict[str, tuple[Patch, ...]] = {}
     for m in parts:
         storage.update(m.storage)
         dirs.update(m.dirs)
+        codecs.update(m.codecs)
+        refs.update(m.refs)
+        hashes.update(m.hashes)
+        deltas.update(m.deltas)
         metadata.update(m.metadata)
         for name, t in m.tensors.items():
             prev = tensors.get(name)
@@ -326,4 +366,8 @@ def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
         storage=storage,
         metadata=metadata,
         dirs=dirs,
+        codecs=codecs,
+        refs=refs,
+        hashes=hashes,
+        deltas=deltas,
     )

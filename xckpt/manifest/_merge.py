@@ -175,6 +175,10 @@ class RankMerge:
         self.storage: dict[int, str] = {}
         self.metadata: dict[str, Any] = {}
         self.declared_dirs: dict[int, str] = {}
+        self.codecs: dict[int, str] = {}
+        self.refs: dict[str, Any] = {}
+        self.hashes: dict[str, str] = {}
+        self.deltas: dict[str, Any] = {}
         #: Each writer rank's data directory: the first its chunks' keys name.
         self.rank_dirs: dict[int, str] = {}
         self.dir_ids, self.sfx_ids, self.inner_ids = _Table(""), _Table(""), _Table(None)
@@ -198,6 +202,10 @@ class RankMerge:
         self.storage.update(h.storage)
         self.metadata.update(h.metadata)
         self.declared_dirs.update(h.dirs)
+        self.codecs.update(h.codecs)
+        self.refs.update(h.refs)
+        self.hashes.update(h.hashes)
+        self.deltas.update(h.deltas)
         dirs = h.dirs if h.version >= GRID_VERSION else None
         self._entries(h, where, dirs)
         for o in h.objects:
@@ -487,6 +495,10 @@ class RankMerge:
             storage=self.storage,
             metadata=self.metadata,
             dirs=dirs,
+            codecs=self.codecs,
+            refs=self.refs,
+            hashes=self.hashes,
+            deltas=self.deltas,
         )
 
     def _grid(self, acc: _Tensor, dirs: dict[int, str], rank_dir: np.ndarray) -> Any:

@@ -8,8 +8,11 @@ side [Writer][xckpt.Writer] with [save][xckpt.save] and [finalize][xckpt.finaliz
 * `commit`: the commit protocol's read side (rank manifests read, checked, merged);
 * `steps`: a checkpoint manager's root as stored (steps, completeness, metrics);
 * `_zarr`: its zarr arrays' metadata and the data key spaces that hold them;
-* `_fileio`, `_packedio`: "files" storage read and written with plain file I/O on a
-  local disk, and spans of a rank's packed byte array;
+* `_fileio`, `_filemeta`, `_packedio`: "files" storage read and written with plain file
+  I/O on a local disk (and those arrays' metadata), and spans of a rank's packed byte array;
+* `_codecs`: lossless codecs of array chunks (format version 6);
+* `_refs`, `_deltas`: chunks stored in another step of a manager root, and row patches
+  of 2-D chunks (format version 6);
 * `sink`: the [Sink][xckpt.Sink] that writes xckpt in conversions.
 
 [xckpt.formats][] registers it beside the foreign formats.

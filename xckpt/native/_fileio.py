@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
-import json
 import math
 import os
 import threading
@@ -42,12 +41,25 @@ from typing import Any, NamedTuple
 import google_crc32c
 import numpy as np
 
-from xckpt.native._zarr import CODECS, CODECS_1, array_metadata
+from xckpt.native import _codecs
+from xckpt.native._filemeta import (
+    ChunkFileError,
+    check_meta,
+    check_shard,
+    chunk_file,
+    data_file,
+    parse_layout,
+    parse_meta,
+    stored_meta,
+    zarr_json,
+)
+from xckpt.native._filemeta import grid_ranges as _grid_ranges
 from xckpt.storage import local_root
 
 __all__ = [
     "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "submit_read",
-    "bytes_read", "check_meta", "check_shard", "parse_meta", "stored_meta", "chunk_file", "data_file",
+    "bytes_read", "check_meta", "check_shard", "parse_meta", "parse_layout", "stored_meta", "chunk_file", "data_file",
+    "zarr_json",
 ]
 
 #: Threads for reads: twice the cores overlaps page-cache copies with crc32c (the GIL is
@@ -57,6 +69,8 @@ READ_THREADS = max(4, min(16, 2 * (os.cpu_count() or 2)))
 #: Threads for writes, which mostly wait in fsync: 8 on 2 cores saved W1 in 0.38 s
 #: against 0.47 s with 4 (bench/io.py).
 WRITE_THREADS = max(8, min(32, 4 * (os.cpu_count() or 2)))
+#: Threads that encode compressed chunks (CPU-bound; numcodecs releases the GIL).
+CODEC_THREADS = max(1, os.cpu_count() or 1)
 #: Bytes one request reads or writes at most (a box of a "files" array is split in
 #: runs of this size, read or written by several threads at once).
 RUN_BYTES = 32 << 20
@@ -85,10 +99,6 @@ def _count(n: int) -> None:
         _BYTES_READ[0] += n
 
 
-class ChunkFileError(ValueError):
-    """A chunk file is missing, has the wrong size or fails its crc32c (the data is damaged)."""
-
-
 def _forget_pool() -> None:
     """In a forked child the parent's I/O threads do not exist: start new pools there."""
     _POOLS.clear()
@@ -102,7 +112,7 @@ def _pool(purpose: str = "read") -> cf.ThreadPoolExecutor:
     with _POOL_LOCK:
         pool = _POOLS.get(purpose)
         if pool is None:
-            n = READ_THREADS if purpose == "read" else WRITE_THREADS
+            n = {"read": READ_THREADS, "write": WRITE_THREADS}.get(purpose, CODEC_THREADS)
             pool = _POOLS[purpose] = cf.ThreadPoolExecutor(n, thread_name_prefix=f"xckpt-{purpose}")
         return pool
 
@@ -114,105 +124,6 @@ def _scratch(nbytes: int) -> np.ndarray:
         buf = np.empty(max(nbytes, 1 << 20), np.uint8)
         _LOCAL.buf = buf
     return buf[:nbytes]
-
-
-def chunk_file(key_dir: str, idx: Sequence[int]) -> str:
-    """The file of zarr chunk ``idx`` of a "plain" array in ``key_dir``."""
-    return os.path.join(key_dir, "c", *map(str, idx)) if idx else os.path.join(key_dir, "c")
-
-
-def data_file(key_dir: str, ndim: int) -> str:
-    """The shard file of a "files" array in ``key_dir``."""
-    return os.path.join(key_dir, "c." + ".".join(["0"] * ndim)) if ndim else os.path.join(key_dir, "c")
-
-
-def _grid_ranges(shape: Sequence[int], grid: Sequence[int]) -> list[range]:
-    return [range(-(-s // g)) for s, g in zip(shape, grid)]
-
-
-# -- metadata ------------------------------------------------------------------
-
-
-def zarr_json(kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> bytes:
-    return json.dumps(array_metadata(kind, dtype, shape, grid), separators=(",", ":")).encode()
-
-
-def stored_meta(root: str, key: str) -> dict[str, Any]:
-    """The ``zarr.json`` of the array at ``key`` (ChunkFileError when missing or unreadable)."""
-    path = os.path.join(root, key, "zarr.json")
-    try:
-        with open(path, "rb") as f:
-            meta = json.loads(f.read(1 << 20))
-    except FileNotFoundError:
-        raise ChunkFileError(f"{path} is missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ChunkFileError(f"{path} is not JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise ChunkFileError(f"{path} is not a JSON object")
-    return meta
-
-
-def parse_meta(meta: dict[str, Any]) -> tuple[str, str, list[int], list[int]] | None:
-    """``(kind, dtype, shape, grid)`` of stored metadata this module reads, else None."""
-    try:
-        codecs = meta["codecs"]
-        shape = list(meta["shape"])
-        outer = list(meta["chunk_grid"]["configuration"]["chunk_shape"])
-        dtype = meta["data_type"]
-        if meta["chunk_grid"]["name"] != "regular" or not isinstance(dtype, str):
-            return None
-        if codecs in (CODECS, CODECS_1):
-            kind, grid = "plain", outer
-        elif (
-            len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"
-            and codecs[0]["configuration"].get("index_location") == "start"
-            and codecs[0]["configuration"]["codecs"] in (CODECS, CODECS_1)
-            and codecs[0]["configuration"]["index_codecs"] == CODECS
-        ):
-            kind, grid = "files", list(codecs[0]["configuration"]["chunk_shape"])
-        else:
-            return None
-    except (KeyError, TypeError, AttributeError, IndexError):
-        return None
-    if not all(type(v) is int and v >= 0 for v in shape + grid) or len(grid) != len(shape) or 0 in grid:
-        return None
-    if array_metadata(kind, dtype, shape, grid)["chunk_grid"]["configuration"]["chunk_shape"] != outer:
-        return None  # a "files" array of several shards, or keys this module does not name
-    if meta.get("chunk_key_encoding") != array_metadata(kind, dtype, shape, grid)["chunk_key_encoding"]:
-        return None
-    return kind, dtype, shape, grid
-
-
-def check_meta(root: str, key: str, kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> None:
-    """Raise ChunkFileError unless the stored metadata of ``key`` is the array the manifest claims."""
-    got = parse_meta(stored_meta(root, key))
-    want = (kind, dtype, list(shape), list(grid))
-    if got != want:
-        what = "layout" if got is None else next(
-            f"{n} is {g!r}, the manifest claims {w!r}" for n, g, w in zip(("storage", "data_type", "shape", "grid"),
-                                                                          got, want) if g != w
-        )
-        raise ChunkFileError(f"{os.path.join(root, key, 'zarr.json')}: {what}")
-
-
-def check_shard(root: str, key: str, itemsize: int, shape: Sequence[int], grid: Sequence[int]) -> None:
-    """Raise ChunkFileError unless the shard file of the "files" array at ``key`` holds at
-    least what a box of ``shape`` in zarr chunks of ``grid`` needs (its index and every
-    chunk with its crc32c): the manifest's claim against storage before anything is
-    sized from it, in one ``stat`` (a cold load no longer reads every zarr.json first:
-    the reads follow the checksummed manifest, and verify() still checks zarr.json)."""
-    path = data_file(os.path.join(root, key), len(shape))
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise ChunkFileError(f"shard file {path} is missing") from None
-    count = math.prod(len(r) for r in _grid_ranges(shape, grid))
-    need = 20 * count + 4 + count * math.prod(grid) * itemsize
-    if size < need:
-        raise ChunkFileError(
-            f"shard file {path} holds {size} bytes; a box of shape {list(shape)} in zarr chunks of "
-            f"{list(grid)} ({itemsize}-byte items) needs at least {need}"
-        )
 
 
 # -- writes ------------------------------------------------------------------
@@ -227,6 +138,7 @@ class ArrayWrite(NamedTuple):
     array: np.ndarray
     grid: Sequence[int]
     kind: str = "files"
+    codec: str | None = None  # version 6: each zarr chunk compressed (xckpt.native._codecs)
 
 
 def _chunk_parts(arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> list[Any]:
@@ -378,6 +290,39 @@ def _wait(futs: Sequence[cf.Future[Any]]) -> BaseException | None:
     return first
 
 
+def _encoded_chunk(a: ArrayWrite, idx: tuple[int, ...]) -> tuple[bytes, bytes]:
+    """Zarr chunk ``idx`` of ``a`` encoded by its codec, and the crc32c of the encoded bytes."""
+    parts = _chunk_parts(a.array, a.grid, idx)[:-1]  # the raw bytes (and padding), not their crc
+    raw = parts[0] if len(parts) == 1 else np.concatenate([np.asarray(p).reshape(-1).view(np.uint8) for p in parts])
+    enc = _codecs.encode(a.codec or "", raw, a.array.itemsize)
+    return enc, _CRC(enc).to_bytes(4, "little")
+
+
+def _write_encoded(path: str, a: ArrayWrite) -> None:
+    """A compressed "files" array's shard (index at the start, then each chunk's encoded bytes
+    and their crc32c), its chunks encoded on the codec threads; called on a write thread."""
+    idxs = list(itertools.product(*_grid_ranges(a.array.shape, a.grid)))
+    pool = _pool("codec")
+    enc = [f.result() for f in [pool.submit(_encoded_chunk, a, idx) for idx in idxs]]
+    index = np.empty((len(idxs), 2), "<u8")
+    sizes = np.array([len(e) + 4 for e, _ in enc], np.uint64)
+    index[:, 1] = sizes
+    index[:, 0] = 16 * len(idxs) + 4 + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
+    raw = index.tobytes()
+    parts: list[Any] = [raw, _CRC(raw).to_bytes(4, "little")]
+    for e, crc in enc:
+        parts += [e, crc]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        offset = 0
+        for i in range(0, len(parts), _IOV_MAX):
+            run = parts[i : i + _IOV_MAX]
+            _pwrite_all(fd, run, offset)
+            offset += sum(len(p) for p in run)
+    finally:
+        os.close(fd)
+
+
 def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], None] | None = None) -> None:
     """Write ``arrays`` as zarr v3 arrays under ``root`` and make them durable.
 
@@ -435,7 +380,11 @@ def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str], known:
         for a in arrays:
             key_dir = os.path.join(root, a.key)
             shape = a.array.shape
-            if a.kind == "files":
+            if a.codec is not None:
+                _makedirs(key_dir, made, known)
+                written.append(data_file(key_dir, len(shape)))
+                futs.append(pool.submit(_write_encoded, written[-1], a))
+            elif a.kind == "files":
                 _makedirs(key_dir, made, known)
                 path = data_file(key_dir, len(shape))
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -454,7 +403,7 @@ def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str], known:
                 paths = [chunk_file(key_dir, idx) for idx in idxs]
                 written.extend(paths)
                 futs += [pool.submit(_write_chunk, p, a.array, a.grid, idx) for p, idx in zip(paths, idxs)]
-            meta = zarr_json(a.kind, a.dtype, shape, a.grid)
+            meta = zarr_json(a.kind, a.dtype, shape, a.grid, a.codec)
             written.append(os.path.join(key_dir, "zarr.json"))
             futs.append(pool.submit(_write_file, written[-1], [meta], False))
     except OSError:
@@ -506,6 +455,7 @@ class ChunkRead(NamedTuple):
     region: tuple[slice, ...]
     out: np.ndarray
     kind: str = "files"
+    codec: str | None = None  # version 6: each zarr chunk compressed (xckpt.native._codecs)
 
 
 def _touched(job: ChunkRead) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...], tuple[slice, ...]]]:
@@ -616,11 +566,12 @@ def _read_index(path: str, count: int) -> tuple[np.ndarray, int]:
 
 def index_entry(path: str, what: str, index: np.ndarray, flat: int, stored: int, size: int) -> tuple[int, int]:
     """Entry ``flat`` of a shard's index, checked: present, ``stored`` bytes long (chunk and
-    crc32c) and inside the ``size``-byte file; ChunkFileError naming the chunk (``what``)."""
+    crc32c; ``stored`` -1: a compressed chunk, at least its crc32c) and inside the ``size``-byte
+    file; ChunkFileError naming the chunk (``what``)."""
     off, nb = int(index[flat, 0]), int(index[flat, 1])
     if off == _MISSING and nb == _MISSING:
         raise ChunkFileError(f"shard file {path}{what} is missing")
-    if nb != stored or off + nb > size:
+    if (nb != stored if stored >= 0 else nb < 4) or off + nb > size:
         raise ChunkFileError(
             f"shard file {path}{what}: index gives bytes [{off}, {off + nb}) of a {size}-byte file, "
             f"expected {stored} bytes"
@@ -654,6 +605,43 @@ def _shard_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> lis
     if run:
         tasks.append((_shard_run, (path, run_start, run)))
     return tasks
+
+
+def _encoded_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> list[tuple[Any, tuple[Any, ...]]]:
+    """Reads of the compressed chunks ``job`` needs from a shard: one task per zarr chunk."""
+    counts = [len(r) for r in _grid_ranges(job.shape, job.grid)]
+    tasks: list[tuple[Any, tuple[Any, ...]]] = []
+    for idx, inner, dest in _touched(job):
+        flat = int(np.ravel_multi_index(idx, counts)) if idx else 0
+        what = f" (zarr chunk {list(idx)})"
+        off, nb = index_entry(path, what, index, flat, -1, size)
+        out = job.out[dest] if dest else job.out
+        tasks.append((_read_encoded, (path, what, off, nb, job.codec, job.grid, inner, out)))
+    return tasks
+
+
+def _read_encoded(path: str, what: str, offset: int, nb: int, codec: str, grid: Sequence[int],
+                  inner: tuple[slice, ...], out: np.ndarray) -> None:
+    """One compressed zarr chunk: read, crc32c checked, decoded (straight into ``out`` when it is
+    the whole chunk, contiguous), ``inner`` of it into ``out``."""
+    stored = np.empty(nb, np.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        n = os.preadv(fd, [stored], offset)
+    finally:
+        os.close(fd)
+    _count(n)
+    if n != nb:
+        raise ChunkFileError(f"{path}{what}: read {n} of {nb} bytes")
+    _check_crc(path, what, stored[: nb - 4], stored[:0], stored[nb - 4 :])
+    whole = out.flags.c_contiguous and tuple(out.shape) == tuple(grid)
+    full = out if whole else _scratch(math.prod(grid) * out.itemsize).view(out.dtype).reshape(grid)
+    try:
+        _codecs.decode(codec, stored[: nb - 4], full, out.itemsize)
+    except ValueError as e:
+        raise ChunkFileError(f"{path}{what}: {e}") from None
+    if not whole:
+        out[...] = full[inner]
 
 
 def _shard_run(path: str, offset: int, items: Sequence[tuple[np.ndarray, int, str]]) -> None:
@@ -705,7 +693,7 @@ def submit_read(root: str, job: ChunkRead) -> cf.Future[np.ndarray]:
     def indexed(f: cf.Future[tuple[np.ndarray, int]]) -> None:
         try:
             index, size = f.result()
-            tasks = _shard_tasks(path, job, index, size)
+            tasks = (_encoded_tasks if job.codec else _shard_tasks)(path, job, index, size)
         except (OSError, ChunkFileError) as e:
             result.set_exception(e)
             return

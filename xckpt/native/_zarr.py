@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import XckptError
+from xckpt.manifest import numpy_dtype
+from xckpt.native._codecs import codec_json
 from xckpt.storage import Storage, corrupt
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "PACKED_CHUNK_BYTES",
     "NativeStorage",
     "array_metadata",
+    "chunk_codecs",
     "array_spec",
     "inner_chunk_shape",
     "packed_grid",
@@ -108,15 +111,27 @@ def shard_shape(shape: Sequence[int], grid: Sequence[int]) -> list[int]:
     return [-(-s // g) * g for s, g in zip(shape, grid)]
 
 
-def array_metadata(kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> dict[str, Any]:
+def chunk_codecs(dtype: str, codec: str | None = None) -> list[dict[str, Any]]:
+    """The codec chain of one zarr chunk: bytes, ``codec``'s codec (version 6), crc32c."""
+    base = CODECS_1 if dtype in _ONE_BYTE else CODECS
+    if codec is None:
+        return base
+    return [base[0], *codec_json(codec, numpy_dtype(dtype).itemsize), base[1]]
+
+
+def array_metadata(
+    kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int], codec: str | None = None
+) -> dict[str, Any]:
     """The zarr v3 metadata of a stored box, exactly as tensorstore writes it.
 
     ``"plain"``/``"ocdbt"``: a regular grid of ``grid`` chunks, each little-endian bytes
     then crc32c, keys ``c/<i>/<j>``. ``"files"`` (version 3): the same chunks inside one
     shard (``sharding_indexed``, index of (offset, nbytes) at the start with its own
     crc32c), so a box is one file ``c.0.0`` that a whole read takes in one request.
+    ``codec`` (version 6, :mod:`xckpt.native._codecs`) compresses each zarr chunk's bytes
+    before its crc32c.
     """
-    codecs = CODECS_1 if dtype in _ONE_BYTE else CODECS
+    codecs = chunk_codecs(dtype, codec)
     if kind == "files":
         grid_meta = shard_shape(shape, grid)
         codecs = [{
@@ -145,10 +160,10 @@ def array_metadata(kind: str, dtype: str, shape: Sequence[int], grid: Sequence[i
 
 
 def array_spec(
-    kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[int], kind: str = "plain"
+    kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[int], kind: str = "plain", codec: str | None = None
 ) -> dict[str, Any]:
     """A zarr v3 spec of a stored box (see :func:`array_metadata`)."""
-    return {"driver": "zarr3", "kvstore": kvstore, "metadata": array_metadata(kind, dtype, shape, grid)}
+    return {"driver": "zarr3", "kvstore": kvstore, "metadata": array_metadata(kind, dtype, shape, grid, codec)}
 
 
 class NativeStorage(Storage):
@@ -183,9 +198,10 @@ class NativeStorage(Storage):
         shape: Sequence[int],
         grid: Sequence[int],
         transaction: Any = None,
+        codec: str | None = None,
     ) -> Any:
         """A future for a new zarr v3 array at ``key`` (inside ``transaction`` if given)."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage)
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage, codec)
         # Readers treat a missing zarr chunk as damage, so all-zero chunks must be stored too.
         spec["store_data_equal_to_fill_value"] = True
         return self._ts.open(spec, create=True, context=self.context, transaction=transaction)
@@ -195,11 +211,11 @@ class NativeStorage(Storage):
         return self._ts.Transaction()
 
     def open_array(
-        self, key: str, storage: str, dtype: str, shape: Sequence[int], grid: Sequence[int]
+        self, key: str, storage: str, dtype: str, shape: Sequence[int], grid: Sequence[int], codec: str | None = None
     ) -> Any:
         """A future for an existing array, trusting the manifest for its metadata
         (no zarr.json read)."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage)
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage, codec)
         # A missing chunk is damage, never zeros.
         spec["fill_missing_data_reads"] = False
         return self._ts.open(
@@ -207,11 +223,11 @@ class NativeStorage(Storage):
         )
 
     def check_array(
-        self, key: str, storage: str, dtype: str, shape: Sequence[int], grid: Sequence[int]
+        self, key: str, storage: str, dtype: str, shape: Sequence[int], grid: Sequence[int], codec: str | None = None
     ) -> Any:
         """A future that fails unless the stored zarr metadata of ``key`` matches the manifest's
-        claim (dtype, shape, grid): a claim checked against storage before anything is sized by it."""
-        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage)
+        claim (dtype, shape, grid, codec): a claim checked against storage before anything is sized by it."""
+        spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage, codec)
         spec["fill_missing_data_reads"] = False
         return self._ts.open(spec, open=True, read=True, context=self.context)
 

@@ -39,6 +39,8 @@ from xckpt.manifest import (
     decode_value,
 )
 from xckpt.native import _fileio, _packedio
+from xckpt.native._deltas import Patches
+from xckpt.native._refs import Resolver
 from xckpt.native._zarr import NativeStorage, packed_grid
 from xckpt.native.commit import read_rank_manifests, validate
 from xckpt.source import ChunkRead, Source, whole_request
@@ -122,6 +124,9 @@ class Checkpoint(Source):
         self._packed_size_cache: dict[str, int] | None = None
         #: A local directory: "plain" ranks are read with direct file I/O (xckpt.storage._fileio).
         self._root = _fileio.local_root(self.storage.url)
+        #: Where each array chunk's bytes are (its rank's codec; another step's, for a reference).
+        self._where_of = Resolver(self.storage, m, context)
+        self._patches = Patches(self.storage, context)
         self._packed_stored: dict[str, tuple[int, int, str] | None] = {}
 
     # -- metadata -----------------------------------------------------------
@@ -152,8 +157,8 @@ class Checkpoint(Source):
                 packed_jobs[job.chunk.key].append(job)
             else:
                 job = job if job.req is not None else job._replace(req=whole_request(job.chunk))
-                (direct if self._direct(job.chunk.rank) else through_ts).append(job)
-        files = [(job, _fileio.submit_read(self._dir, self._file_read(job))) for job in direct] if direct else []
+                (direct if self._direct_chunk(job.chunk) else through_ts).append(job)
+        files = [(job, _fileio.submit_read(*self._file_read(job))) for job in direct] if direct else []
         spans: list[tuple[ChunkRead, Any]] = []
         err: BaseException | None = None
         try:
@@ -182,6 +187,18 @@ class Checkpoint(Source):
                 bar.update(n if what else n.nbytes)
         if err is not None:
             raise err
+        if self.manifest.deltas:  # row deltas over the bases just read (format version 6)
+            self._apply_deltas(direct + through_ts)
+
+    def _apply_deltas(self, jobs: Sequence[ChunkRead]) -> None:
+        deltas = self.manifest.deltas
+        self._patches.load_all([
+            (p, c.shape[0], c.shape[1], self.info(name).dtype) for name, c, _r, _o in jobs for p in deltas.get(c.key, ())
+        ])
+        for name, c, req, out in jobs:
+            chain = deltas.get(c.key)
+            if chain and req is not None:
+                self._patches.apply(chain, c.shape, self.info(name).dtype, req.chunk_slices, out[req.target_slices])
 
     def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
         """A packed chunk is one read of its bytes; an array chunk reads every inner zarr
@@ -219,17 +236,21 @@ class Checkpoint(Source):
         return self._packed_size_cache
 
     def _where(self, name: str, c: Chunk) -> str:
-        return f"checkpoint {self.path!r}, tensor {name!r}, chunk {c.box} ({c.key})"
+        return f"checkpoint {self.path!r}, tensor {name!r}, chunk {c.box} ({c.key}){self._where_of.describe(c)}"
 
     def _open(self, name: str, c: Chunk) -> Any:
         fut = self._arrays.get(c.key)
         if fut is None:
             t = self.manifest.tensors[name]
-            fut = self.storage.open_array(
-                c.key, self.manifest.storage.get(c.rank, "ocdbt"), t.dtype, c.shape, c.grid or c.shape
-            )
+            w = self._where_of.where(c)
+            fut = w.storage.open_array(w.key, w.kind, t.dtype, c.shape, c.grid or c.shape, w.codec)
             self._arrays[c.key] = fut
         return fut
+
+    def _direct_chunk(self, c: Chunk) -> bool:
+        """Whether array chunk ``c`` is files this process reads itself."""
+        w = self._where_of.where(c)
+        return w.root is not None and w.kind != "ocdbt"
 
     def _kind(self, rank: int) -> str:
         return self.manifest.storage.get(rank, "ocdbt")
@@ -256,13 +277,14 @@ class Checkpoint(Source):
     def _raise_read_error(self, e: Exception, what: str) -> NoReturn:
         raise self._read_error(e, what) from (None if isinstance(e, _fileio.ChunkFileError) else e)
 
-    def _file_read(self, job: ChunkRead) -> _fileio.ChunkRead:
-        """The direct read of an array chunk job (``job.req`` set)."""
+    def _file_read(self, job: ChunkRead) -> tuple[str, _fileio.ChunkRead]:
+        """The directory and direct read of an array chunk job (``job.req`` set)."""
         c, req = job.chunk, job.req
         if req is None:  # _read_chunks sets it; this keeps the type exact
             req = whole_request(c)
-        return _fileio.ChunkRead(
-            c.key, c.shape, c.grid or c.shape, req.chunk_slices, job.out[req.target_slices], self._kind(c.rank)
+        w = self._where_of.where(c)
+        return w.root or self._dir, _fileio.ChunkRead(
+            w.key, c.shape, c.grid or c.shape, req.chunk_slices, job.out[req.target_slices], w.kind, w.codec
         )
 
     def _read_arrays(self, jobs: list[ChunkRead], bar: Any) -> None:
@@ -435,9 +457,8 @@ class Checkpoint(Source):
         """Like :meth:`_open`, but the stored zarr metadata is read and must match the manifest."""
         fut = self._verified_arrays.get(c.key)
         if fut is None:
-            fut = self.storage.check_array(
-                c.key, self.manifest.storage.get(c.rank, "ocdbt"), self.info(name).dtype, c.shape, c.grid or c.shape
-            )
+            w = self._where_of.where(c)
+            fut = w.storage.check_array(w.key, w.kind, self.info(name).dtype, c.shape, c.grid or c.shape, w.codec)
             self._verified_arrays[c.key] = fut
         return fut
 
@@ -470,7 +491,7 @@ class Checkpoint(Source):
                             f"{_packed_at(c) + c.nbytes}) of the packed array, which holds {size} bytes; "
                             "the manifest does not belong to this data (restore the checkpoint from a copy)"
                         )
-                elif self._direct(c.rank):
+                elif self._direct_chunk(c):
                     files.append((name, c))
                 else:
                     arrays.append((name, c, self._open_checked(name, c)))
@@ -487,12 +508,12 @@ class Checkpoint(Source):
     def _check_file_meta(self, name: str, c: Chunk) -> None:
         """A directly read chunk's claim against storage: a "files" shard's size (one stat),
         a "plain" array's zarr.json (versions 1-2)."""
-        kind, grid = self._kind(c.rank), c.grid or c.shape
+        w, grid = self._where_of.where(c), c.grid or c.shape
         try:
-            if kind == "files":
-                _fileio.check_shard(self._dir, c.key, self.info(name).np_dtype.itemsize, c.shape, grid)
+            if w.kind == "files":
+                _fileio.check_shard(w.root or self._dir, w.key, self.info(name).np_dtype.itemsize, c.shape, grid, w.codec)
             else:
-                _fileio.check_meta(self._dir, c.key, kind, self.info(name).dtype, c.shape, grid)
+                _fileio.check_meta(w.root or self._dir, w.key, w.kind, self.info(name).dtype, c.shape, grid, w.codec)
         except _fileio.ChunkFileError as e:
             raise corrupt(f"{self._where(name, c)}: the stored array does not match the manifest", e) from None
         except OSError as e:
@@ -566,7 +587,19 @@ class Checkpoint(Source):
             for done, fut in inflight:
                 done.check(self, fut, problems)
                 bar.update(done.nbytes)
-        return list(problems.values()) + self._verify_objects()
+        return list(problems.values()) + self._verify_objects() + self._verify_patches()
+
+    def _verify_patches(self) -> list[str]:
+        """Every row patch (format version 6) read whole: its crc32c and indices checked."""
+        problems = []
+        for name in self.names() if self.manifest.deltas else ():
+            for c in self.info(name).chunks:
+                for p in self.manifest.deltas.get(c.key, ()):
+                    try:
+                        self._patches.load(p, c.shape[0], c.shape[1], self.info(name).dtype)
+                    except CorruptChunkError as e:
+                        problems.append(f"tensor {name!r}, chunk {c.box}: {e}")
+        return problems
 
     def _array_slabs(self, name: str, c: Chunk) -> list[_Slab]:
         if not c.shape:
@@ -680,18 +713,16 @@ class _Slab:
         if self.span is not None:
             return self.store[self.lo : self.hi].read()
         c = self.chunk
-        if ck._direct(c.rank):
-            grid = c.grid or c.shape
+        if ck._direct_chunk(c):
+            grid, w = c.grid or c.shape, ck._where_of.where(c)
+            root = w.root or ck._dir
             try:
-                _fileio.check_meta(
-                    ck._dir, c.key, ck._kind(c.rank), ck.info(self.name).dtype, c.shape, grid
-                )
+                _fileio.check_meta(root, w.key, w.kind, ck.info(self.name).dtype, c.shape, grid, w.codec)
             except (_fileio.ChunkFileError, OSError) as e:
                 return ValueError(str(e))
             region = (slice(self.lo, self.hi), *(slice(0, s) for s in c.shape[1:])) if c.shape else ()
             out = np.empty(tuple(r.stop - r.start for r in region), ck.info(self.name).np_dtype)
-            read = _fileio.ChunkRead(c.key, c.shape, grid, region, out, ck._kind(c.rank))
-            return _fileio.submit_read(ck._dir, read)
+            return _fileio.submit_read(root, _fileio.ChunkRead(w.key, c.shape, grid, region, out, w.kind, w.codec))
         try:
             arr = ck._open_checked(self.name, self.chunk).result()
         except ValueError as e:

@@ -75,6 +75,7 @@ class XckptSink(Sink):
                 progress=False,
                 metadata=meta,
                 inflight_bytes=CONVERT_INFLIGHT_BYTES,
+                compression=job.compression,
             )
             for name, t in infos.items():
                 w.declare(name, t.dtype, t.shape, placement=t.placement, value_range=t.value_range)

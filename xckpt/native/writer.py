@@ -63,6 +63,7 @@ from xckpt.manifest import (
     Claim,
     Manifest,
     ObjectEntry,
+    Patch,
     PlacementInfo,
     TensorEntry,
     ValueRange,
@@ -76,11 +77,13 @@ from xckpt.manifest import (
     unchecked,
 )
 from xckpt.native import _fileio
+from xckpt.native._codecs import check_compression
+from xckpt.native._refs import Dedup, chunk_hash
 from xckpt.native._zarr import NativeStorage, inner_chunk_shape, packed_grid
 from xckpt.native.commit import read_rank_manifests
 from xckpt.storage import Location, storage_error
 
-__all__ = ["Writer", "save", "finalize", "derived_save_id", "tensor_key_id", "ALL_HELD"]
+__all__ = ["Writer", "save", "finalize", "derived_save_id", "tensor_key_id", "ALL_HELD", "Dedup"]
 
 #: Chunks at most this large are packed as byte ranges of one array per rank.
 PACK_THRESHOLD = 256 << 10
@@ -114,10 +117,10 @@ def derived_save_id(url: Any) -> str:
 
 
 class _Pending:
-    __slots__ = ("key", "dtype", "array", "grid")
+    __slots__ = ("key", "dtype", "array", "grid", "codec")
 
-    def __init__(self, key: str, dtype: str, array: np.ndarray, grid: list[int]) -> None:
-        self.key, self.dtype, self.array, self.grid = key, dtype, array, grid
+    def __init__(self, key: str, dtype: str, array: np.ndarray, grid: list[int], codec: str | None = None) -> None:
+        self.key, self.dtype, self.array, self.grid, self.codec = key, dtype, array, grid, codec
 
 
 class Writer:
@@ -140,6 +143,14 @@ class Writer:
         inflight_bytes: bytes of written chunks held before they are flushed to
             storage and released (default :data:`INFLIGHT_BYTES`); one chunk larger
             than this is written alone.
+        compression: ``None`` (raw), ``"zstd"`` or ``"shuffle-zstd"`` (byte shuffle, then
+            zstd; see `xckpt.native._codecs`): the codec of array chunks (format version 6;
+            packed small chunks stay raw). Not with ``storage="plain"``.
+        dedup: the previous step of a manager root (`xckpt.native._refs.Dedup`, what
+            `xckpt.CheckpointManager` passes): array chunks equal to their counterpart
+            there (same tensor, box and dtype, same BLAKE2b-128 hash) are recorded as
+            references to its bytes instead of written; every array chunk's hash is
+            recorded for the next save.
 
     Arrays passed to :meth:`write` are referenced, not copied, until
     :meth:`commit` returns: do not modify them in between.
@@ -159,11 +170,23 @@ class Writer:
         metadata: Mapping[str, Any] | None = None,
         context: Any = None,
         inflight_bytes: int = INFLIGHT_BYTES,
+        compression: str | None = None,
+        dedup: Dedup | None = None,
     ) -> None:
         if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
             raise XckptError(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
         if storage is not None and storage not in STORAGE_KINDS:
             raise XckptError(f"storage must be one of {', '.join(map(repr, STORAGE_KINDS))}, got {storage!r}")
+        self.compression = check_compression(compression)
+        if compression is not None and storage == "plain":
+            raise XckptError(
+                f"compression={compression!r} needs storage 'files' or 'ocdbt' (format version 6); "
+                "'plain' is version 2's layout. Leave storage= unset"
+            )
+        self._dedup = dedup
+        self._refs: dict[str, Any] = {}
+        self._hashes: dict[str, str] = {}
+        self._deltas: dict[str, tuple[Any, ...]] = {}
         self.storage = NativeStorage(path, context)
         #: A local directory: "plain" chunks are written with direct file I/O (xckpt.storage._fileio).
         self._root = _fileio.local_root(self.storage.url)
@@ -416,15 +439,60 @@ class Writer:
                 grid=tuple(grid),
                 value_range=chunk_value_range,
             )
+            if self._dedup is not None and (
+                self._delta(name, key, gshape, off, arr) or self._reference(name, key, gshape, off, shape, arr)
+            ):
+                self._chunks[name].append(chunk)
+                return
             if self._pending and self._pending_bytes + self._packed_size + nbytes > self.inflight_bytes:
                 # Write what is held first: in flight stays within the budget or one chunk.
                 self._seal_packed()
                 self._flush()
-            self._pending.append(_Pending(key, tensors[name]["dtype"], arr, grid))
+            self._pending.append(_Pending(key, tensors[name]["dtype"], arr, grid, self.compression))
             self._pending_bytes += nbytes
             if self._pending_bytes >= self.inflight_bytes:
                 self._flush()  # a chunk as large as the budget is written at once, not held
         self._chunks[name].append(chunk)
+
+    def _reference(
+        self, name: str, key: str, gshape: tuple[int, ...], off: tuple[int, ...], shape: tuple[int, ...],
+        arr: np.ndarray,
+    ) -> bool:
+        """Record the hash of array chunk ``key``; True when the previous step holds the same
+        bytes for this box (it is then recorded as a reference, not written)."""
+        digest = chunk_hash(arr)
+        self._hashes[key] = digest
+        if self._dedup is None:
+            return False
+        ref = self._dedup.match(name, self._tensors[name]["dtype"], gshape, off, shape, digest)
+        if ref is None:
+            return False
+        self._refs[key] = ref
+        return True
+
+    def _delta(self, name: str, key: str, gshape: tuple[int, ...], off: tuple[int, ...], arr: np.ndarray) -> bool:
+        """Store only the rows of 2-D array chunk ``key`` that changed since the previous step,
+        when worth it (`xckpt.native._refs.Dedup.delta`): its base is referenced and a patch
+        of its changed rows (``key-idx``, ``key-rows``) written; True when so."""
+        dedup = self._dedup
+        got = dedup.delta(name, self._tensors[name]["dtype"], gshape, off, arr) if dedup is not None else None
+        if got is None or dedup is None:
+            return False
+        target, chain, rows = got
+        if len(rows):
+            grid = inner_chunk_shape((len(rows), arr.shape[1]), arr.itemsize)
+            if grid[1] != arr.shape[1]:
+                return False  # rows too wide to store whole in one zarr chunk: write the box
+            idx = np.ascontiguousarray(rows, dtype=np.int64)
+            vals = np.ascontiguousarray(arr[idx])
+            self._pending.append(_Pending(f"{key}-idx", "int64", idx, [grid[0]], self.compression))
+            self._pending.append(_Pending(f"{key}-rows", self._tensors[name]["dtype"], vals, grid, self.compression))
+            self._pending_bytes += idx.nbytes + vals.nbytes
+            chain = (*chain, Patch(dedup.step, key, len(rows), grid[0], self.kind, self.compression))
+        self._refs[key] = target
+        if chain:
+            self._deltas[key] = chain
+        return True
 
     def _array_key(self, name: str) -> str:
         """The key of a new array chunk of ``name``: ``<dir>/t/<id of the name>`` (``.<j>`` for
@@ -489,7 +557,7 @@ class Writer:
         if self.kind != "ocdbt" and self._root is not None:
             # Local files: written straight from the caller's arrays and fsynced (bench/io.py).
             _fileio.write_arrays(
-                self._root, [_fileio.ArrayWrite(p.key, p.dtype, p.array, p.grid, self.kind) for p in pend],
+                self._root, [_fileio.ArrayWrite(p.key, p.dtype, p.array, p.grid, self.kind, p.codec) for p in pend],
                 self._bar_update,
             )
             return
@@ -498,7 +566,7 @@ class Writer:
         # saves on OCDBT, 2x on plain keys).
         txn = self.storage.transaction()
         opens = [
-            self.storage.create_array(p.key, self.kind, p.dtype, p.array.shape, p.grid, txn)
+            self.storage.create_array(p.key, self.kind, p.dtype, p.array.shape, p.grid, txn, p.codec)
             for p in pend
         ]
         # Referencing the caller's arrays (documented: unchanged until commit returns)
@@ -632,6 +700,10 @@ class Writer:
             storage={self.rank: self.kind},
             metadata=self.metadata,
             dirs={} if self._dir == f"data/{self.rank}" else {self.rank: self._dir},
+            codecs={self.rank: self.compression} if self.compression else {},
+            refs=dict(self._refs),
+            hashes=dict(self._hashes),
+            deltas=dict(self._deltas),
         )
 
 

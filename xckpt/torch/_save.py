@@ -47,7 +47,7 @@ from xckpt._async import submit, wait_pending
 from xckpt._staging import StagingPool
 from xckpt.errors import XckptError
 from xckpt.manifest import Manifest, numpy_dtype, paused_gc
-from xckpt.native.writer import ALL_HELD, Writer, finalize
+from xckpt.native.writer import ALL_HELD, Dedup, Writer, finalize
 from xckpt.storage import Location
 from xckpt.torch._dist import distributed, rank_world, share_outcome
 from xckpt.torch._dtypes import as_numpy, dtype_name
@@ -170,6 +170,8 @@ def save(
     storage: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     staging: StagingPool | None = None,
+    compression: str | None = None,
+    dedup: Dedup | None = None,
 ) -> Manifest | cf.Future[Manifest]:
     """Save this rank's state dict; every rank of the group calls it.
 
@@ -198,6 +200,8 @@ def save(
             :mod:`xckpt.torch._staging`). The pool must not be passed to another
             save before this one's write has finished (``save`` itself waits for
             the previous async save first).
+        compression, dedup: as for [Writer][xckpt.Writer] (array chunks' codec: None,
+            ``"zstd"`` or ``"shuffle-zstd"``; a manager's previous step to reference).
 
     Returns:
         This rank's manifest, or with ``async_save`` a
@@ -258,7 +262,7 @@ def save(
         jobs, objects = _plan(flat, set(owned), rank, world, group_rank)
         writer = Writer(
             loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite, progress=show_progress,
-            storage=storage, metadata=metadata,
+            storage=storage, metadata=metadata, compression=compression, dedup=dedup,
             inflight_bytes=ALL_HELD,  # every host array below is held until the save ends
         )
         events = []

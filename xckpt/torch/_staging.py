@@ -68,6 +68,7 @@ class Stager:
             buf = self.buffers.take(
                 key, tuple(part.shape), part.dtype, lambda: np.empty(part.shape, part.dtype)
             )
+            self.buffers.compare(key, buf, part)  # row deltas: compare, then copy
             np.copyto(buf, part, casting="no")
             return buf
         t = part.detach()
@@ -86,6 +87,8 @@ class Stager:
         elif t.device.type == "cuda":
             self._cuda_copy(host, t)
         else:
+            if t.device.type == "cpu" and t.is_contiguous() and t.dim() == 2:
+                self.buffers.compare(key, as_numpy(host), as_numpy(t))  # row deltas: compare, then copy
             host.copy_(t)  # a CPU tensor (or another device: a blocking copy)
         return as_numpy(host)
 

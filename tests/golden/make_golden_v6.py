@@ -1,0 +1,58 @@
+"""Writes tests/golden/v6 once: format version 6 (codecs, references to other steps, chunk hashes).
+
+- ``root/``: a manager root of two steps saved with ``compression="shuffle-zstd"``: step 1's
+  frozen ``w`` is a reference to step 0's bytes (``refs``), its changed ``f`` is written,
+  its table ``tab`` (5 rows changed) is a row patch over step 0's (``deltas``); array
+  chunks written whole have their BLAKE2b-128 in ``hashes``; ``b`` is a packed row (raw);
+- ``ranks/``: a two-rank save whose rank 0 compresses with ``"zstd"`` and rank 1 writes
+  raw (``codecs`` names rank 0 only), finalized.
+
+Never re-run to "fix" a failing golden test: a change that breaks reading these files is a
+format change and needs a new version."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+import xckpt
+
+root = Path(__file__).parent / "v6"
+if root.exists() and any(root.iterdir()):
+    sys.exit(f"{root} holds checkpoints; golden checkpoints are never regenerated")
+rng = np.random.default_rng(6)
+w = (rng.standard_normal((400, 400)) * 0.02).astype(ml_dtypes.bfloat16)  # 320 KB: an array chunk
+f0 = rng.standard_normal((260, 260)).astype(np.float32)
+b = np.arange(5, dtype=np.int64)
+tab = np.arange(600 * 128, dtype=np.float32).reshape(600, 128)  # 307 KB
+tab1 = tab.copy()
+tab1[[3, 97, 98, 400, 599]] = -1.5
+steps = {0: {"w": w, "f": f0, "b": b, "tab": tab}, 1: {"w": w, "f": f0 * 2, "b": b + 1, "tab": tab1}}
+with xckpt.CheckpointManager(root / "root", compression="shuffle-zstd", handle_preemption=False) as m:
+    for s, st in steps.items():
+        m.save(s, st)
+
+g = np.arange(600 * 240, dtype=np.float32).reshape(600, 240) / 7
+for r, comp in enumerate(["zstd", None]):
+    wr = xckpt.Writer(root / "ranks", rank=r, world_size=2, save_id="golden-6", compression=comp)
+    wr.write("g", g[300 * r : 300 * r + 300], global_shape=g.shape, offset=(300 * r, 0))
+    wr.commit()
+xckpt.finalize(root / "ranks", world_size=2, save_id="golden-6")
+
+
+def _sha(a: np.ndarray) -> str:
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+expected = {
+    "root": {str(s): {k: {"dtype": v.dtype.name, "shape": list(v.shape), "sha256": _sha(v)} for k, v in st.items()}
+             for s, st in steps.items()},
+    "ranks": {"g": {"dtype": "float32", "shape": list(g.shape), "sha256": _sha(g)}},
+}
+(root / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+print("wrote", root)
