@@ -11,7 +11,7 @@ sink lays bytes out, reading the source through the job. The call protocol is in
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -131,6 +131,9 @@ class WriteJob:
             list of every rank's value, in rank order.
         record: record a crc32c per source box as it is read, for verify (the driver
             turns it off without verify, and for xckpt output, which checks its own).
+        save_id: the id a format that records one (xckpt's manifests, DCP's ``.metadata``)
+            writes; the driver derives it from the source's fingerprint and the options, so
+            converting the same source the same way gives the same bytes (None: random).
     """
 
     src: Source
@@ -141,6 +144,7 @@ class WriteJob:
     bar: Progress
     per_rank_objects: frozenset[str] = frozenset()
     record: bool = True
+    save_id: str | None = None
     _buffers: Buffers = field(default_factory=Buffers, init=False, repr=False, compare=False)
     _crcs: dict[BoxKey, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     _partial: dict[BoxKey, int] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -186,6 +190,16 @@ class WriteJob:
         yield from read_ahead([functools.partial(self._chunk_pair, name, c, reuse) for c in chunks])
         if reuse:
             self._buffers.trim()
+
+    def pieces(self, items: Sequence[tuple[str, Chunk]], *, reuse: bool = False) -> Iterator[tuple[str, Chunk, np.ndarray]]:
+        """Each stored chunk of ``items`` (tensor name, chunk), in order, as :meth:`chunks`
+        reads them (fresh buffers, or recycled ones with ``reuse``; the next read ahead)."""
+        yield from read_ahead([functools.partial(self._named_chunk, name, c, reuse) for name, c in items])
+        if reuse:
+            self._buffers.trim()
+
+    def _named_chunk(self, name: str, chunk: Chunk, reuse: bool) -> tuple[str, Chunk, np.ndarray]:
+        return name, chunk, self.read_chunk(name, chunk, reuse=reuse)
 
     def bands(
         self, name: str, *, max_bytes: int, multiple: int = 1
