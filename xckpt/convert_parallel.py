@@ -371,19 +371,23 @@ def _agree(dist: Any, value: Any) -> list[Any]:
 
 
 def _raise_any(gathered: Sequence[Any], what: str) -> None:
-    errors = [(r, e) for r, e in enumerate(gathered) if isinstance(e, str)]
+    errors = [(r, e[_ERROR]) for r, e in enumerate(gathered) if isinstance(e, dict) and _ERROR in e]
     if errors:
         r, e = errors[0]
         more = f" (and {len(errors) - 1} more ranks failed)" if len(errors) > 1 else ""
         raise XckptError(f"{what} failed on rank {r}: {e}{more}")
 
 
+#: The key of a rank's error in what it sends at a collective.
+_ERROR = "xckpt-convert-error"
+
+
 def _attempt(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or its error as a string (every rank reaches the next collective)."""
+    """``fn()``, or ``{_ERROR: its error}`` (so every rank reaches the next collective)."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - sent to every rank, raised there as an XckptError
-        return f"{type(e).__name__}: {e}"
+        return {_ERROR: f"{type(e).__name__}: {e}"}
 
 
 def _group() -> tuple[Any, bool]:

@@ -43,6 +43,7 @@ import io
 import os
 import pickle
 import secrets
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -219,13 +220,17 @@ def write_metadata(
         TensorStorageMetadata,
     )
 
+    # Every string interned: pickle writes an object once and refers back to it after, so
+    # equal strings must be one object for the bytes to depend on values alone (not on which
+    # process made each string).
+    intern = sys.intern
     state: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, tuple[Any, ...]] = {}
-    for name in job.names:
+    for name in map(intern, job.names):
         chunks = []
         for i, (offset, sizes, rel, start, length) in enumerate(tensors[name]):
-            storage[MetadataIndex(name, torch.Size(offset), i)] = _StorageInfo(rel, start, length)
+            storage[MetadataIndex(name, torch.Size(offset), i)] = _StorageInfo(intern(rel), start, length)
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(sizes)))
         t = job.info(name)
         state[name] = TensorStorageMetadata(
@@ -233,9 +238,10 @@ def write_metadata(
         )
         planner[name] = (name,)
     for key, rel, start, length in objects:
-        storage[MetadataIndex(key)] = _StorageInfo(rel, start, length)
+        key = intern(key)
+        storage[MetadataIndex(key)] = _StorageInfo(intern(rel), start, length)
         state[key] = BytesStorageMetadata()
-        planner[key] = tuple(object_paths[key])
+        planner[key] = tuple(intern(k) if isinstance(k, str) else k for k in object_paths[key])
     meta = Metadata(
         state_dict_metadata=state,
         planner_data=planner,
