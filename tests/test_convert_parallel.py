@@ -27,9 +27,9 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from dist_utils import free_port
 
 import xckpt
+from xckpt.convert import VerifyMismatchError
 from xckpt.errors import CheckpointExistsError, XckptError
 from xckpt.native.writer import Writer, finalize
 
@@ -355,3 +355,35 @@ def test_from_s3_each_worker_its_own_reads(source, clean, tmp_path, s3):
     dst = str(tmp_path / "out")
     xckpt.convert(spec, dst, max_shard_size=PART, workers=2)
     assert digest(dst) == clean["xckpt"]
+
+
+def test_verify_mismatch_removes_the_output_and_journal(source, tmp_path, monkeypatch):
+    import xckpt._parts as parts
+    import xckpt.convert_parallel as cp
+
+    real = parts.commit_files
+
+    def commit_then_damage(job, plan, results):
+        real(job, plan, results)
+        path = os.path.join(job.dst, plan.shard_file(1))
+        with open(path, "r+b") as f:  # a tensor byte of the second shard, after its journal entry
+            f.seek(-3, 2)
+            f.write(b"\xff\xfe\xfd")
+
+    monkeypatch.setattr(cp, "commit_files", commit_then_damage)
+    dst = str(tmp_path / "out")
+    with pytest.raises(VerifyMismatchError, match=r"reads back with crc32c .* the source's is"):
+        xckpt.convert(source, dst, to_format="safetensors", max_shard_size=PART, workers=1)
+    assert not os.path.exists(dst) and not os.path.exists(_tmp(dst)) and not os.path.exists(_journal(dst))
+
+
+def test_a_failed_rank_fails_every_rank_with_its_error():
+    import xckpt.convert_parallel as cp
+
+    def boom():
+        raise XckptError("no such checkpoint")
+
+    gathered = [cp._attempt(lambda: 1), cp._attempt(boom)]
+    with pytest.raises(XckptError, match=r"writing the parts failed on rank 1: XckptError: no such checkpoint"):
+        cp._raise_any(gathered, "writing the parts")
+    cp._raise_any([1, [2]], "nothing")  # no error: nothing raised

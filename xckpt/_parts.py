@@ -146,7 +146,9 @@ def _rules_text(rules: Any) -> Any:
     return json.loads(json.dumps(rules, sort_keys=True, default=repr))
 
 
-def fingerprint(src: Source, names: Sequence[str], objects: Mapping[str, Any], options: Mapping[str, Any]) -> str:
+def fingerprint(
+    src: Source, names: Sequence[str], objects: Mapping[str, Any], options: Mapping[str, Any]
+) -> str:
     """The SHA-256 (hex) naming this conversion of ``src`` (see the module docstring)."""
     h = hashlib.sha256()
     head = {
@@ -179,9 +181,7 @@ def _cut(units: Sequence[tuple[tuple[str, int], int]], size: int) -> list[list[t
     return parts
 
 
-def make_plan(
-    src: Source, names: Sequence[str], fmt: str, *, hf_dir: bool, part_size: int, fp: str
-) -> Plan:
+def make_plan(src: Source, names: Sequence[str], fmt: str, *, hf_dir: bool, part_size: int, fp: str) -> Plan:
     """The parts of converting ``names`` of ``src`` to ``fmt`` (see the module docstring)."""
     infos = {n: src.info(n) for n in names}
     if fmt in ("xckpt", "torch-dcp"):
@@ -200,7 +200,8 @@ def make_plan(
         kind = "single"
         cut = [[((n, -1), infos[n].nbytes) for n in names]]
     parts = tuple(
-        Part(index=i, items=tuple(u for u, _ in units), nbytes=sum(b for _, b in units)) for i, units in enumerate(cut)
+        Part(index=i, items=tuple(u for u, _ in units), nbytes=sum(b for _, b in units))
+        for i, units in enumerate(cut)
     )
     plan_doc = json.dumps([kind, fp, [[list(map(list, p.items)), p.nbytes] for p in parts]])
     plan_id = hashlib.sha256(plan_doc.encode()).hexdigest()
@@ -213,14 +214,27 @@ def save_id_for(fmt: str, fp: str) -> str:
 
 
 def options_of(
-    fmt: str, *, hf_dir: bool, part_size: int | None, rules: Any, include: Any, exclude: Any, allow_pickle: bool,
+    fmt: str,
+    *,
+    hf_dir: bool,
+    part_size: int | None,
+    rules: Any,
+    include: Any,
+    exclude: Any,
+    allow_pickle: bool,
     layout: str,
 ) -> dict[str, Any]:
     """The options a fingerprint holds: those that change the output's bytes. ``layout``:
     ``"parts"`` (a parallel conversion) or ``"writers"`` (one process, the source's writers)."""
     return {
-        "to": fmt, "hf_dir": hf_dir, "part_size": part_size, "rules": rules, "include": include,
-        "exclude": exclude, "allow_pickle": allow_pickle, "layout": layout,
+        "to": fmt,
+        "hf_dir": hf_dir,
+        "part_size": part_size,
+        "rules": rules,
+        "include": include,
+        "exclude": exclude,
+        "allow_pickle": allow_pickle,
+        "layout": layout,
     }
 
 
@@ -368,8 +382,13 @@ def _chunks(job: WriteJob, part: Part) -> list[tuple[str, Chunk]]:
 def _write_xckpt(job: WriteJob, plan: Plan, part: Part) -> dict[str, Any]:
     world, p = len(plan.parts), part.index
     w = Writer(
-        job.dst, rank=p, world_size=world, save_id=plan.save_id, progress=False,
-        metadata=json_metadata(job) or {}, inflight_bytes=CONVERT_INFLIGHT_BYTES,
+        job.dst,
+        rank=p,
+        world_size=world,
+        save_id=plan.save_id,
+        progress=False,
+        metadata=json_metadata(job) or {},
+        inflight_bytes=CONVERT_INFLIGHT_BYTES,
     )
     try:
         # Part 0 declares every tensor (the merged manifest lists them in source order,
@@ -378,7 +397,9 @@ def _write_xckpt(job: WriteJob, plan: Plan, part: Part) -> dict[str, Any]:
             t = job.info(n)
             w.declare(n, t.dtype, t.shape, placement=t.placement, value_range=t.value_range)
         for name, c, arr in job.pieces(_chunks(job, part)):
-            w.write(name, arr, global_shape=job.info(name).shape, offset=c.offset, chunk_value_range=c.value_range)
+            w.write(
+                name, arr, global_shape=job.info(name).shape, offset=c.offset, chunk_value_range=c.value_range
+            )
             job.bar.update(arr.nbytes)
             del arr  # the Writer holds it until flushed
         if p == 0:
@@ -425,12 +446,19 @@ def _write_dcp(job: WriteJob, plan: Plan, part: Part) -> dict[str, Any]:
 
 def _write_shard(job: WriteJob, plan: Plan, part: Part, meta: Mapping[str, str]) -> dict[str, Any]:
     path = os.path.join(job.dst, plan.shard_file(part.index))
-    write_file(job, path + ".partial", [n for n, _ in part.items], dict(meta) if part.index == 0 else {"format": "pt"})
+    write_file(
+        job,
+        path + ".partial",
+        [n for n, _ in part.items],
+        dict(meta) if part.index == 0 else {"format": "pt"},
+    )
     os.rename(path + ".partial", path)
     return {}
 
 
-def write_part(job: WriteJob, plan: Plan, part: Part, journal: Journal, meta: Mapping[str, str]) -> PartResult:
+def write_part(
+    job: WriteJob, plan: Plan, part: Part, journal: Journal, meta: Mapping[str, str]
+) -> PartResult:
     """Write part ``part`` of ``plan`` into ``job.dst`` (the temporary output, made by the
     caller; for a one-part output, absent), make it durable, record it in ``journal``.
 

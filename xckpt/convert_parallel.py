@@ -115,7 +115,9 @@ class _Worker:
     def __init__(self, spec: _Spec, bar: Any, plan: Plan | None = None) -> None:
         self.spec = spec
         self.bar = bar
-        self.src: Source = _open(spec.src, spec.from_format, spec.rules, spec.include, spec.exclude, spec.allow_pickle)
+        self.src: Source = _open(
+            spec.src, spec.from_format, spec.rules, spec.include, spec.exclude, spec.allow_pickle
+        )
         try:
             self.names = tuple(self.src.names())
             obj_names = self.src.object_names()
@@ -132,8 +134,14 @@ class _Worker:
     def _plan(self) -> Plan:
         s = self.spec
         opts = options_of(
-            s.fmt, hf_dir=s.hf_dir, part_size=s.part_size, rules=s.rules, include=_globs(s.include, "include"),
-            exclude=_globs(s.exclude, "exclude"), allow_pickle=s.allow_pickle, layout="parts",
+            s.fmt,
+            hf_dir=s.hf_dir,
+            part_size=s.part_size,
+            rules=s.rules,
+            include=_globs(s.include, "include"),
+            exclude=_globs(s.exclude, "exclude"),
+            allow_pickle=s.allow_pickle,
+            layout="parts",
         )
         fp = fingerprint(self.src, self.names, self.objects, opts)
         return make_plan(self.src, self.names, s.fmt, hf_dir=s.hf_dir, part_size=s.part_size or 0, fp=fp)
@@ -141,8 +149,15 @@ class _Worker:
     def job(self, record: bool | None = None) -> WriteJob:
         s = self.spec
         return WriteJob(
-            self.src, s.tmp, self.names, self.objects, s.part_size if s.hf_dir else None, self.bar, self.per_rank,
-            record=s.verify if record is None else record, save_id=self.plan.save_id,
+            self.src,
+            s.tmp,
+            self.names,
+            self.objects,
+            s.part_size if s.hf_dir else None,
+            self.bar,
+            self.per_rank,
+            record=s.verify if record is None else record,
+            save_id=self.plan.save_id,
         )
 
     def write(self, p: int) -> PartResult:
@@ -237,12 +252,16 @@ class _Pool:
         ctx = mp.get_context("spawn")  # tensorstore's threads do not survive fork
         self.plan, self.bar = plan, bar
         self.counter = ctx.Value("q", 0)
-        self.ex = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(spec, plan, self.counter))
+        self.ex = cf.ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_init, initargs=(spec, plan, self.counter)
+        )
 
     def write(self) -> list[PartResult]:
         """Every part, the largest first, each to the next free process; progress polled."""
         stop = threading.Event()
-        poller = threading.Thread(target=_poll, args=(self.bar, lambda: self.counter.value, stop), daemon=True)
+        poller = threading.Thread(
+            target=_poll, args=(self.bar, lambda: self.counter.value, stop), daemon=True
+        )
         poller.start()
         order = sorted(self.plan.parts, key=lambda p: (-p.nbytes, p.index))
         futures = {p.index: self.ex.submit(_task_write, p.index) for p in order}
@@ -298,7 +317,9 @@ def _finish(spec: _Spec, worker: _Worker, results: list[PartResult], out: str, r
     _commit(spec.tmp, out, replace)
 
 
-def _local(spec: _Spec, workers: int, out: str, replace: bool, resume: bool, show_progress: bool | None) -> None:
+def _local(
+    spec: _Spec, workers: int, out: str, replace: bool, resume: bool, show_progress: bool | None
+) -> None:
     worker = _Worker(spec, None)
     pool: _Pool | None = None
     try:
@@ -416,7 +437,9 @@ def _torchrun(spec: _Spec, out: str, replace: bool, resume: bool, show_progress:
             dist.destroy_process_group()
 
 
-def _torchrun_body(dist: Any, spec: _Spec, out: str, replace: bool, resume: bool, show_progress: bool | None) -> None:
+def _torchrun_body(
+    dist: Any, spec: _Spec, out: str, replace: bool, resume: bool, show_progress: bool | None
+) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(dist)
     sbar = _StoreBar(store)
@@ -551,25 +574,44 @@ def convert(
         XckptError: the source cannot be read as asked, or the output cannot hold it.
     """
     dist = workers == "torchrun"
-    if not dist and workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+    if (
+        not dist
+        and workers is not None
+        and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1)
+    ):
         raise XckptError(f"workers must be a positive number of processes or 'torchrun', got {workers!r}")
     if workers is None and not resume:
         return convert_one(
-            src, dst, from_format=from_format, to_format=to_format, rules=rules, include=include, exclude=exclude,
-            overwrite=overwrite, verify=verify, max_shard_size=max_shard_size, allow_pickle=allow_pickle,
+            src,
+            dst,
+            from_format=from_format,
+            to_format=to_format,
+            rules=rules,
+            include=include,
+            exclude=exclude,
+            overwrite=overwrite,
+            verify=verify,
+            max_shard_size=max_shard_size,
+            allow_pickle=allow_pickle,
             show_progress=show_progress,
         )
     out, fmt, _, hf_dir, size, replace = destination(
-        src, dst, from_format=from_format, to_format=to_format, max_shard_size=max_shard_size, overwrite=overwrite,
+        src,
+        dst,
+        from_format=from_format,
+        to_format=to_format,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
         parts=True,
     )
     if size is None and fmt in ("xckpt", "torch-dcp"):
         size = DEFAULT_PART_SIZE
     tmp, journal = _siblings(out)
-    spec = _Spec(src, from_format, rules, include, exclude, allow_pickle, fmt, hf_dir, size, tmp, journal, verify)
+    spec = _Spec(
+        src, from_format, rules, include, exclude, allow_pickle, fmt, hf_dir, size, tmp, journal, verify
+    )
     if dist:
         _torchrun(spec, os.path.abspath(out), replace, resume, show_progress)
     else:
         _local(spec, int(workers or 1), os.path.abspath(out), replace, resume, show_progress)
     return out
-

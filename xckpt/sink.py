@@ -52,6 +52,10 @@ class Sink(Protocol):
     the sink writes the current one). Nothing is distributed: the sink sees every source
     writer's chunks, each with its writer as ``chunk.rank``, and a format that can keep
     the source's layout (xckpt, torch DCP) writes one rank's pieces per ``chunk.rank``.
+    A parallel conversion (``xckpt.convert(..., workers=N)``, ``xckpt.convert_parallel``)
+    calls ``check`` the same way, then writes its parts through the formats' per-file
+    writers, and ``write`` only for outputs of one part (one file, orbax), with
+    ``job.dst`` a fixed sibling of the destination that a resumed run reuses.
 
     1. The driver opens the source (rules applied, ``include``/``exclude`` filtered),
        resolves its objects (pickled ones read with ``allow_pickle``, else dropped with
