@@ -5,8 +5,9 @@ Workload: a Hugging Face directory of a few GB (``--size-gb``, default 4) writte
 [4096, 8192] matrices (64 MiB), one [8192, 8192] (128 MiB, the largest tensor) and a
 few small vectors, on /dev/shm (``--dir``; the bench says when it must use another
 place because /dev/shm is too small). Rows, each a fresh process timed from outside
-(wall seconds; the peak RSS of the largest process it started, workers included, from
-``RUSAGE_CHILDREN``), medians of ``--repeat`` (3) runs:
+(wall seconds; CPU seconds, user + system, of every process it started, steadier than
+wall time on a shared machine; the peak RSS of the largest process it started, workers
+included, from ``RUSAGE_CHILDREN``), medians of ``--repeat`` (3) runs:
 
 - ``xckpt convert SRC DST --workers 1`` and ``--workers 2``, and ``torchrun
   --nproc_per_node=2 -m xckpt.cli convert``, to xckpt and to a Hugging Face directory
@@ -113,8 +114,9 @@ def child(argv: list[str]) -> None:
     else:
         subprocess.run(argv, check=True)
     seconds = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB -> MiB (Linux)
-    print(json.dumps({"seconds": seconds, "peak_rss_mib": rss}))
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss = ru.ru_maxrss / 1024  # KiB -> MiB (Linux)
+    print(json.dumps({"seconds": seconds, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mib": rss}))
 
 
 def _run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -193,16 +195,19 @@ def main() -> None:
             runs.append(_run(argv, env))
         shutil.rmtree(os.path.join(work, "out"), ignore_errors=True)
         sec = median([r["seconds"] for r in runs])
+        cpu = median([r["cpu_s"] for r in runs])
         rss = max(r["peak_rss_mib"] for r in runs)
-        results.append({"row": label, "seconds": sec, "gb_per_s": total / sec / 1e9, "peak_rss_mib": rss,
-                        "runs": runs})
-        print(f"{label}: {sec:.2f} s, {total / sec / 1e9:.2f} GB/s, peak RSS {rss:.0f} MiB", file=sys.stderr)
+        results.append({"row": label, "seconds": sec, "cpu_s": cpu, "gb_per_s": total / sec / 1e9,
+                        "peak_rss_mib": rss, "runs": runs})
+        print(f"{label}: {sec:.2f} s, {cpu:.2f} CPU s, {total / sec / 1e9:.2f} GB/s, peak RSS {rss:.0f} MiB",
+              file=sys.stderr)
     base = {r["row"]: r for r in results}
     anchor = base.get("per-file torch script, 2 process(es)")
-    table = [["row", "seconds", "GB/s", "vs per-file x2", "peak RSS MiB"]]
+    table = [["row", "seconds", "GB/s", "vs per-file x2", "CPU s", "peak RSS MiB"]]
     for r in results:
         ratio = f"{anchor['seconds'] / r['seconds']:.2f}x" if anchor else "-"
-        table.append([r["row"], f"{r['seconds']:.2f}", f"{r['gb_per_s']:.2f}", ratio, f"{r['peak_rss_mib']:.0f}"])
+        table.append([r["row"], f"{r['seconds']:.2f}", f"{r['gb_per_s']:.2f}", ratio, f"{r['cpu_s']:.1f}",
+                      f"{r['peak_rss_mib']:.0f}"])
     print(f"source: {total / 1e9:.2f} GB in {len(os.listdir(src)) - 1} files, largest tensor {LARGEST >> 20} MiB "
           f"(RSS target {2 * (LARGEST >> 20) + 300} MiB), cores {os.cpu_count()}, at {work}")
     print(markdown_table(table[0], table[1:]))
