@@ -387,3 +387,17 @@ def test_a_failed_rank_fails_every_rank_with_its_error():
     with pytest.raises(XckptError, match=r"writing the parts failed on rank 1: XckptError: no such checkpoint"):
         cp._raise_any(gathered, "writing the parts")
     cp._raise_any([1, [2]], "nothing")  # no error: nothing raised
+
+
+def test_to_s3_in_place_each_worker_its_own_writer(source, s3):
+    dst = s3.fresh("out")
+    assert xckpt.convert(source, dst, max_shard_size=PART, workers=2) == dst
+    with xckpt.open(dst) as ck:
+        assert ck.world_size >= 3 and ck.save_id.startswith("convert-")
+    read_back("xckpt", dst)
+    with pytest.raises(CheckpointExistsError, match="already holds a checkpoint"):
+        xckpt.convert(source, dst, workers=1)
+    with pytest.raises(XckptError, match="written in place: overwrite and resume are for local outputs"):
+        xckpt.convert(source, s3.fresh("out"), workers=1, resume=True)
+    with pytest.raises(XckptError, match="convert writes safetensors to local paths"):
+        xckpt.convert(source, s3.fresh("out"), to_format="safetensors", workers=1)

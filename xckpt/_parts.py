@@ -457,10 +457,11 @@ def _write_shard(job: WriteJob, plan: Plan, part: Part, meta: Mapping[str, str])
 
 
 def write_part(
-    job: WriteJob, plan: Plan, part: Part, journal: Journal, meta: Mapping[str, str]
+    job: WriteJob, plan: Plan, part: Part, journal: Journal | None, meta: Mapping[str, str]
 ) -> PartResult:
     """Write part ``part`` of ``plan`` into ``job.dst`` (the temporary output, made by the
-    caller; for a one-part output, absent), make it durable, record it in ``journal``.
+    caller; for a one-part output, absent; or an xckpt location in object storage, with no
+    journal), make it durable, record it in ``journal``.
 
     ``meta`` is a Hugging Face directory's first shard's ``__metadata__``. The job records
     the source's crc32c of every box it reads (with ``job.record``), returned for verify."""
@@ -477,11 +478,12 @@ def write_part(
         "plan_id": plan.plan_id,
         "part": part.index,
         "nbytes": part.nbytes,
-        "files": _digests(plan, part.index, job.dst),
+        "files": _digests(plan, part.index, job.dst) if journal is not None else [],
         "crcs": [[n, list(o), list(s), c] for (n, o, s), c in job.crcs.items()],
         **extra,
     }
-    journal.record(result)
+    if journal is not None:  # None: an xckpt output in object storage, written in place (no resume)
+        journal.record(result)
     return result
 
 

@@ -402,8 +402,8 @@ def destination(
     out = local_path(dst)
     if out is None:
         raise XckptError(
-            f"convert writes to local paths; {dst!r} is a URL. Convert locally, then copy, or save "
-            "xckpt checkpoints to remote storage with xckpt.save"
+            f"convert writes to local paths; {dst!r} is a URL. Convert locally, then copy, or convert to "
+            "xckpt there with workers=N (--workers N), which writes object storage in place"
         )
     out = out.rstrip(os.sep) or out
     fmt = to_format if to_format is not None else guess_format(out)

@@ -29,6 +29,11 @@ environment when none is (and destroyed after), with a timeout of
 :data:`GROUP_TIMEOUT_S` between collectives. ``dst`` must be a filesystem every rank
 sees. Progress for the whole job shows on rank 0 (the ranks add their bytes to the
 group's store).
+
+An xckpt output may also be in object storage (a kvstore URL or spec): there is no
+rename, so the parts' writers write their ranks in place, the commit writes the merged
+manifest, and xckpt's own commit protocol keeps a killed run from looking complete (a
+reader needs every part's manifest); no ``overwrite`` or ``resume`` there.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from xckpt._stream import crc32c
 from xckpt.convert import (
     VerifyMismatchError,
     _check,
+    _check_from_format,
     _check_structure,
     _commit,
     _globs,
@@ -70,13 +76,15 @@ from xckpt.convert import (
     _read_back,
     _remove,
     destination,
+    parse_size,
 )
 from xckpt.convert import convert as convert_one
 from xckpt.converters.safetensors_write import metadata_of
-from xckpt.errors import CorruptChunkError, XckptError
+from xckpt.errors import CheckpointExistsError, CorruptChunkError, XckptError
 from xckpt.layout import Box
 from xckpt.sink import WriteJob
-from xckpt.source import Source
+from xckpt.source import Source, local_path
+from xckpt.storage import Storage
 
 __all__ = ["convert", "torchrun_env", "GROUP_TIMEOUT_S"]
 
@@ -104,8 +112,8 @@ class _Spec:
     fmt: str
     hf_dir: bool
     part_size: int | None
-    tmp: str
-    journal: str
+    tmp: Any  # a local path, or (xckpt in object storage, written in place) the destination
+    journal: str | None  # None: the destination is in object storage (no resume)
     verify: bool
 
 
@@ -129,7 +137,7 @@ class _Worker:
         except BaseException:
             self.src.close()
             raise
-        self.journal = Journal(spec.journal)
+        self.journal = Journal(spec.journal) if spec.journal is not None else None
 
     def _plan(self) -> Plan:
         s = self.spec
@@ -163,7 +171,7 @@ class _Worker:
     def write(self, p: int) -> PartResult:
         """Part ``p``: kept when the journal says it is finished and its bytes match, else written."""
         part = self.plan.parts[p]
-        kept = kept_part(self.plan, p, self.spec.tmp, self.journal)
+        kept = kept_part(self.plan, p, self.spec.tmp, self.journal) if self.journal is not None else None
         if kept is not None:
             self.bar.update(part.nbytes)
             return kept
@@ -291,6 +299,9 @@ class _Pool:
 
 def _prepare_tmp(plan: Plan, spec: _Spec, resume: bool) -> None:
     """Start or continue the journal; a fresh run removes a temporary output left behind."""
+    if spec.journal is None:
+        return  # object storage: the parts' writers claim the destination
+    os.makedirs(os.path.dirname(spec.tmp), exist_ok=True)
     continued = Journal(spec.journal).start(plan, resume)
     if not continued:
         _remove(spec.tmp)
@@ -313,8 +324,9 @@ def _finish(spec: _Spec, worker: _Worker, results: list[PartResult], out: str, r
                 f"conversion of {worker.src.path!r} to {spec.fmt} does not read back as written: {problems[0]}; "
                 "nothing was written to the destination. Check the disk and convert again"
             )
-    Journal(spec.journal).remove()
-    _commit(spec.tmp, out, replace)
+    if spec.journal is not None:
+        Journal(spec.journal).remove()
+        _commit(spec.tmp, out, replace)
 
 
 def _local(
@@ -330,7 +342,6 @@ def _local(
         with progress(total, f"convert to {spec.fmt} ({workers} workers)", show_progress) as bar:
             worker.bar = bar
             _check(formats.FORMATS[spec.fmt], worker.job())
-            os.makedirs(os.path.dirname(spec.tmp), exist_ok=True)
             _prepare_tmp(plan, spec, resume)
             if workers == 1 or len(plan.parts) == 1:
                 results = [worker.write(p.index) for p in plan.parts]
@@ -346,13 +357,45 @@ def _local(
                     pool.verify(results)
             _finish(spec, worker, results, out, replace)
         except VerifyMismatchError:
-            _remove(spec.tmp)  # damaged: a resume must not keep it
-            Journal(spec.journal).remove()
+            _discard(spec)  # damaged: a resume must not keep it
             raise
     finally:
         if pool is not None:
             pool.close()
         worker.close()
+
+
+def _discard(spec: _Spec) -> None:
+    """Remove a conversion's output that failed verify (and its journal)."""
+    if spec.journal is None:
+        Storage(spec.tmp).delete_prefix("")
+        return
+    _remove(spec.tmp)
+    Journal(spec.journal).remove()
+
+
+def _remote(
+    src: Any, dst: Any, *, from_format: str | None, to_format: str | None, overwrite: bool, resume: bool
+) -> None:
+    """The checks before an xckpt output is written in place in object storage."""
+    if (to_format or "xckpt") != "xckpt":
+        raise XckptError(
+            f"convert writes {to_format} to local paths; {dst!r} is not one. Convert to xckpt there, or "
+            "convert locally and copy"
+        )
+    if overwrite or resume:
+        raise XckptError(
+            f"an xckpt output in object storage ({dst!r}) is written in place: overwrite and resume are for "
+            "local outputs. Delete the location first, or convert to a new one"
+        )
+    if from_format is not None:
+        _check_from_format(src, from_format)
+    storage = Storage(dst)
+    if storage.read_key("xckpt.json") is not None or storage.list_prefix("ranks/"):
+        raise CheckpointExistsError(
+            f"{dst!r} already holds a checkpoint (or a conversion that was killed there); delete the location, "
+            "or convert to a new one"
+        )
 
 
 def _warn_skipped(worker: _Worker) -> None:
@@ -478,7 +521,6 @@ def _torchrun_body(
 
 def _rank0_prepare(worker: _Worker, plan: Plan, spec: _Spec, resume: bool) -> None:
     _check(formats.FORMATS[spec.fmt], worker.job())
-    os.makedirs(os.path.dirname(spec.tmp), exist_ok=True)
     _prepare_tmp(plan, spec, resume)
 
 
@@ -518,7 +560,7 @@ def _siblings(out: str) -> tuple[str, str]:
 
 def convert(
     src: Any,
-    dst: str | os.PathLike[str],
+    dst: Any,
     *,
     from_format: str | None = None,
     to_format: str | None = None,
@@ -540,10 +582,12 @@ def convert(
         src: checkpoint location of any format: a local path, a kvstore URL or spec
             (``s3://``, ``gs://``, an S3-compatible endpoint, ``memory://``), or an
             ``http(s)://`` URL (safetensors, Hugging Face directories, torch.save).
-        dst: local output path. Format from ``to_format``, else from the name:
+        dst: output path. Format from ``to_format``, else from the name:
             ``*.safetensors`` one safetensors file, ``*.pt|*.pth|*.bin`` torch.save,
             anything else xckpt (``to_format="safetensors"`` with another name
-            writes a Hugging Face directory: index and shards).
+            writes a Hugging Face directory: index and shards). With ``workers`` (or
+            ``"torchrun"``), an xckpt output may also be a kvstore URL or spec (object
+            storage), written in place (no ``overwrite``, no ``resume``).
         from_format: force the source format; one that does not fit is an error.
         to_format: ``xckpt``, ``safetensors``, ``torch``, ``torch-dcp`` or ``orbax``.
         rules: rename/transpose/stack rules (list of dicts, or a JSON/TOML file).
@@ -595,6 +639,15 @@ def convert(
             allow_pickle=allow_pickle,
             show_progress=show_progress,
         )
+    if local_path(dst) is None:  # xckpt in object storage: written in place, each worker its own connections
+        _remote(src, dst, from_format=from_format, to_format=to_format, overwrite=overwrite, resume=resume)
+        part = parse_size(max_shard_size) if max_shard_size is not None else DEFAULT_PART_SIZE
+        spec = _Spec(src, from_format, rules, include, exclude, allow_pickle, "xckpt", False, part, dst, None, verify)
+        if dist:
+            _torchrun(spec, "", False, False, show_progress)
+        else:
+            _local(spec, int(workers or 1), "", False, False, show_progress)
+        return dst
     out, fmt, _, hf_dir, size, replace = destination(
         src,
         dst,
