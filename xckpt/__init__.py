@@ -9,7 +9,7 @@ adapters live in :mod:`xckpt.torch` and :mod:`xckpt.jax`.
 from __future__ import annotations
 
 from xckpt import errors, layout
-from xckpt.convert import convert
+from xckpt.convert_parallel import convert
 from xckpt.formats import load, open
 from xckpt.layout import Box
 from xckpt.manager import CheckpointManager

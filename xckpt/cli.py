@@ -35,7 +35,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from xckpt.convert import VerifyMismatchError, convert, guess_format
+from xckpt.convert import VerifyMismatchError, guess_format
+from xckpt.convert_parallel import convert, torchrun_env
 from xckpt.errors import CheckpointNotFoundError, XckptError
 from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
@@ -271,6 +272,15 @@ examples:
   xckpt convert deepseek-v3 deepseek-v3-bf16 --to safetensors \\
       --rules fp8_block_dequant                                   # fp8 -> bf16, no GPU needed
   xckpt convert old.pt new.safetensors --overwrite --no-verify
+  xckpt convert hf-model model-xckpt --workers 8                 # 8 local processes
+  torchrun --nnodes 4 --nproc-per-node 8 -m xckpt.cli convert \
+      /shared/dcp /shared/hf --to safetensors                     # every rank a worker
+  xckpt convert hf-model model-xckpt --workers 8 --resume        # continue a killed run
+
+In parallel (--workers, torchrun) the output is cut into parts of about
+--max-shard-size bytes (safetensors shards; for xckpt and torch-dcp, default 1GiB),
+one file each, the same for any number of workers; a journal beside DST records
+finished parts for --resume.
 
 exit codes: 0 converted, 1 the written output does not read back as the source
 (nothing at DST), 2 an error (the message says what and how to fix it).
@@ -317,6 +327,19 @@ def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument("--no-verify", action="store_true", help="skip re-reading the output (faster)")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST (after success)")
     s.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="convert in parallel with N local processes (the output is the same for any N); under "
+        "torchrun leave it out: every rank is a worker",
+    )
+    s.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a killed or failed conversion to DST: finished parts that still match the journal "
+        "are kept, the rest written again",
+    )
+    s.add_argument(
         "--allow-pickle",
         action="store_true",
         help="convert pickled objects of a DCP source (unpickling runs code); else they are skipped",
@@ -327,6 +350,14 @@ def _convert(args: argparse.Namespace) -> int:
     size: int | str | None = args.max_shard_size
     if isinstance(size, str) and size.strip().isdigit():
         size = int(size)
+    workers: int | str | None = args.workers
+    if torchrun_env():
+        if workers is not None:
+            raise XckptError(
+                "--workers is for local processes; under torchrun every rank is a worker: drop --workers, or "
+                "run without torchrun"
+            )
+        workers = "torchrun"
     try:
         out = convert(
             args.src,
@@ -341,11 +372,15 @@ def _convert(args: argparse.Namespace) -> int:
             max_shard_size=size,
             allow_pickle=args.allow_pickle,
             compression=args.compression,
+            workers=workers,
+            resume=args.resume,
         )
     except VerifyMismatchError as e:
         print(f"xckpt convert: verify failed: {e}", file=sys.stderr)
         return 1
     fmt = args.to_format or guess_format(out)
+    if workers == "torchrun" and os.environ.get("RANK", "0") != "0":
+        return 0
     print(f"{args.src} -> {out} ({fmt}{', verified' if not args.no_verify else ''})")
     return 0
 

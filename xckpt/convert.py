@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from xckpt import formats
+from xckpt._parts import fingerprint, options_of, save_id_for
 from xckpt._progress import progress
 from xckpt._stream import Buffers, aligned, crc32c, read_ahead
 from xckpt.errors import CheckpointExistsError, CorruptChunkError, XckptError
@@ -64,7 +65,7 @@ from xckpt.source import Source, local_path
 from xckpt.storage import as_place
 from xckpt.views import Selected
 
-__all__ = ["convert", "VerifyMismatchError", "guess_format", "parse_size", "DEFAULT_SHARD_SIZE"]
+__all__ = ["convert", "VerifyMismatchError", "guess_format", "parse_size", "destination", "DEFAULT_SHARD_SIZE"]
 
 #: huggingface_hub's default shard size.
 DEFAULT_SHARD_SIZE = 5 * 10**9
@@ -382,6 +383,52 @@ def _check_structure(job: WriteJob, out: Source) -> None:
         )
 
 
+def destination(
+    src: Any,
+    dst: Any,
+    *,
+    from_format: str | None,
+    to_format: str | None,
+    max_shard_size: int | str | None,
+    overwrite: bool,
+    parts: bool = False,
+) -> tuple[str, str, Format, bool, int | None, bool]:
+    """The checks before a conversion writes anything: ``(out, format name, format,
+    Hugging Face directory?, shard or part size, replace?)``.
+
+    ``parts``: a parallel conversion, where ``max_shard_size`` is also the part size of
+    xckpt and torch DCP outputs (None here: the caller's default).
+    """
+    out = local_path(dst)
+    if out is None:
+        raise XckptError(
+            f"convert writes to local paths; {dst!r} is a URL. Convert locally, then copy, or convert to "
+            "xckpt there with workers=N (--workers N), which writes object storage in place"
+        )
+    out = out.rstrip(os.sep) or out
+    fmt = to_format if to_format is not None else guess_format(out)
+    out_fmt = formats.FORMATS.get(fmt)
+    if out_fmt is None:
+        raise XckptError(f"unknown output format {fmt!r}; known: {', '.join(formats.FORMATS)}")
+    hf_dir = fmt == "safetensors" and not out.lower().endswith(".safetensors")
+    shard: int | None = None
+    if max_shard_size is not None:
+        if not hf_dir and not (parts and fmt in ("xckpt", "torch-dcp")):
+            raise XckptError(
+                "max_shard_size applies to Hugging Face directories (to_format='safetensors' with a "
+                "dst not ending in .safetensors)"
+                + (" and to the parts of xckpt and torch-dcp outputs" if parts else "")
+                + f"; {out!r} is written as {fmt}"
+            )
+        shard = parse_size(max_shard_size)
+    elif hf_dir:
+        shard = DEFAULT_SHARD_SIZE
+    if from_format is not None:
+        _check_from_format(src, from_format)
+    replace = _check_dst(out, src, overwrite)
+    return out, fmt, out_fmt, hf_dir, shard, replace
+
+
 def convert(
     src: Any,
     dst: str | os.PathLike[str],
@@ -432,35 +479,13 @@ def convert(
         CorruptChunkError: ``verify`` read back bytes that differ from the source's.
         XckptError: the source cannot be read as asked, or the output cannot hold it.
     """
-    out = local_path(dst)
-    if out is None:
-        raise XckptError(
-            f"convert writes to local paths; {dst!r} is a URL. Convert locally, then copy, or save "
-            "xckpt checkpoints to remote storage with xckpt.save"
-        )
-    out = out.rstrip(os.sep) or out
-    fmt = to_format if to_format is not None else guess_format(out)
-    out_fmt = formats.FORMATS.get(fmt)
-    if out_fmt is None:
-        raise XckptError(f"unknown output format {fmt!r}; known: {', '.join(formats.FORMATS)}")
+    out, fmt, out_fmt, hf_dir, shard, replace = destination(
+        src, dst, from_format=from_format, to_format=to_format, max_shard_size=max_shard_size, overwrite=overwrite
+    )
     if compression is not None and fmt != "xckpt":
         raise XckptError(
             f"compression={compression!r} is for xckpt output; {out!r} is written as {fmt}, which has no codecs"
         )
-    hf_dir = fmt == "safetensors" and not out.lower().endswith(".safetensors")
-    shard: int | None = None
-    if max_shard_size is not None:
-        if not hf_dir:
-            raise XckptError(
-                "max_shard_size applies to Hugging Face directories (to_format='safetensors' with a "
-                f"dst not ending in .safetensors); {out!r} is written as {fmt}"
-            )
-        shard = parse_size(max_shard_size)
-    elif hf_dir:
-        shard = DEFAULT_SHARD_SIZE
-    if from_format is not None:
-        _check_from_format(src, from_format)
-    replace = _check_dst(out, src, overwrite)
     source = _open(src, from_format, rules, include, exclude, allow_pickle)
     try:
         names = tuple(source.names())
@@ -480,10 +505,12 @@ def convert(
         total = sum(source.info(n).nbytes for n in names)
         try:  # the Sink call protocol, steps 2 to 4
             with progress(total, f"convert to {fmt}", show_progress) as bar:
-                job = WriteJob(
-                    source, tmp, names, objects, shard, bar, per_rank, record=verify and fmt != "xckpt",
-                    compression=compression,
-                )
+                opts = options_of(fmt, hf_dir=hf_dir, part_size=shard, rules=rules, include=include, exclude=exclude,
+                                  allow_pickle=allow_pickle, layout="writers",
+                                  compression=compression)
+                save_id = save_id_for(fmt, fingerprint(source, names, objects, opts))
+                job = WriteJob(source, tmp, names, objects, shard, bar, per_rank, record=verify and fmt != "xckpt",
+                               save_id=save_id, compression=compression)
                 _check(out_fmt, job)
                 os.makedirs(parent, exist_ok=True)
                 out_fmt.sink.write(job)

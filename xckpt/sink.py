@@ -11,7 +11,7 @@ sink lays bytes out, reading the source through the job. The call protocol is in
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -53,6 +53,10 @@ class Sink(Protocol):
     the sink writes the current one). Nothing is distributed: the sink sees every source
     writer's chunks, each with its writer as ``chunk.rank``, and a format that can keep
     the source's layout (xckpt, torch DCP) writes one rank's pieces per ``chunk.rank``.
+    A parallel conversion (``xckpt.convert(..., workers=N)``, ``xckpt.convert_parallel``)
+    calls ``check`` the same way, then writes its parts through the formats' per-file
+    writers, and ``write`` only for outputs of one part (one file, orbax), with
+    ``job.dst`` a fixed sibling of the destination that a resumed run reuses.
 
     1. The driver opens the source (rules applied, ``include``/``exclude`` filtered),
        resolves its objects (pickled ones read with ``allow_pickle``, else dropped with
@@ -133,6 +137,9 @@ class WriteJob:
         compression: the codec of an xckpt output's array chunks (None: raw).
         record: record a crc32c per source box as it is read, for verify (the driver
             turns it off without verify, and for xckpt output, which checks its own).
+        save_id: the id a format that records one (xckpt's manifests, DCP's ``.metadata``)
+            writes; the driver derives it from the source's fingerprint and the options, so
+            converting the same source the same way gives the same bytes (None: random).
     """
 
     src: Source
@@ -144,6 +151,7 @@ class WriteJob:
     per_rank_objects: frozenset[str] = frozenset()
     record: bool = True
     compression: str | None = None
+    save_id: str | None = None
     _buffers: Buffers = field(default_factory=Buffers, init=False, repr=False, compare=False)
     _crcs: dict[BoxKey, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     _partial: dict[BoxKey, int] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -189,6 +197,16 @@ class WriteJob:
         yield from read_ahead([functools.partial(self._chunk_pair, name, c, reuse) for c in chunks])
         if reuse:
             self._buffers.trim()
+
+    def pieces(self, items: Sequence[tuple[str, Chunk]], *, reuse: bool = False) -> Iterator[tuple[str, Chunk, np.ndarray]]:
+        """Each stored chunk of ``items`` (tensor name, chunk), in order, as :meth:`chunks`
+        reads them (fresh buffers, or recycled ones with ``reuse``; the next read ahead)."""
+        yield from read_ahead([functools.partial(self._named_chunk, name, c, reuse) for name, c in items])
+        if reuse:
+            self._buffers.trim()
+
+    def _named_chunk(self, name: str, chunk: Chunk, reuse: bool) -> tuple[str, Chunk, np.ndarray]:
+        return name, chunk, self.read_chunk(name, chunk, reuse=reuse)
 
     def bands(
         self, name: str, *, max_bytes: int, multiple: int = 1

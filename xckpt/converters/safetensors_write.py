@@ -37,7 +37,7 @@ from xckpt.errors import XckptError
 from xckpt.manifest import encode_value
 from xckpt.sink import Sink, WriteJob
 
-__all__ = ["SafetensorsSink", "ST_DTYPES", "plan_shards"]
+__all__ = ["SafetensorsSink", "ST_DTYPES", "plan_shards", "write_file", "metadata_of", "INDEX"]
 
 FORMAT = "safetensors"
 
@@ -68,7 +68,7 @@ _PARTIAL = ".partial"
 _INDEX_KEYS = frozenset({"total_size", "total_parameters"})
 
 
-def _metadata(job: WriteJob) -> dict[str, str]:
+def metadata_of(job: WriteJob) -> dict[str, str]:
     meta: dict[str, str] = {"format": "pt"}
     carried = job.src.metadata if job.src.format in ("safetensors", "xckpt") else {}
     for k, v in dict(carried).items():
@@ -100,7 +100,8 @@ def _header(job: WriteJob, names: list[str], metadata: dict[str, str] | None) ->
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_file(job: WriteJob, path: str, names: list[str], metadata: dict[str, str] | None) -> None:
+def write_file(job: WriteJob, path: str, names: list[str], metadata: dict[str, str] | None) -> None:
+    """One safetensors file of ``names`` at ``path`` (created; fsynced): header, then each tensor's bytes."""
     header = _header(job, names, metadata)
     with open(path, "xb") as f:
         f.write(header)
@@ -109,6 +110,8 @@ def _write_file(job: WriteJob, path: str, names: list[str], metadata: dict[str, 
                 f.write(memoryview(piece.reshape(-1).view(np.uint8)))
                 job.bar.update(piece.nbytes)
                 del piece  # free it before the next piece is read: one piece in memory
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
@@ -134,22 +137,22 @@ class SafetensorsSink(Sink):
 
     def check(self, job: WriteJob) -> None:
         """Every dtype has a safetensors name; every object and metadata value encodes as JSON."""
-        _header(job, list(job.names), _metadata(job))
+        _header(job, list(job.names), metadata_of(job))
 
     def write(self, job: WriteJob) -> None:
         """Each file's header first, then its tensors' bytes; a directory's shards under
         ``.partial`` names, then its index, then the shards' renames."""
         names = list(job.names)
-        meta = _metadata(job)
+        meta = metadata_of(job)
         if job.max_shard_size is None:
-            _write_file(job, job.dst, names, meta)
+            write_file(job, job.dst, names, meta)
             return
         shards = plan_shards([(n, job.src.info(n).nbytes) for n in names], job.max_shard_size)
         os.makedirs(job.dst)
         weight_map: dict[str, str] = {}
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         for i, (fname, shard) in enumerate(zip(files, shards)):
-            _write_file(job, os.path.join(job.dst, fname + _PARTIAL), shard, meta if i == 0 else {"format": "pt"})
+            write_file(job, os.path.join(job.dst, fname + _PARTIAL), shard, meta if i == 0 else {"format": "pt"})
             weight_map.update((name, fname) for name in shard)
         total = sum(job.src.info(name).nbytes for name in names)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

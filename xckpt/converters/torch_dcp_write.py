@@ -43,6 +43,8 @@ import io
 import os
 import pickle
 import secrets
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,7 +52,7 @@ import numpy as np
 from xckpt.errors import ObjectError, XckptError
 from xckpt.sink import Sink, WriteJob
 
-__all__ = ["DcpSink", "torch_tensor"]
+__all__ = ["DcpSink", "torch_tensor", "append_tensor", "write_metadata", "flat_objects_of", "pickled", "StoredChunk"]
 
 FORMAT = "torch-dcp"
 
@@ -76,7 +78,7 @@ def _fsync_close(f: Any) -> None:
     f.close()
 
 
-def _flat_objects(job: WriteJob) -> tuple[dict[str, Any], dict[str, Any]]:
+def flat_objects_of(job: WriteJob) -> tuple[dict[str, Any], dict[str, Any]]:
     """Objects flattened as ``dcp.save`` flattens a state dict, and their paths; a flattened
     key that is also a tensor name is an error."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -92,7 +94,7 @@ def _flat_objects(job: WriteJob) -> tuple[dict[str, Any], dict[str, Any]]:
     return flat_objects, object_paths
 
 
-def _pickled(job: WriteJob, key: str, value: Any) -> io.BytesIO:
+def pickled(job: WriteJob, key: str, value: Any) -> io.BytesIO:
     """``value`` as DCP stores a ``BYTE_IO`` item: ``torch.save``'d bytes."""
     import torch
 
@@ -130,8 +132,8 @@ class DcpSink(Sink):
                     f"({torch.__version__}) has no dtype for; cast it with a rule "
                     f'{{"match": "{name}", "dtype": "float32"}}, exclude it, or convert to xckpt'
                 )
-        for key, value in _flat_objects(job)[0].items():
-            _pickled(job, key, value)
+        for key, value in flat_objects_of(job)[0].items():
+            pickled(job, key, value)
 
     def write(self, job: WriteJob) -> None:
         """Every chunk appended to its source writer's file as a ``torch.save`` archive,
@@ -141,19 +143,7 @@ class DcpSink(Sink):
             XckptError: an object's flattened key is also a tensor name.
             ObjectError: an object cannot be pickled by ``torch.save``.
         """
-        import torch
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            Metadata,
-            MetadataIndex,
-            StorageMeta,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
-
-        flat_objects, object_paths = _flat_objects(job)
+        flat_objects, object_paths = flat_objects_of(job)
         dst = os.path.abspath(job.dst)
         os.makedirs(dst)
         files: dict[int, Any] = {}
@@ -164,59 +154,104 @@ class DcpSink(Sink):
                 files[r] = open(os.path.join(dst, rel), "wb")  # noqa: SIM115 - closed below
             return rel, files[r]
 
-        state: dict[str, Any] = {}
-        storage: dict[Any, Any] = {}
-        planner: dict[str, tuple[Any, ...]] = {}
+        tensors: dict[str, list[StoredChunk]] = {}
+        stored_objects: list[tuple[str, str, int, int]] = []
         try:
             for name in job.names:
                 t = job.info(name)
-                chunks = []
+                chunks = tensors[name] = []
                 # A tensor with no stored chunk (empty) still gets one, as DCP writes empty shards.
                 pieces = job.chunks(name, reuse=True) if t.chunks else iter([(None, np.empty(t.shape, dtype=t.np_dtype))])
-                i = 0  # not enumerate(): its reused result tuple would keep the last chunk alive
                 for chunk, data in pieces:
                     offset, rank = (chunk.offset, chunk.rank) if chunk is not None else ((0,) * len(t.shape), 0)
                     rel, f = rank_file(rank)
-                    start = f.tell()
-                    torch.save(torch_tensor(data, t.dtype), f)
-                    length = f.tell() - start
-                    index = MetadataIndex(name, torch.Size(offset), i)
-                    storage[index] = _StorageInfo(rel, start, length)
-                    chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(data.shape)))
+                    start, length = append_tensor(f, data, t.dtype)
+                    chunks.append((tuple(offset), tuple(data.shape), rel, start, length))
                     job.bar.update(data.nbytes)
                     del data  # before the next chunk is read: one chunk in memory at a time
-                    i += 1
-                state[name] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=getattr(torch, t.dtype)),
-                    size=torch.Size(t.shape),
-                    chunks=chunks,
-                )
-                planner[name] = (name,)
             for key, value in flat_objects.items():
-                buf = _pickled(job, key, value)
                 rel, f = rank_file(0)
                 start = f.tell()
-                f.write(buf.getbuffer())
-                storage[MetadataIndex(key)] = _StorageInfo(rel, start, f.tell() - start)
-                state[key] = BytesStorageMetadata()
-                planner[key] = tuple(object_paths[key])
+                f.write(pickled(job, key, value).getbuffer())
+                stored_objects.append((key, rel, start, f.tell() - start))
             for f in files.values():
                 _fsync_close(f)
         finally:
             for f in files.values():
                 if not f.closed:
                     f.close()
+        write_metadata(dst, job, tensors, stored_objects, object_paths, job.save_id or secrets.token_hex(16))
 
-        meta = Metadata(
-            state_dict_metadata=state,
-            planner_data=planner,
-            storage_data=storage,
-            storage_meta=StorageMeta(checkpoint_id=None, save_id=secrets.token_hex(16)),
-            version=CURRENT_DCP_VERSION,
+
+#: One stored chunk of a DCP output: (offsets, sizes, file, byte offset, byte length).
+StoredChunk = tuple[tuple[int, ...], tuple[int, ...], str, int, int]
+
+
+def append_tensor(f: Any, data: np.ndarray, dtype: str) -> tuple[int, int]:
+    """``data`` (xckpt dtype ``dtype``) appended to the open file ``f`` as DCP's ``_write_item``
+    writes a chunk (a ``torch.save`` archive): its (byte offset, byte length)."""
+    import torch
+
+    start = f.tell()
+    torch.save(torch_tensor(data, dtype), f)
+    return start, f.tell() - start
+
+
+def write_metadata(
+    dst: str,
+    job: WriteJob,
+    tensors: Mapping[str, Sequence[StoredChunk]],
+    objects: Sequence[tuple[str, str, int, int]],
+    object_paths: Mapping[str, Any],
+    save_id: str,
+) -> None:
+    """``.metadata`` (through ``.metadata.tmp`` and a rename, fsynced) for ``tensors`` (in
+    ``job.names`` order, each its stored chunks in order) and ``objects`` ((key, file,
+    offset, length), flattened as ``flat_objects_of`` flattens them)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    # Every string interned: pickle writes an object once and refers back to it after, so
+    # equal strings must be one object for the bytes to depend on values alone (not on which
+    # process made each string).
+    intern = sys.intern
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple[Any, ...]] = {}
+    for name in map(intern, job.names):
+        chunks = []
+        for i, (offset, sizes, rel, start, length) in enumerate(tensors[name]):
+            storage[MetadataIndex(name, torch.Size(offset), i)] = _StorageInfo(intern(rel), start, length)
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(sizes)))
+        t = job.info(name)
+        state[name] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=getattr(torch, t.dtype)), size=torch.Size(t.shape), chunks=chunks
         )
-        tmp = os.path.join(dst, ".metadata.tmp")
-        with open(tmp, "wb") as f:
-            pickle.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(dst, ".metadata"))
+        planner[name] = (name,)
+    for key, rel, start, length in objects:
+        key = intern(key)
+        storage[MetadataIndex(key)] = _StorageInfo(intern(rel), start, length)
+        state[key] = BytesStorageMetadata()
+        planner[key] = tuple(intern(k) if isinstance(k, str) else k for k in object_paths[key])
+    meta = Metadata(
+        state_dict_metadata=state,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id),
+        version=CURRENT_DCP_VERSION,
+    )
+    tmp = os.path.join(dst, ".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(dst, ".metadata"))

@@ -20,12 +20,12 @@ from xckpt.manifest import encode_value
 from xckpt.native.writer import Writer, finalize
 from xckpt.sink import CONVERT_INFLIGHT_BYTES, Sink, WriteJob
 
-__all__ = ["XckptSink"]
+__all__ = ["XckptSink", "json_metadata"]
 
 FORMAT = "xckpt"
 
 
-def _json_metadata(job: WriteJob) -> dict[str, Any] | None:
+def json_metadata(job: WriteJob) -> dict[str, Any] | None:
     """The source's metadata when it is JSON (it travels), else None (it stays behind)."""
     meta = dict(job.src.metadata)
     try:
@@ -53,7 +53,7 @@ class XckptSink(Sink):
             values = value if name in job.per_rank_objects and isinstance(value, list) else [value]
             for v in values:
                 encode_value(v, name)
-        if _json_metadata(job) is None:
+        if json_metadata(job) is None:
             warnings.warn(
                 f"convert {job.src.path!r}: the source's metadata is not JSON and stays behind", stacklevel=3
             )
@@ -64,8 +64,8 @@ class XckptSink(Sink):
         src = job.src
         infos = {n: src.info(n) for n in job.names}
         world = max([src.world_size] + [c.rank + 1 for t in infos.values() for c in t.chunks])
-        save_id = "convert-" + secrets.token_hex(8)
-        meta = _json_metadata(job) or {}
+        save_id = job.save_id or "convert-" + secrets.token_hex(8)
+        meta = json_metadata(job) or {}
         for r in range(world):
             w = Writer(
                 job.dst,
