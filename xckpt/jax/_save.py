@@ -129,6 +129,48 @@ def _plan_jax_array(w: Writer, name: str, arr: jax.Array, me: int) -> list[tuple
     return out
 
 
+def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """The tree's leaves by name, each of a type `save` stores.
+
+    Raises:
+        ObjectError: a bare array (no name), or a leaf of another type.
+    """
+    named, _ = flatten(tree)
+    for name, leaf in named:
+        if name == "":
+            raise ObjectError(
+                "save() got a bare array, not a tree: wrap it in a dict, e.g. {'x': array}, so "
+                "it has a name"
+            )
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic) + _OBJECT_TYPES):
+            raise ObjectError(
+                f"leaf {name!r} is a {type(leaf).__name__}; xckpt.jax.save stores jax.Arrays, "
+                "numpy arrays and bool/int/float/str/bytes. Convert it, or leave it out"
+            )
+    return named
+
+
+def _shards_to_host(
+    plans: list[tuple[str, tuple[int, ...], list[tuple[Box, Any]]]], staging: StagingPool | None, async_save: bool
+) -> list[tuple[str, np.ndarray, tuple[int, ...] | None, tuple[int, ...] | None]]:
+    """Host copies of the shards this process writes: every device-to-host copy is started
+    before the first is waited for."""
+    for _, _, parts in plans:
+        for _, shard in parts:
+            shard.data.copy_to_host_async()
+    host: list[tuple[str, np.ndarray, tuple[int, ...] | None, tuple[int, ...] | None]] = []
+    for name, shape, parts in plans:
+        for box, shard in parts:
+            # An async save owns its copy: np.asarray may alias a CPU device buffer
+            # that a later donation reuses.
+            if staging is not None:
+                data = stage_host(staging, (name, box.offset), shard.data)
+            else:
+                data = np.array(shard.data, copy=True) if async_save else np.asarray(shard.data)
+            host.append((name, data, shape, box.offset))
+    return host
+
+
 def save(
     tree: Any,
     path: Location,
@@ -179,18 +221,7 @@ def save(
         ObjectError: a leaf has an unsupported type or dtype.
         CheckpointExistsError: ``path`` holds a save and ``overwrite`` is False.
     """
-    named, _ = flatten(tree)
-    for name, leaf in named:
-        if name == "":
-            raise ObjectError(
-                "save() got a bare array, not a tree: wrap it in a dict, e.g. {'x': array}, so "
-                "it has a name"
-            )
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic) + _OBJECT_TYPES):
-            raise ObjectError(
-                f"leaf {name!r} is a {type(leaf).__name__}; xckpt.jax.save stores jax.Arrays, "
-                "numpy arrays and bool/int/float/str/bytes. Convert it, or leave it out"
-            )
+    named = _named_leaves(tree)
     wait_pending()
     me, world = jax.process_index(), jax.process_count()
     sid = _agree_save_id(save_id)
@@ -220,19 +251,7 @@ def save(
                     host.append((name, arr, None, None))
             else:
                 w.write_object(name, leaf)
-        # Start every device-to-host copy before the first one is waited for.
-        for _, _, parts in plans:
-            for _, shard in parts:
-                shard.data.copy_to_host_async()
-        for name, shape, parts in plans:
-            for box, shard in parts:
-                # An async save owns its copy: np.asarray may alias a CPU device buffer
-                # that a later donation reuses.
-                if staging is not None:
-                    data = stage_host(staging, (name, box.offset), shard.data)
-                else:
-                    data = np.array(shard.data, copy=True) if async_save else np.asarray(shard.data)
-                host.append((name, data, shape, box.offset))
+        host += _shards_to_host(plans, staging, async_save)
         if staging is not None:
             staging.end()
     except BaseException as e:

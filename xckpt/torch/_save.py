@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import functools
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -226,36 +227,10 @@ def save(
         dist.broadcast_object_list(token, group=pg, group_src=0)
         save_id = f"s-{token[0]}"
     side = _side_group(dist, pg) if coordinated and async_save else pg
-
-    def fail_all(err: BaseException | None) -> None:
-        """Exchange outcomes; every rank raises when any failed."""
-        share_outcome(
-            err,
-            group=side,
-            world=world if coordinated else 1,
-            error=XckptError,
-            what=f"save to {loc_path!r}",
-            fix="The location is not a complete checkpoint; fix the error and save again",
-        )
-
-    def finish() -> None:
-        if not coordinated:
-            return
-        outcome: list[Any] = [None]
-        if rank == 0:
-            try:
-                finalize(loc_path, world, str(save_id))
-            except Exception as e:  # reported to every rank below, then re-raised here
-                outcome[0] = f"{type(e).__name__}: {e}"
-                dist.broadcast_object_list(outcome, group=side, group_src=0)
-                raise
-        dist.broadcast_object_list(outcome, group=side, group_src=0)
-        if outcome[0] is not None:
-            raise XckptError(f"save to {loc_path!r}: rank 0 could not finalize it: {outcome[0]}")
+    fail_all = functools.partial(_fail_all, side=side, world=world if coordinated else 1, where=loc_path)
 
     # Foreground: plan, open the writer, take host copies (async).
     writer = None
-    arrays: list[tuple[Any, L.Box | None, np.ndarray]] = []
     try:
         flat, _ = flatten(state_dict)
         plans, owned = split_value_groups(flat, value_groups)
@@ -265,20 +240,7 @@ def save(
             storage=storage, metadata=metadata, compression=compression, dedup=dedup,
             inflight_bytes=ALL_HELD,  # every host array below is held until the save ends
         )
-        events = []
-        stager = Stager(staging) if staging is not None else None
-        for job in jobs:
-            for box, part in job.boxes:
-                if stager is not None:
-                    arr = stager.stage((job.name, None if box is None else box.offset), part)
-                else:
-                    arr, ev = _host(part, copy=async_save)
-                    if ev is not None:
-                        events.append(ev)
-                arrays.append((job, box, arr))
-        for ev in events:
-            ev.synchronize()
-        staged_events = stager.finish() if stager is not None else []
+        arrays, staged_events = _host_copies(jobs, staging, async_save)
         if async_save:  # the caller may change its objects once we return
             objects = [(name, copy.deepcopy(value), per_rank) for name, value, per_rank in objects]
         vg_writer = _CopyingWriter(writer) if async_save else writer
@@ -295,29 +257,85 @@ def save(
         manifest: Manifest | None = None
         try:
             wait_events(staged_events)  # staging copies still in flight (CUDA side streams)
-            whole = {job.name: arr for job, box, arr in arrays if box is None}
-            for job in jobs:  # in the state dict's order, so the manifest keeps it
-                arr = whole.get(job.name)
-                if arr is not None:
-                    writer.write(job.name, arr)  # a whole tensor: declared as it is written
-                else:
-                    writer.declare(job.name, _np_dtype(job.dtype), job.shape, placement=job.placement)
-            for job, box, arr in arrays:
-                if box is not None:
-                    writer.write(job.name, arr, global_shape=job.shape, offset=box.offset, placement=job.placement)
-            for name, value, per_rank in objects:
-                writer.write_object(name, value, per_rank=per_rank)
-            manifest = writer.commit()
+            manifest = _write_rank(writer, jobs, arrays, objects)
         except Exception as e:  # exchanged with the other ranks, then re-raised
             err = e
             writer._failed(e)  # give this rank's claim of the location back
         fail_all(err)
-        finish()
+        if coordinated:
+            _finalize_all(dist, side, rank, world, loc_path, str(save_id))
         if manifest is None:  # fail_all raised for any failure; this guards the type only
             raise XckptError(f"save to {loc_path!r}: the writer committed no manifest")
         return manifest
 
     return submit(write) if async_save else write()
+
+
+def _fail_all(err: BaseException | None, *, side: Any, world: int, where: Any) -> None:
+    """Exchange outcomes; every rank raises when any failed."""
+    share_outcome(
+        err,
+        group=side,
+        world=world,
+        error=XckptError,
+        what=f"save to {where!r}",
+        fix="The location is not a complete checkpoint; fix the error and save again",
+    )
+
+
+def _finalize_all(dist: Any, side: Any, rank: int, world: int, where: Any, save_id: str) -> None:
+    """Rank 0 merges the rank manifests; every rank learns whether it could."""
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            finalize(where, world, save_id)
+        except Exception as e:  # reported to every rank below, then re-raised here
+            outcome[0] = f"{type(e).__name__}: {e}"
+            dist.broadcast_object_list(outcome, group=side, group_src=0)
+            raise
+    dist.broadcast_object_list(outcome, group=side, group_src=0)
+    if outcome[0] is not None:
+        raise XckptError(f"save to {where!r}: rank 0 could not finalize it: {outcome[0]}")
+
+
+def _host_copies(
+    jobs: Sequence[Any], staging: StagingPool | None, async_save: bool
+) -> tuple[list[tuple[Any, L.Box | None, np.ndarray]], list[Any]]:
+    """Every box's host copy (staged into the pool, or fresh), and the staging's events."""
+    arrays: list[tuple[Any, L.Box | None, np.ndarray]] = []
+    events = []
+    stager = Stager(staging) if staging is not None else None
+    for job in jobs:
+        for box, part in job.boxes:
+            if stager is not None:
+                arr = stager.stage((job.name, None if box is None else box.offset), part)
+            else:
+                arr, ev = _host(part, copy=async_save)
+                if ev is not None:
+                    events.append(ev)
+            arrays.append((job, box, arr))
+    for ev in events:
+        ev.synchronize()
+    return arrays, stager.finish() if stager is not None else []
+
+
+def _write_rank(
+    writer: Writer, jobs: Sequence[Any], arrays: Sequence[tuple[Any, L.Box | None, np.ndarray]], objects: Any
+) -> Manifest:
+    """This rank's tensors and objects written in the state dict's order, then committed."""
+    whole = {job.name: arr for job, box, arr in arrays if box is None}
+    for job in jobs:  # in the state dict's order, so the manifest keeps it
+        arr = whole.get(job.name)
+        if arr is not None:
+            writer.write(job.name, arr)  # a whole tensor: declared as it is written
+        else:
+            writer.declare(job.name, _np_dtype(job.dtype), job.shape, placement=job.placement)
+    for job, box, arr in arrays:
+        if box is not None:
+            writer.write(job.name, arr, global_shape=job.shape, offset=box.offset, placement=job.placement)
+    for name, value, per_rank in objects:
+        writer.write_object(name, value, per_rank=per_rank)
+    return writer.commit()
 
 
 def _np_dtype(name: str) -> Any:
