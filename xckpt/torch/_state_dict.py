@@ -28,7 +28,7 @@ import torch
 
 from xckpt.errors import XckptError
 
-__all__ = ["KEYS_META", "PerRank", "Slot", "expand", "flatten", "iter_tensor_names"]
+__all__ = ["KEYS_META", "PerRank", "Slot", "expand", "flatten", "iter_tensor_names", "unflatten"]
 
 #: The manifest metadata key under which a torch save records its containers' key types.
 KEYS_META = "torch_keys"
@@ -294,3 +294,13 @@ def _open(
             _open(child, x, under, have, keys, leaf, flat, slots)
         else:
             flat[child], slots[child] = x, Slot(mapping, k)
+
+
+def unflatten(values: Mapping[str, Any], keys: Any, where: str) -> dict[str, Any]:
+    """The nested state dict whose `flatten` gave `values` (by name, in saved order),
+    its containers' keys typed as `keys` records (see the module)."""
+    out: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
+    slots: dict[str, Slot] = {}
+    _build("", list(values), _check_keys(keys, where), values.__getitem__, out, flat, slots)
+    return out
