@@ -5,6 +5,7 @@ directory) and torch.save checkpoints; the format is detected (``--format`` forc
 
 Examples::
 
+    xckpt --version                      # also python -m xckpt --version
     xckpt ls /ckpt/step-100              # tensors: dtype, shape, chunks, bytes
     xckpt show /ckpt/step-100 layers.0.w # one tensor: placement and every chunk box
     xckpt verify /ckpt/step-100          # read every chunk; exit 1 if any is damaged
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from xckpt._version import __version__
 from xckpt.convert import VerifyMismatchError, convert, guess_format
 from xckpt.errors import CheckpointNotFoundError, XckptError
 from xckpt.formats import FORMATS
@@ -170,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"xckpt {__version__}")
     p.add_argument(
         "--no-progress",
         action="store_true",
