@@ -2,4 +2,5 @@
 
 from xckpt.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # importing the module (as tests/test_imports.py does) runs nothing
+    raise SystemExit(main())
