@@ -18,7 +18,7 @@ from pathlib import Path
 
 import xckpt
 
-ADAPTERS = {"torch", "jax"}
+ADAPTERS = {"torch", "jax", "lightning"}
 NAMED = {
     "layout", "manifest", "storage", "native", "native.reader", "native.writer", "values", "values.ranges", "inspect", "cli", "source",
     "sink", "formats",
@@ -35,7 +35,7 @@ CORE = ["xckpt"] + [
 CHECK = """
 import importlib, json, sys
 def frameworks():
-    return {m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib", "flax")}
+    return {m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib", "flax", "lightning")}
 out = {}
 for name in sys.argv[1:]:
     before = frameworks()

@@ -9,6 +9,7 @@ adapters live in :mod:`xckpt.torch` and :mod:`xckpt.jax`.
 from __future__ import annotations
 
 from xckpt import errors, layout
+from xckpt._version import __version__
 from xckpt.convert_parallel import convert
 from xckpt.formats import load, open
 from xckpt.layout import Box
@@ -20,8 +21,6 @@ from xckpt.rules import Rules
 from xckpt.sink import Sink
 from xckpt.source import Source
 from xckpt.storage import Location
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Box",

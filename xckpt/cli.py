@@ -7,6 +7,7 @@ checkpoint manager's root takes `--step N` or `--step latest`.
 
 Examples:
 
+    xckpt --version                      # also python -m xckpt --version
     xckpt ls /ckpt/step-100              # tensors: dtype, shape, chunks, bytes
     xckpt ls /runs/exp1                  # a manager root: its steps
     xckpt ls /runs/exp1 --step latest    # ... and the tensors of its latest step
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from xckpt._version import __version__
 from xckpt.convert import VerifyMismatchError, guess_format
 from xckpt.convert_parallel import convert, torchrun_env
 from xckpt.errors import CheckpointNotFoundError, XckptError
@@ -182,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"xckpt {__version__}")
     p.add_argument(
         "--no-progress",
         action="store_true",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -574,6 +575,8 @@ class CheckpointManager:
         if not self._closed:
             self.wait()
         kind = framework_of(target, "restore target")
+        if kind == "numpy" and _fresh_torch_target(target):
+            kind = "torch"
         if kind == "numpy" and target is not None and self._coord.kind != "single":
             kind = self._coord.kind
         if self._tiers is not None:
@@ -685,3 +688,21 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._name!r}, {self._policy})"
+
+
+def _fresh_torch_target(target: Any) -> bool:
+    """A torch state dict that holds no tensor yet: an empty mapping or list nested in a
+    mapping (a fresh optimizer's `state: {}`), while torch is imported. The numpy path
+    would report it missing; `xckpt.torch.load` fills it (DESIGN.md section 10)."""
+
+    def empty_inside(v: Any, depth: int) -> bool:
+        if not isinstance(v, (Mapping, list)) or depth > 64:
+            return False
+        items = v.values() if isinstance(v, Mapping) else v
+        return not v or any(empty_inside(x, depth + 1) for x in items)
+
+    return (
+        "torch" in sys.modules
+        and isinstance(target, Mapping)
+        and any(empty_inside(v, 0) for v in target.values())
+    )

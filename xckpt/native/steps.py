@@ -56,6 +56,7 @@ __all__ = [
     "resolve_step",
     "manager_root_error",
     "delete_step",
+    "delete_checkpoint",
     "steps_table",
     "TIERS_KEY",
     "read_tiers",
@@ -296,18 +297,37 @@ def _fsync_dir(path: str) -> None:
 
 
 def delete_step(root: Location, step: int, *, context: Any = None) -> None:
-    """Delete step ``step`` of ``root``: manifests first, then data.
-
-    ``xckpt.json`` goes first, then every ``ranks/<r>.json`` (claims included), and
-    only then the data: a deletion that stops part way leaves an incomplete step
-    (never listed as complete, removed by the manager's next retention), never a
-    complete-looking step whose data is gone. On a local disk the manifest removals
-    are made durable (directory fsync) before any data is removed.
+    """Delete step ``step`` of ``root``: manifests first, then data (`delete_checkpoint`).
 
     Raises:
         StorageError: storage refused a deletion (the step may be left incomplete).
     """
-    loc = step_location(root, step)
+    delete_checkpoint(
+        step_location(root, step),
+        context=context,
+        what=f"step {step} of manager root {location_name(root)!r}",
+        fix="it is left incomplete and a later retention retries; check the permissions of the root",
+    )
+
+
+def delete_checkpoint(
+    loc: Location,
+    *,
+    context: Any = None,
+    what: str | None = None,
+    fix: str = "it is left incomplete (a reader refuses it); check the permissions and delete it again",
+) -> None:
+    """Delete the checkpoint at ``loc``: manifests first, then data.
+
+    ``xckpt.json`` goes first, then every ``ranks/<r>.json`` (claims included), and
+    only then the data: a deletion that stops part way leaves an incomplete
+    checkpoint (a reader refuses it), never a complete-looking one whose data is
+    gone. On a local disk the manifest removals are made durable (directory fsync)
+    before any data is removed. Nothing there: nothing to do.
+
+    Raises:
+        StorageError: storage refused a deletion (the checkpoint may be left incomplete).
+    """
     storage = Storage(loc, context)
     if storage.root is None:
         storage.delete_key("xckpt.json")
@@ -330,11 +350,8 @@ def delete_step(root: Location, step: int, *, context: Any = None) -> None:
     except FileNotFoundError:
         return
     except OSError as e:
-        raise StorageError(
-            e.errno,
-            f"cannot delete step {step} of manager root {location_name(root)!r} ({e}); it is "
-            "left incomplete and a later retention retries; check the permissions of the root",
-        ) from e
+        target = what if what is not None else f"checkpoint {location_name(loc)!r}"
+        raise StorageError(e.errno, f"cannot delete {target} ({e}); {fix}") from e
     _fsync_dir(os.path.dirname(top))
 
 

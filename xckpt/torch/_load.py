@@ -38,7 +38,7 @@ from xckpt.torch._dtypes import as_numpy, dtype_name, known_dtype_name, torch_dt
 from xckpt.torch._pipeline import DeviceRing
 from xckpt.torch._placement import PLAIN_TENSORS, LocalBox, global_info, local_pieces
 from xckpt.torch._read_once import load_once
-from xckpt.torch._state_dict import PerRank, Slot, flatten
+from xckpt.torch._state_dict import KEYS_META, PerRank, Slot, expand, flatten
 from xckpt.torch.value_groups import load_value_groups
 
 __all__ = ["LoadResult", "DeviceRing", "load", "load_full"]
@@ -143,6 +143,22 @@ class _Reads:
             ckpt.read_into(self.items, show_progress=show_progress)
         if self.staged:
             self.ring.run(ckpt, self.staged, show_progress)
+
+
+def _fill_fresh(ckpt: Source, flat: dict[str, Any], slots: dict[str, Slot], saved_tensors: set[str]) -> None:
+    """A fresh job's empty mappings (a never-stepped optimizer's ``state: {}``) receive
+    the stored entries under their names (`xckpt.torch._state_dict.expand`)."""
+    if not any(isinstance(v, (Mapping, list, tuple)) for v in flat.values()):
+        return
+
+    def leaf(name: str, device: Any) -> Any:
+        if name not in saved_tensors:
+            return None  # an object: read in its place like any placeholder
+        t = ckpt.info(name)
+        return torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device or "cpu")
+
+    stored = ckpt.names() + [n for n in ckpt.object_names() if n not in saved_tensors]
+    expand(flat, slots, stored, ckpt.metadata.get(KEYS_META), leaf, str(ckpt.path))
 
 
 @dataclass
@@ -300,9 +316,10 @@ def _prepare(
     flat, slots = flatten(state_dict)
     handled: set[str] = set()
     evicted: dict[str, int] = {}
+    saved_tensors = set(ckpt.names())
+    _fill_fresh(ckpt, flat, slots, saved_tensors)
     # Only a checkpoint with value groups needs them (their load may exchange
     # outcomes between ranks); the test is on the manifest, so all ranks agree.
-    saved_tensors = set(ckpt.names())
     if any(ckpt.info(n).value_range is not None for n in saved_tensors):
         names, evicted = load_value_groups(ckpt, flat, rank, world, process_group, strict_capacity)
         handled = set(names)

@@ -54,7 +54,7 @@ from xckpt.torch._dist import distributed, rank_world, share_outcome
 from xckpt.torch._dtypes import as_numpy, dtype_name
 from xckpt.torch._placement import PLAIN_TENSORS, global_info, local_pieces, placement_info
 from xckpt.torch._staging import Stager, wait_events
-from xckpt.torch._state_dict import PerRank, flatten
+from xckpt.torch._state_dict import KEYS_META, PerRank, flatten
 from xckpt.torch.value_groups import save_value_groups, split_value_groups
 
 __all__ = ["save"]
@@ -193,7 +193,10 @@ def save(
         overwrite: replace an existing checkpoint at ``path``.
         show_progress: progress bar (default: when stderr is a TTY).
         storage, metadata: as for :class:`xckpt.Writer` (how ``data/<rank>/`` is
-            organised; JSON metadata recorded in the manifest).
+            organised; JSON metadata recorded in the manifest). The key
+            ``"torch_keys"`` is the save's own: the key types of containers whose
+            keys are not plain strings (an optimizer's int parameter ids), so a
+            load can rebuild them in a fresh job's empty mappings.
         staging: host buffers reused across saves (:class:`xckpt.manager.HostBuffers`,
             what :class:`xckpt.CheckpointManager` passes): each box is copied into
             its buffer instead of a fresh host copy; CUDA tensors on a side stream,
@@ -232,7 +235,10 @@ def save(
     # Foreground: plan, open the writer, take host copies (async).
     writer = None
     try:
-        flat, _ = flatten(state_dict)
+        keys: dict[str, Any] = {}
+        flat, _ = flatten(state_dict, keys)
+        if keys:  # what a load into a fresh job's empty mappings needs (_state_dict.expand)
+            metadata = {**(metadata or {}), KEYS_META: keys}
         plans, owned = split_value_groups(flat, value_groups)
         jobs, objects = _plan(flat, set(owned), rank, world, group_rank)
         writer = Writer(
