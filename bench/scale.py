@@ -82,7 +82,11 @@ def layout(name: str, writers: int, tensors: int, seed: int = 0) -> dict[str, tu
     for i in range(tensors):
         per: list[list[Box]] = [[] for _ in range(writers)]
         tname = f"layers.{i}.weight"
-        if name.startswith("regular"):
+        if name == "packed-256":  # 4 rows x 16 float32 a writer: 256-byte cells, all packed
+            shape = (4 * writers, 16)
+            for r in range(writers):
+                per[r].append(Box((4 * r, 0), (4, 16)))
+        elif name.startswith("regular"):
             shape = (16 * writers + 13 * i, 4096 if name == "regular" else 256)
             for r, (lo, n) in enumerate(chunk_sizes(shape[0], writers)):
                 if n:

@@ -146,7 +146,8 @@ class Manifest:
                 world_size=h.world_size,
                 rank=h.rank,
                 tensors=_tensor_entries(
-                    h.tensors, h.packed, where, h.world_size, h.dirs if h.version >= GRID_VERSION else None
+                    h.tensors, h.packed, where, h.world_size, h.dirs if h.version >= GRID_VERSION else None,
+                    h.version,
                 ),
                 objects=tuple(ObjectEntry.from_json(o, where) for o in h.objects),
                 storage=h.storage,

@@ -35,6 +35,7 @@ from xckpt.manifest._checks import (
     MAX_NDIM,
     MAX_TENSOR_BYTES,
     MAX_WORLD_SIZE,
+    VERSION,
     _build,
     _check_key,
     _dims,
@@ -245,15 +246,17 @@ class TensorEntry:
 
     @classmethod
     def from_json(
-        cls, name: str, d: Any, where: str, world_size: int, dirs: Mapping[int, str] | None = None
+        cls, name: str, d: Any, where: str, world_size: int, dirs: Mapping[int, str] | None = None,
+        version: int = VERSION,
     ) -> TensorEntry:
         """Validate tensor ``name``'s entry (ManifestError naming it and the field otherwise).
 
         ``dirs`` (the manifest's data directories) is given for manifests that may hold grid
-        entries (version 5 on); a grid elsewhere is refused."""
+        entries (version 5 on); a grid elsewhere is refused. ``version``: the manifest's (what
+        a grid may hold depends on it)."""
         if type(d) is dict:
             if "grid" in d:
-                return cls._grid_from_json(name, d, where, world_size, dirs)
+                return cls._grid_from_json(name, d, where, world_size, dirs, version)
             e = cls._from_json_fast(name, d, where, world_size)
             if e is not None:
                 return e
@@ -261,7 +264,8 @@ class TensorEntry:
 
     @classmethod
     def _grid_from_json(
-        cls, name: str, d: dict[str, Any], where: str, world_size: int, dirs: Mapping[int, str] | None
+        cls, name: str, d: dict[str, Any], where: str, world_size: int, dirs: Mapping[int, str] | None,
+        version: int = VERSION,
     ) -> TensorEntry:
         w = f"{where}, tensor {name!r}"
         if dirs is None:
@@ -279,7 +283,7 @@ class TensorEntry:
                 f"{w}: shape {list(shape)} ({dtype}) claims {elements * itemsize} bytes, over the "
                 f"limit of {MAX_TENSOR_BYTES}; the manifest is corrupt or hostile"
             )
-        grid = GridChunks.from_json(d["grid"], shape, itemsize, world_size, dirs, w)
+        grid = GridChunks.from_json(d["grid"], shape, itemsize, world_size, dirs, w, version)
         pl, vr = d.get("placement"), d.get("value_range")
         return cls(
             name=name,

@@ -264,7 +264,7 @@ class RankMerge:
             if type(t) is list:
                 e = _tensor_entries({name: t}, h.packed, where, self.world)[name]
             else:
-                e = TensorEntry.from_json(name, t, where, self.world, dirs)
+                e = TensorEntry.from_json(name, t, where, self.world, dirs, h.version)
             self._add_entry(acc, e, t, h.rank)
 
     def _fast(self, acc: _Tensor, t: dict[str, Any]) -> bool:
