@@ -64,6 +64,7 @@ from xckpt.manifest._checks import (
     FORMAT,
     GRID_VERSION,
     MAX_KEY_LEN,
+    MAX_NAME_LEN,
     MAX_WORLD_SIZE,
     READ_VERSIONS,
     STORAGE_KINDS,
@@ -260,8 +261,9 @@ def parse_header(d: Any, where: str) -> Header:
         if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in STORAGE_KINDS:
             raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}"[:300])
         storage[int(r)] = s
-    for n in tensors_raw:
-        _str(n, "a tensor name", where)
+    if tensors_raw and max(map(len, tensors_raw)) > MAX_NAME_LEN:  # (JSON keys are strings)
+        for n in tensors_raw:
+            _str(n, "a tensor name", where)
     packed = _packed_keys(d.get("packed"), where, world_size, d["version"])
     if "dirs" in d and d["version"] < GRID_VERSION:
         raise ManifestError(f"{where}: a version {d['version']} manifest has no dirs member; the file was edited")

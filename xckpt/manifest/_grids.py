@@ -312,7 +312,8 @@ class GridChunks(Sequence[Chunk]):
         index = _grid_index(raw.get("splits"), shape, where)
         n = index.n
         if version < COLUMNS_VERSION:
-            p = raw.get("packed") if type(raw.get("packed")) is dict else {}
+            p = raw.get("packed")
+            p = p if isinstance(p, dict) else {}
             for col in (raw.get("ranks"), p.get("byte_offset"), p.get("crc32")):
                 if type(col) is str:
                     raise ManifestError(
