@@ -7,9 +7,9 @@ checkpoint, byte counts that agree with the boxes) before anything is allocated
 or opened, and raises :class:`~xckpt.errors.ManifestError` (or
 :class:`~xckpt.errors.FormatVersionError`) naming the checkpoint and tensor.
 
-Format (version 5), one JSON object::
+Format (version 6), one JSON object::
 
-    {"format": "xckpt", "version": 5, "save_id": "...", "world_size": W,
+    {"format": "xckpt", "version": 6, "save_id": "...", "world_size": W,
      "rank": r | null,                       # null in the merged xckpt.json
      "storage": {"<rank>": "files" | "plain" | "ocdbt"},  # how data/<rank>/ is organised
      "packed": {"<rank>": key},              # each rank's packed byte array (version 4)
@@ -40,6 +40,8 @@ faster); a version 3 reader would reject the array, so the version says it. Vers
 adds grid entries (:mod:`xckpt.manifest._grids`): a tensor whose chunks form a rectilinear
 grid over its writers is its split points, the writer of each cell by rule and its key
 relative to the writer's data directory (``"dirs"``), not one chunk object per writer.
+Version 6 writes a grid's columns (ranks, packed byte offsets and crc32s) as base64 strings
+of little-endian integers instead of lists (:mod:`xckpt.manifest._grids`).
 
 Limits come before allocation: every claim (number of dimensions, each extent, a
 tensor's elements and bytes, world size, chunks per tensor, key and name lengths,
