@@ -8,6 +8,10 @@ Layouts (simulated writers in one process; manifests only, on ``/dev/shm``):
   keyed as ``xckpt.Writer`` keys it.
 - ``regular-packed``: the same with 256 columns: every box is small, so it is a packed chunk
   with its own byte offset and crc32 (a cost per cell that no rule removes).
+- ``packed-256``: 4,096 writers x 100 tensors of ``(16384, 16)`` float32: 4 rows a writer, 256-byte
+  cells, every one packed (the smallest cells a split leaves; issue 28).
+- ``regular`` at 16,384 writers (the layout of a 16k-GPU job): one rank's plan at 12,000 target
+  ranks; DCP's ``.metadata`` is not built there (about four times the 4,096 writers' 56 MB).
 - ``irregular`` (the control): 512 writers x 100 tensors: 60 split by rows at random points
   over writers in random order, 30 in 2-D blocks (a 32 x 16 mesh, uneven both ways),
   10 cut into 512 boxes at random (guillotine cuts: no grid; chunk lists).
@@ -31,7 +35,8 @@ processes, medians of ``--repeats`` (3):
 
 Usage, from the repository root::
 
-    .venv/bin/python bench/scale.py                  # all layouts, 3 repeats (a few minutes)
+    .venv/bin/python bench/scale.py                  # every case, 3 repeats (tens of minutes)
+    .venv/bin/python bench/scale.py --cases packed-256:4096,regular:16384
     .venv/bin/python bench/scale.py --quick          # 512 writers x 20 tensors, 1 repeat
 
 Prints a markdown table against the targets; results go to ``bench/out/scale.json``.
@@ -70,6 +75,14 @@ TARGETS = {
     "plan_one_s": 0.1,
     "plan_all_s": 10.0,
 }
+#: Targets of one case that differ from TARGETS (None: not a target there).
+CASE_TARGETS: dict[str, dict[str, float | None]] = {
+    "regular-packed:4096": {"merged_mb": None},  # 16 KB cells: a crc32 each (the 256-byte case is sized)
+    "irregular:512": {"merged_mb": None},
+    "regular:16384": {"merged_mb": 4.0, "open_merged_s": 0.5, "open_local_s": None, "plan_all_s": None},
+}
+#: The cases measured by default, ``layout:writers``.
+CASES = "regular:4096,regular-packed:4096,packed-256:4096,irregular:512,regular:16384"
 
 
 # -- layouts ---------------------------------------------------------------------------------
@@ -82,7 +95,11 @@ def layout(name: str, writers: int, tensors: int, seed: int = 0) -> dict[str, tu
     for i in range(tensors):
         per: list[list[Box]] = [[] for _ in range(writers)]
         tname = f"layers.{i}.weight"
-        if name.startswith("regular"):
+        if name == "packed-256":  # 4 rows x 16 float32 a writer: 256-byte cells, all packed
+            shape = (4 * writers, 16)
+            for r in range(writers):
+                per[r].append(Box((4 * r, 0), (4, 16)))
+        elif name.startswith("regular"):
             shape = (16 * writers + 13 * i, 4096 if name == "regular" else 256)
             for r, (lo, n) in enumerate(chunk_sizes(shape[0], writers)):
                 if n:
@@ -189,11 +206,14 @@ def child_build(a: argparse.Namespace) -> None:
         biggest = max(biggest, len(data))
     t_write = time.perf_counter() - t
     shutil.copytree(local, base / "merged" / "ranks")
-    dcp = dcp_metadata(lay, a.writers)
-    (base / "dcp").mkdir()
-    (base / "dcp" / ".metadata").write_bytes(dcp)
+    dcp = b""
+    if a.writers <= 4096:
+        dcp = dcp_metadata(lay, a.writers)
+        (base / "dcp").mkdir()
+        (base / "dcp" / ".metadata").write_bytes(dcp)
     total = sum(p.stat().st_size for p in local.iterdir())
-    emit({"rank_max_bytes": biggest, "rank_total_bytes": total, "rank_write_s": t_write, "dcp_bytes": len(dcp)})
+    emit({"rank_max_bytes": biggest, "rank_total_bytes": total, "rank_write_s": t_write,
+          "dcp_bytes": len(dcp) or None})
 
 
 def child_finalize(a: argparse.Namespace) -> None:
@@ -283,59 +303,68 @@ def measure(name: str, writers: int, tensors: int, targets: int, root: Path, rep
     res: dict[str, Any] = {"layout": name, "writers": writers, "tensors": tensors, "targets": targets}
     res.update(_child(["build", *common]))
     base = root / name
+    case = f"{name}:{writers}"
     res.update(_child(["finalize", *common, "--path", str(base / "merged")]))
     for which in ("merged", "rank-local"):
         res[f"open_{which}_s"], last = _med(["open", *common, "--path", str(base / which)], "open_s", repeats)
         res[f"open_{which}_peak_rss_mb"] = last["peak_rss_mb"]
         res[f"open_{which}_rss_before_mb"] = last["rss_before_mb"]
         res["grids"] = last["grids"]
-    res["dcp_open_s"], last = _med(["dcp", *common, "--path", str(base / "dcp")], "open_s", repeats)
-    res["dcp_peak_rss_mb"] = last["peak_rss_mb"]
-    if not name.endswith("packed"):
+    if res["dcp_bytes"]:
+        res["dcp_open_s"], last = _med(["dcp", *common, "--path", str(base / "dcp")], "open_s", repeats)
+        res["dcp_peak_rss_mb"] = last["peak_rss_mb"]
+    if name != "regular-packed":
         plan = ["--path", str(base / "merged"), "--targets", str(targets)]
         res["plan_one_s"], last = _med(["plan_one", *common, *plan], "plan_one_s", repeats)
         res["plan_one_reads"] = last["reads"]
-        check = ["--check"] if name == "irregular" else []
-        res["plan_all_s"], last = _med(["plan_all", *common, *plan, *check], "plan_all_s", repeats)
-        res["plan_exact"] = last["exact"]
+        if _target(case, "plan_all_s") is not None:
+            check = ["--check"] if name == "irregular" else []
+            res["plan_all_s"], last = _med(["plan_all", *common, *plan, *check], "plan_all_s", repeats)
+            res["plan_exact"] = last["exact"]
     print(json.dumps(res), flush=True)
     return res
+
+
+def _target(case: str, key: str) -> float | None:
+    return CASE_TARGETS.get(case, {}).get(key, TARGETS[key])
 
 
 def table(results: list[dict[str, Any]]) -> str:
     rows = []
     mb = 1e6
     for r in results:
+        case = f"{r['layout']}:{r['writers']}"
         lay = f"{r['layout']} ({r['writers']} x {r['tensors']})"
-        ok = lambda v, k: "yes" if v <= TARGETS[k] else "NO"  # noqa: E731
-        # The size target is the regular layout's (packed cells carry a crc32 each; the control has none).
-        sized = r["layout"] == "regular"
-        rows.append((lay, "merged manifest (MB)", TARGETS["merged_mb"] if sized else "-", r["merged_bytes"] / mb,
-                     r["dcp_bytes"] / mb, ok(r["merged_bytes"] / mb, "merged_mb") if sized else "-"))
-        rows.append((lay, "largest rank manifest (KB)", TARGETS["rank_kb"], r["rank_max_bytes"] / 1e3, "-",
-                     ok(r["rank_max_bytes"] / 1e3, "rank_kb")))
-        rows.append((lay, "open, merged (s)", TARGETS["open_merged_s"], r["open_merged_s"], r["dcp_open_s"],
-                     ok(r["open_merged_s"], "open_merged_s")))
-        rows.append((lay, "open, rank-local (s)", TARGETS["open_local_s"], r["open_rank-local_s"], "-",
-                     ok(r["open_rank-local_s"], "open_local_s")))
+
+        def row(what: str, key: str, value: Any, dcp: Any = "-", shown: Any = None,
+                case: str = case, lay: str = lay) -> None:
+            t = _target(case, key)
+            met = "-" if t is None else ("yes" if value <= t else "NO")
+            rows.append((lay, what, "-" if t is None else t, value if shown is None else shown, dcp, met))
+
+        dcp_mb = "-" if not r.get("dcp_bytes") else r["dcp_bytes"] / mb
+        row("merged manifest (MB)", "merged_mb", r["merged_bytes"] / mb, dcp_mb)
+        row("largest rank manifest (KB)", "rank_kb", r["rank_max_bytes"] / 1e3)
+        row("open, merged (s)", "open_merged_s", r["open_merged_s"], r.get("dcp_open_s", "-"))
+        row("open, rank-local (s)", "open_local_s", r["open_rank-local_s"])
         peak = max(r["open_merged_peak_rss_mb"], r["open_rank-local_peak_rss_mb"])
-        rows.append((lay, f"open peak RSS (MB; import alone: {r['open_merged_rss_before_mb']:.0f})", TARGETS["rss_mb"],
-                     f"{r['open_merged_peak_rss_mb']:.0f} / {r['open_rank-local_peak_rss_mb']:.0f}",
-                     f"{r['dcp_peak_rss_mb']:.0f}", ok(peak, "rss_mb")))
+        row(f"open peak RSS (MB; import alone: {r['open_merged_rss_before_mb']:.0f})", "rss_mb", peak,
+            f"{r['dcp_peak_rss_mb']:.0f}" if "dcp_peak_rss_mb" in r else "-",
+            f"{r['open_merged_peak_rss_mb']:.0f} / {r['open_rank-local_peak_rss_mb']:.0f}")
         if "plan_one_s" in r:
-            rows.append((lay, f"one rank's plan, {r['targets']} targets (s)", TARGETS["plan_one_s"], r["plan_one_s"], "-",
-                         ok(r["plan_one_s"], "plan_one_s")))
+            row(f"one rank's plan, {r['targets']} targets (s)", "plan_one_s", r["plan_one_s"])
+        if "plan_all_s" in r:
             exact = "" if r.get("plan_exact") is None else (" exact" if r["plan_exact"] else " NOT EXACT")
-            rows.append((lay, f"plan_load, {r['targets']} ranks (s)", TARGETS["plan_all_s"], r["plan_all_s"], "-",
-                         ok(r["plan_all_s"], "plan_all_s") + exact))
-    return markdown_table(["layout", "measure", "target", "xckpt v5", "DCP", "met"], rows)
+            row(f"plan_load, {r['targets']} ranks (s)", "plan_all_s", r["plan_all_s"])
+            rows[-1] = (*rows[-1][:-1], rows[-1][-1] + exact)
+    return markdown_table(["layout", "measure", "target", "xckpt v6", "DCP", "met"], rows)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", default=None)
     p.add_argument("--layout", default="regular")
-    p.add_argument("--layouts", default="regular,regular-packed,irregular")
+    p.add_argument("--cases", default=CASES, help="layout:writers,... (default: %(default)s)")
     p.add_argument("--writers", type=int, default=4096)
     p.add_argument("--tensors", type=int, default=100)
     p.add_argument("--targets", type=int, default=3000)
@@ -351,13 +380,12 @@ def main() -> None:
         return
     root = Path(a.root)
     results = []
-    for name in a.layouts.split(","):
+    for case in a.cases.split(","):
+        name, writers = case.split(":")[0], int(case.split(":")[1])
+        targets = 12000 if writers > 4096 else 300 if writers <= 512 else a.targets
+        tensors = a.tensors
         if a.quick:
             writers, tensors, targets = 512, 20, 300
-        elif name == "irregular":
-            writers, tensors, targets = 512, a.tensors, 300
-        else:
-            writers, tensors, targets = a.writers, a.tensors, a.targets
         results.append(measure(name, writers, tensors, targets, root, 1 if a.quick else a.repeats))
     text = table(results)
     print(text)

@@ -11,6 +11,7 @@ chunk list, gaps and overlaps are still LayoutErrors, and the checked-in v5 gold
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import json
@@ -134,7 +135,8 @@ def test_grid_json_is_the_documented_form() -> None:
         "ranks": {"base": 0, "strides": [2, 1]},
         "key": "t/5",
         "inner": [[[2, 1], [2, 1]], [[4, 1], [2, 1]], [[4, 5], [4, 5]]],
-        "packed": {"cells": [5], "key": "packed", "byte_offset": 64, "crc32": [77]},
+        # (crc32 column: base64 of little-endian uint32 77 = 4d 00 00 00)
+        "packed": {"cells": [5], "key": "packed", "byte_offset": 64, "crc32": "TQAAAA=="},
     }
     assert [(c.offset, c.shape, c.rank, c.key, c.grid, c.form, c.byte_offset, c.crc32) for c in g] == [
         ((0, 0), (4, 1), 0, "data/0/t/5", (2, 1), "array", None, None),
@@ -385,7 +387,7 @@ def test_rank_local_grid_is_recognised_and_read(tmp_path: Path, pack: int) -> No
     assert ck.verify() == []
     xckpt.finalize(tmp_path / "c", world_size=12, save_id="s")
     m = json.loads((tmp_path / "c" / "xckpt.json").read_text())
-    assert m["version"] >= 5 and m["tensors"]["w"]["grid"]["splits"] == [9, 6]
+    assert m["version"] == xckpt.manifest.VERSION and m["tensors"]["w"]["grid"]["splits"] == [9, 6]
     assert m["tensors"]["w"]["grid"]["ranks"] == {"base": 0, "strides": [1, 0]}
     ck = xckpt.open(tmp_path / "c")
     assert ck.info("w").is_grid and ck.read("w").tobytes() == full.tobytes()
@@ -421,7 +423,8 @@ def test_replicated_writers_and_overwrite_tokens_keep_rules(tmp_path: Path) -> N
     _save(tmp_path / "c", full, boxes, overwrite=True, save_id="s2")
     ck = xckpt.open(tmp_path / "c")
     g = ck.info("w").chunks
-    assert isinstance(g, GridChunks) and g.to_json()["ranks"] == order
+    assert isinstance(g, GridChunks) and g.rank_list is not None and g.rank_list.tolist() == order
+    assert np.frombuffer(base64.b64decode(g.to_json()["ranks"]), "<u4").tolist() == order  # a base64 column
     assert ck.manifest.dirs.keys() == set(range(8)) and g.keys is None
     assert ck.read("w").tobytes() == full.tobytes()
     xckpt.finalize(tmp_path / "c", world_size=8, save_id="s2")
@@ -493,13 +496,15 @@ def test_golden_v5_checkpoint_loads_unchanged() -> None:
 # -- the columnar merge agrees with the object merge -----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ten_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+@pytest.fixture(scope="module", params=[1024, 1 << 20], ids=["mixed", "all-packed"])
+def ten_ranks(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> list[bytes]:
+    """Ten rank manifests of two tensors split by rows: one packed, one array chunk each
+    ("mixed"), or both packed (the all-packed case of the rank-at-a-time merge)."""
     root = tmp_path_factory.mktemp("ten") / "c"
     full = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
     big = np.arange(40 * 3000, dtype=np.float32).reshape(40 * 10, 300)
     for r in range(10):
-        w = xckpt.Writer(root, rank=r, world_size=10, save_id="s", pack_threshold=1024)
+        w = xckpt.Writer(root, rank=r, world_size=10, save_id="s", pack_threshold=request.param)
         w.write("small", full[4 * r : 4 * r + 4], global_shape=full.shape, offset=(4 * r, 0))
         w.write("big", big[40 * r : 40 * r + 40], global_shape=big.shape, offset=(40 * r, 0))
         w.commit()
@@ -512,7 +517,7 @@ HOSTILE = [None, True, 1.0, -1, 2**63, 10**30, "x", [], [0], [0, 0, 0], [True, 0
            {"framework": "torch", "mesh_shape": [10], "placements": ["Shard(0)"]}, {"framework": 3}]
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     st.integers(1, 9), st.sampled_from(["small", "big"]),
     st.sampled_from(["offset", "shape", "key", "rank", "nbytes", "grid", "form", "byte_offset", "crc32", "value_range",
@@ -550,3 +555,130 @@ def test_columnar_merge_equals_the_object_merge(ten_ranks: list[bytes], tmp_path
         g = got_m.tensors[n]
         assert (g.dtype, g.shape, g.placement, g.value_range) == (t.dtype, t.shape, t.placement, t.value_range)
         assert sorted(g.chunks, key=lambda c: c.offset) == sorted(t.chunks, key=lambda c: c.offset)
+
+
+# -- binary columns (format version 6) --------------------------------------------------------
+
+
+def _packed_grid_doc(version: int, crc: Any, bo: Any = 0, ranks: Any = None) -> bytes:
+    grid = {"splits": [2, 4], "ranks": {"base": 0, "strides": [1, 0]} if ranks is None else ranks,
+            "packed": {"key": "packed", "byte_offset": bo, "crc32": crc}}
+    doc: dict[str, Any] = {"format": "xckpt", "version": version, "save_id": "s", "world_size": 8, "rank": None,
+                           "storage": {"0": "files"}, "tensors": {"w": {"dtype": "float32", "shape": [16, 4], "grid": grid}},
+                           "objects": []}
+    return _signed(doc)  # 8 cells of 2 x 4, written by ranks 0..7 (world 8)
+
+
+def _b64(values: list[int], dtype: str) -> str:
+    return base64.b64encode(np.asarray(values, dtype).tobytes()).decode()
+
+
+def test_binary_columns_are_read_and_lists_still_are() -> None:
+    crcs, offs, ranks = [7, 2**32 - 1, 0, 12345] * 2, [0, 32, 64, 2**40, 96, 128, 160, 192], [3, 2, 1, 0, 4, 5, 7, 6]
+    for version, crc, bo, rk in [(6, _b64(crcs, "<u4"), _b64(offs, "<u8"), _b64(ranks, "<u4")),
+                                 (5, crcs, offs, ranks), (6, crcs, offs, ranks)]:
+        m = Manifest.loads(_packed_grid_doc(version, crc, bo, rk), "x.json")
+        g = m.tensors["w"].chunks
+        assert [(c.crc32, c.byte_offset, c.rank) for c in g] == list(zip(crcs, offs, ranks))
+        out = orjson.loads(m.dumps())["tensors"]["w"]["grid"]  # written back as base64, whatever it was read as
+        assert out["packed"]["crc32"] == _b64(crcs, "<u4") and out["packed"]["byte_offset"] == _b64(offs, "<u8")
+        assert out["ranks"] == _b64(ranks, "<u4") and orjson.loads(m.dumps())["version"] == xckpt.manifest.VERSION
+
+
+@pytest.mark.parametrize(
+    ("version", "crc", "bo", "message"),
+    [
+        (5, _b64([1] * 8, "<u4"), 0, r"a base64 grid column in a version 5 manifest"),
+        (6, _b64([1] * 7, "<u4"), 0, r"grid crc32 is a base64 column of 40 characters; 8 little-endian 32-bit"),
+        (6, "A" * 42 + "=!", 0, r"grid crc32 is not valid base64"),
+        (6, "AAAA " + "A" * 39, 0, r"not valid base64"),
+        (6, _b64([1] * 8, "<u4"), _b64([0] * 7 + [2**56], "<u8"), r"grid byte_offset must lie in \[0, 72057594037927936\)"),
+        (6, _b64([1] * 8, "<u4"), _b64([0] * 7, "<u8"), r"grid byte_offset is a base64 column"),
+        (6, 7, 0, r"grid crc32 must be a list of 8 integers"),
+    ],
+)
+def test_hostile_binary_columns_are_manifest_errors(version: int, crc: Any, bo: Any, message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        Manifest.loads(_packed_grid_doc(version, crc, bo), "x.json")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["crc32", "byte_offset", "ranks"]), st.one_of(st.text(max_size=40), st.binary(max_size=40)))
+def test_any_column_string_is_read_or_refused_with_a_manifest_error(which: str, text: Any) -> None:
+    """A hostile column (any text, or the base64 of any bytes) is read, in range, or is a ManifestError."""
+    col = text if isinstance(text, str) else base64.b64encode(text).decode()
+    args: dict[str, Any] = {"crc": _b64([1] * 8, "<u4"), "bo": 0, "ranks": None}
+    args["crc" if which == "crc32" else "bo" if which == "byte_offset" else "ranks"] = col
+    t0 = time.perf_counter()
+    try:
+        g = Manifest.loads(_packed_grid_doc(6, args["crc"], args["bo"], args["ranks"]), "x.json").tensors["w"].chunks
+    except ManifestError:
+        return
+    finally:
+        assert time.perf_counter() - t0 < 5
+    cells = list(g)
+    assert len(cells) == 8 and all(0 <= c.rank < 8 and 0 <= (c.crc32 or 0) < 2**32 for c in cells)
+
+
+# -- grids walked lazily: a conversion's per-rank lookups, rules, inspect, show --------------------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """64 writers, rank-local, two tensors split by rows (array cells and packed cells)."""
+    root = tmp_path_factory.mktemp("wide") / "c"
+    a = np.arange(128 * 4, dtype=np.float32).reshape(128, 4)
+    b = np.arange(64 * 300, dtype=np.int32).reshape(64, 300)
+    for r in range(64):
+        w = xckpt.Writer(root, rank=r, world_size=64, save_id="s", pack_threshold=64)
+        w.write("a", a[2 * r : 2 * r + 2], global_shape=a.shape, offset=(2 * r, 0))
+        w.write("b", b[r : r + 1], global_shape=b.shape, offset=(r, 0))
+        w.commit()
+    return root
+
+
+def _cells_built(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = {"chunk": 0}
+    chunk = GridChunks.chunk
+
+    def counted(self: GridChunks, i: int) -> Any:
+        calls["chunk"] += 1
+        return chunk(self, i)
+
+    monkeypatch.setattr(GridChunks, "chunk", counted)
+    return calls
+
+
+def test_write_job_finds_a_ranks_chunks_without_a_scan(wide: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from xckpt.sink import WriteJob
+
+    class _Bar:
+        def update(self, n: int) -> None: ...
+
+    ck = xckpt.open(wide)
+    t = ck.info("b")
+    assert t.is_grid and {c.form for c in t.chunks} == {"array"} and ck.info("a").chunks[0].form == "packed"
+    job = WriteJob(ck, str(wide.parent / "out"), ("a", "b"), {}, None, _Bar())  # type: ignore[arg-type]
+    calls = _cells_built(monkeypatch)
+    for r in (0, 17, 63):
+        got = list(job.chunks("b", rank=r))
+        assert [c.rank for c, _ in got] == [r] and calls["chunk"] <= 2 * len({0, 17, 63})
+        assert got[0][1].tobytes() == np.arange(r * 300, r * 300 + 300, dtype=np.int32).tobytes()
+    assert list(job.chunks("b", rank=64)) == []
+    assert t.chunk_ids_by_rank[17] == (17,) and t.bytes_by_rank()[5] == 1200 and t.ranks_column.tolist() == list(range(64))
+
+
+def test_rules_inspect_and_show_build_no_cell_per_writer(wide: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from xckpt import cli, inspect
+
+    calls = _cells_built(monkeypatch)
+    ck = xckpt.open(wide, rules=[{"match": "^a$", "rename": "x"}])
+    assert ck.info("x").is_grid and calls["chunk"] == 0  # a rename keeps the grid
+    assert ck.read("x", (slice(5, 9),)).tobytes() == np.arange(128 * 4, dtype=np.float32).reshape(128, 4)[5:9].tobytes()
+    assert calls["chunk"] <= 6  # the 3 cells the box meets (looked up by the view and the source), of 64
+    calls["chunk"] = 0
+    text = inspect.text_table(ck)
+    assert "r0 32 B" in text and "+60 more" in text and calls["chunk"] == 0
+    assert cli.main(["show", str(wide), "b", "--limit", "3"]) == 0
+    assert "61 more chunks" in capsys.readouterr().out and calls["chunk"] <= 3

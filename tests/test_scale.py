@@ -11,7 +11,6 @@ each chunk at most once per tensor (no work per rank that grows with the ranks).
 from __future__ import annotations
 
 import json
-import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -82,15 +81,12 @@ def test_rank_local_open_builds_no_chunk_per_writer(saves: dict[int, tuple[Path,
     root, _ = saves[1024]
     xckpt.open(root)  # warm (imports, caches)
     tracemalloc.start()
-    t = time.perf_counter()
     ck = xckpt.open(root)
-    dt = time.perf_counter() - t
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert all(ck.info(n).is_grid for n in ck.names())
     # 20,480 chunks: a chunk object each (about 1 KB with its boxes) would be 20 MB held at once.
     assert peak < 12 << 20, peak
-    assert dt < 10, dt
     g = ck.info("layers.0.weight").chunks
     assert isinstance(g, GridChunks) and len(g) == 1024 and g.rank_rule == (0, (1, 0))
     c = g[1000]

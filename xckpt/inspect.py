@@ -96,8 +96,11 @@ def human_bytes(n: float) -> str:
 
 def _per_writer(t: Any) -> str:
     by: dict[int, int] = {}
-    for c in t.chunks:
-        by[c.rank] = by.get(c.rank, 0) + c.nbytes
+    if hasattr(t, "bytes_by_rank"):  # (a grid's from its columns: no cell built)
+        by = dict(t.bytes_by_rank())
+    else:
+        for c in t.chunks:
+            by[c.rank] = by.get(c.rank, 0) + c.nbytes
     parts = [f"r{r} {human_bytes(b)}" for r, b in sorted(by.items())[:WRITERS_SHOWN]]
     if len(by) > WRITERS_SHOWN:
         rest = sum(b for _, b in sorted(by.items())[WRITERS_SHOWN:])

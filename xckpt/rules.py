@@ -410,6 +410,12 @@ class _View:
     src_dtype: np.dtype  # the source tensors' dtype (differs from entry's when cast)
     # output chunk offset -> (source chunk index, source chunk, the part it belongs to)
     src_chunks: Mapping[tuple[int, ...], tuple[int, Chunk, Landing]]
+    renamed: Landing | None = None  # a rename: the source's chunks, each found by its offset when asked
+
+    def source_chunk(self, offset: tuple[int, ...]) -> tuple[int, Chunk, Landing]:
+        if self.renamed is None:
+            return self.src_chunks[offset]
+        return (*self.entry.chunk_at(offset), self.renamed)
 
 
 def _ints(params: Parameters, rule: Rule, tensor: str, what: str, items: Sequence[int | str]) -> list[int]:
@@ -608,6 +614,9 @@ class RuledSource(SourceView):
                         "and join axes)"
                     )
         dtype = _out_dtype(rule0, first)
+        plain = p0.take is None and p0.perm is None and p0.put is None and p0.cut is None
+        if plain and dtype == first.dtype and len(ps) == 1:  # a rename: no chunk built here
+            return _View(first if out == first.name else replace(first, name=out), first.np_dtype, {}, p0)
         itemsize = numpy_dtype(dtype).itemsize
         chunks: list[Chunk] = []
         src_chunks: dict[tuple[int, ...], tuple[int, Chunk, Landing]] = {}
@@ -621,7 +630,6 @@ class RuledSource(SourceView):
         if p0.put is not None:
             positions = len({p[0][0] for p in ps})
             shape = shape[: p0.put[0]] + (positions,) + shape[p0.put[0] :]
-        plain = p0.take is None and p0.perm is None and p0.put is None and p0.cut is None
         if plain and dtype == first.dtype:
             entry = first if out == first.name else replace(first, name=out)  # placement kept
         else:
@@ -662,7 +670,7 @@ class RuledSource(SourceView):
             name, chunk, req, out = job
             box = chunk.box if req is None else req.box
             target = out if req is None else out[req.target_slices]
-            ci, src_chunk, part = v.src_chunks[chunk.offset]
+            ci, src_chunk, part = v.source_chunk(chunk.offset)
             for sbox, obox in part.to_sources(box):
                 dst = part.source_view(target if obox == box else target[obox.slices(box)])
                 if v.src_dtype != out.dtype:
@@ -682,7 +690,7 @@ class RuledSource(SourceView):
         v = self._views.get(name)
         if v is None:
             return self.source.read_units(name, chunk, box, itemsize)
-        _, src_chunk, part = v.src_chunks[chunk.offset]
+        _, src_chunk, part = v.source_chunk(chunk.offset)
         units: dict[Hashable, int] = {}
         for sbox, _ in part.to_sources(box):
             units.update(self.source.read_units(part.src, src_chunk, sbox, v.src_dtype.itemsize))

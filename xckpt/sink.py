@@ -155,6 +155,11 @@ class WriteJob:
     _buffers: Buffers = field(default_factory=Buffers, init=False, repr=False, compare=False)
     _crcs: dict[BoxKey, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     _partial: dict[BoxKey, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: Each tensor's chunk ids by writer rank, found once (a sink asking for every rank's
+    #: chunks in turn looks each rank up, never scans every chunk per rank).
+    _by_rank: dict[str, Mapping[int, tuple[int, ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def info(self, name: str) -> TensorEntry:
         """dtype, shape and chunk boxes of ``name`` in the source."""
@@ -193,7 +198,14 @@ class WriteJob:
         zeroing fresh pages for every chunk. The next chunk is read in the background
         meanwhile (two in memory).
         """
-        chunks = [c for c in self.src.info(name).chunks if rank is None or c.rank == rank]
+        t = self.src.info(name)
+        if rank is None:
+            chunks = list(t.chunks)
+        else:
+            ids = self._by_rank.get(name)
+            if ids is None:
+                ids = self._by_rank[name] = t.chunk_ids_by_rank
+            chunks = [t.chunk(i) for i in ids.get(rank, ())]
         yield from read_ahead([functools.partial(self._chunk_pair, name, c, reuse) for c in chunks])
         if reuse:
             self._buffers.trim()

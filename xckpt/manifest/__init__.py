@@ -10,7 +10,8 @@ read, before anything is sized from it. The family:
 * ``_objects``: non-tensor values as tagged JSON (never pickle);
 * ``_signed``: the manifest's own checksum and the claim written before a save;
 * ``_chunks``: :class:`Chunk`, one stored box and where its bytes live;
-* ``_grids``: grid entries (version 5), :class:`GridChunks`: chunks as a grid, built on demand;
+* ``_grids``: grid entries (version 5; binary columns, version 6), :class:`GridChunks`: chunks
+  as a grid, built on demand;
 * ``_document``: :class:`Manifest`, one rank's or the merged document, and merging;
 * ``_merge``: :class:`RankMerge`, rank manifests merged as they are parsed (grids recognised);
 * ``_incremental``: version 6's codecs, references to other steps' arrays, chunk hashes.
@@ -21,6 +22,7 @@ Code outside this folder imports from here.
 from __future__ import annotations
 
 from xckpt.manifest._checks import (
+    COLUMNS_VERSION,
     DTYPES,
     FORMAT,
     GRID_VERSION,
@@ -54,6 +56,7 @@ from xckpt.manifest._signed import CLAIM_PREFIX, Claim, claim_bytes, dumps_json,
 
 __all__ = [
     "CLAIM_PREFIX",
+    "COLUMNS_VERSION",
     "DTYPES",
     "FORMAT",
     "GRID_MIN_CELLS",

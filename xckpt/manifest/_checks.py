@@ -16,15 +16,19 @@ from xckpt.errors import ManifestError, ObjectError
 FORMAT = "xckpt"
 VERSION = 6
 #: Versions this xckpt reads (1: no checksum; 2: checksummed manifests; 3: storage "files";
-#: 4: packed rows; 5: grid entries and "dirs"; 6: "codecs", "refs" and "hashes").
+#: 4: packed rows; 5: grid entries and "dirs"; 6: binary grid columns, "codecs", "refs",
+#: "hashes" and "deltas").
 READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: The first version with codecs, references to other steps and chunk hashes
-#: (see :mod:`xckpt.manifest._incremental`).
+#: (see `xckpt.manifest._incremental`).
 INCREMENTAL_VERSION = 6
 #: The first version whose "tensors" may hold packed rows (see :mod:`xckpt.manifest._rows`).
 ROWS_VERSION = 4
 #: The first version whose entries may be grids (see :mod:`xckpt.manifest._grids`).
 GRID_VERSION = 5
+#: The first version whose grid columns (ranks, packed byte offsets and crc32s) may be base64
+#: strings of little-endian integers (see :mod:`xckpt.manifest._grids`).
+COLUMNS_VERSION = 6
 #: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
 STORAGE_KINDS = ("files", "plain", "ocdbt")
 

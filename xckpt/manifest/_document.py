@@ -7,9 +7,9 @@ checkpoint, byte counts that agree with the boxes) before anything is allocated
 or opened, and raises :class:`~xckpt.errors.ManifestError` (or
 :class:`~xckpt.errors.FormatVersionError`) naming the checkpoint and tensor.
 
-Format (version 5), one JSON object::
+Format (version 6), one JSON object::
 
-    {"format": "xckpt", "version": 5, "save_id": "...", "world_size": W,
+    {"format": "xckpt", "version": 6, "save_id": "...", "world_size": W,
      "rank": r | null,                       # null in the merged xckpt.json
      "storage": {"<rank>": "files" | "plain" | "ocdbt"},  # how data/<rank>/ is organised
      "packed": {"<rank>": key},              # each rank's packed byte array (version 4)
@@ -40,6 +40,8 @@ faster); a version 3 reader would reject the array, so the version says it. Vers
 adds grid entries (:mod:`xckpt.manifest._grids`): a tensor whose chunks form a rectilinear
 grid over its writers is its split points, the writer of each cell by rule and its key
 relative to the writer's data directory (``"dirs"``), not one chunk object per writer.
+Version 6 writes a grid's columns (ranks, packed byte offsets and crc32s) as base64 strings
+of little-endian integers instead of lists (:mod:`xckpt.manifest._grids`).
 
 Limits come before allocation: every claim (number of dimensions, each extent, a
 tensor's elements and bytes, world size, chunks per tensor, key and name lengths,
@@ -65,6 +67,7 @@ from xckpt.manifest._checks import (
     GRID_VERSION,
     INCREMENTAL_VERSION,
     MAX_KEY_LEN,
+    MAX_NAME_LEN,
     MAX_WORLD_SIZE,
     READ_VERSIONS,
     STORAGE_KINDS,
@@ -163,7 +166,8 @@ class Manifest:
                 world_size=h.world_size,
                 rank=h.rank,
                 tensors=_tensor_entries(
-                    h.tensors, h.packed, where, h.world_size, h.dirs if h.version >= GRID_VERSION else None
+                    h.tensors, h.packed, where, h.world_size, h.dirs if h.version >= GRID_VERSION else None,
+                    h.version,
                 ),
                 objects=tuple(ObjectEntry.from_json(o, where) for o in h.objects),
                 storage=h.storage,
@@ -284,8 +288,9 @@ def parse_header(d: Any, where: str) -> Header:
         if not (r.isascii() and r.isdigit() and len(r) < 8 and int(r) < world_size) or s not in STORAGE_KINDS:
             raise ManifestError(f"{where}: bad storage entry {r!r}: {s!r}"[:300])
         storage[int(r)] = s
-    for n in tensors_raw:
-        _str(n, "a tensor name", where)
+    if tensors_raw and max(map(len, tensors_raw)) > MAX_NAME_LEN:  # (JSON keys are strings)
+        for n in tensors_raw:
+            _str(n, "a tensor name", where)
     packed = _packed_keys(d.get("packed"), where, world_size, d["version"])
     if "dirs" in d and d["version"] < GRID_VERSION:
         raise ManifestError(f"{where}: a version {d['version']} manifest has no dirs member; the file was edited")

@@ -35,6 +35,7 @@ from xckpt.manifest._checks import (
     MAX_NDIM,
     MAX_TENSOR_BYTES,
     MAX_WORLD_SIZE,
+    VERSION,
     _build,
     _check_key,
     _dims,
@@ -207,6 +208,19 @@ class TensorEntry:
             return chunks.grid_index
         return BoxIndex(self.boxes)
 
+    def chunk_at(self, offset: tuple[int, ...]) -> tuple[int, Chunk]:
+        """The chunk whose box starts at ``offset``, with its id: found through
+        :attr:`chunk_index` (a grid's cell is built alone), else by one walk (an empty chunk)."""
+        if all(0 <= o < s for o, s in zip(offset, self.shape)) and len(offset) == len(self.shape):
+            for i in self.chunk_index.find(Box(offset, (1,) * len(offset))):
+                c = self.chunk(i)
+                if c.offset == offset:
+                    return i, c
+        for i, c in enumerate(self.chunks):
+            if c.offset == offset:
+                return i, c
+        raise KeyError(offset)
+
     def chunk(self, i: int) -> Chunk:
         """Chunk ``i`` (of a grid: built now)."""
         return self.chunks[i]
@@ -220,6 +234,39 @@ class TensorEntry:
         for c in self.chunks:
             by.setdefault(c.rank, []).append(c)
         return {r: tuple(cs) for r, cs in by.items()}
+
+    @functools.cached_property
+    def ranks_column(self) -> np.ndarray:
+        """The writer rank of every chunk, in chunk order (int64; a grid's by arithmetic, no
+        chunk built)."""
+        chunks = self.chunks
+        if isinstance(chunks, GridChunks):
+            return chunks.ranks_column()
+        return np.array([c.rank for c in chunks], np.int64)
+
+    @functools.cached_property
+    def chunk_ids_by_rank(self) -> Mapping[int, tuple[int, ...]]:
+        """Each writer's chunk ids, in chunk order, from :attr:`ranks_column` (no chunk built:
+        a caller taking every rank's chunks in turn builds each once, when it reads it)."""
+        ranks = self.ranks_column
+        if not len(ranks):
+            return {}
+        order = np.argsort(ranks, kind="stable")
+        cuts = np.flatnonzero(np.diff(ranks[order])) + 1
+        return {int(ranks[g[0]]): tuple(g.tolist()) for g in np.split(order, cuts)}
+
+    def bytes_by_rank(self) -> dict[int, int]:
+        """Bytes stored by each writer rank (a grid's from its columns: no chunk built)."""
+        chunks = self.chunks
+        if not isinstance(chunks, GridChunks):
+            by: dict[int, int] = {}
+            for c in chunks:
+                by[c.rank] = by.get(c.rank, 0) + c.nbytes
+            return by
+        writers, inv = np.unique(self.ranks_column, return_inverse=True)
+        sums = np.zeros(len(writers), np.int64)
+        np.add.at(sums, inv.reshape(-1), chunks.nbytes_column())
+        return dict(zip(writers.tolist(), sums.tolist()))
 
     @property
     def is_grid(self) -> bool:
@@ -245,15 +292,17 @@ class TensorEntry:
 
     @classmethod
     def from_json(
-        cls, name: str, d: Any, where: str, world_size: int, dirs: Mapping[int, str] | None = None
+        cls, name: str, d: Any, where: str, world_size: int, dirs: Mapping[int, str] | None = None,
+        version: int = VERSION,
     ) -> TensorEntry:
         """Validate tensor ``name``'s entry (ManifestError naming it and the field otherwise).
 
         ``dirs`` (the manifest's data directories) is given for manifests that may hold grid
-        entries (version 5 on); a grid elsewhere is refused."""
+        entries (version 5 on); a grid elsewhere is refused. ``version``: the manifest's (what
+        a grid may hold depends on it)."""
         if type(d) is dict:
             if "grid" in d:
-                return cls._grid_from_json(name, d, where, world_size, dirs)
+                return cls._grid_from_json(name, d, where, world_size, dirs, version)
             e = cls._from_json_fast(name, d, where, world_size)
             if e is not None:
                 return e
@@ -261,7 +310,8 @@ class TensorEntry:
 
     @classmethod
     def _grid_from_json(
-        cls, name: str, d: dict[str, Any], where: str, world_size: int, dirs: Mapping[int, str] | None
+        cls, name: str, d: dict[str, Any], where: str, world_size: int, dirs: Mapping[int, str] | None,
+        version: int = VERSION,
     ) -> TensorEntry:
         w = f"{where}, tensor {name!r}"
         if dirs is None:
@@ -279,7 +329,7 @@ class TensorEntry:
                 f"{w}: shape {list(shape)} ({dtype}) claims {elements * itemsize} bytes, over the "
                 f"limit of {MAX_TENSOR_BYTES}; the manifest is corrupt or hostile"
             )
-        grid = GridChunks.from_json(d["grid"], shape, itemsize, world_size, dirs, w)
+        grid = GridChunks.from_json(d["grid"], shape, itemsize, world_size, dirs, w, version)
         pl, vr = d.get("placement"), d.get("value_range")
         return cls(
             name=name,

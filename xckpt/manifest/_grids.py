@@ -16,9 +16,17 @@ A grid entry is ``{"dtype", "shape", "grid": {...}}`` with, in ``"grid"``:
   whole box is one zarr chunk);
 * ``"packed"`` (optional): cells that are packed chunks of their writer's packed byte array,
   ``{"cells": [cell ids, increasing] (absent: every cell), "key": that array's key relative
-  to the writer's data directory (with ``"key"``), "byte_offset": int | [int per packed
-  cell], "crc32": [int per packed cell]}``. (A split by ``torch.chunk`` leaves the last
+  to the writer's data directory (with ``"key"``), "byte_offset": int | column (one per packed
+  cell), "crc32": column (one per packed cell)}``. (A split by ``torch.chunk`` leaves the last
   writers short: their cells may fall under the packing threshold while the others do not.)
+
+A **column** (one integer per cell or per packed cell: ``"ranks"``, ``"byte_offset"``,
+``"crc32"``) is a JSON list of integers (version 5) or, from version 6 on, a string: the
+base64 (RFC 4648, padded) of the integers as little-endian ``uint32`` (``ranks``,
+``crc32``) or ``uint64`` (``byte_offset``), back to back. 4,096 writers x 100 tensors of
+256-byte packed cells: a crc32 costs 5.3 bytes in base64 against 10.7 as decimal text
+(4.5 MB of manifest becomes 2.2 MB), and a column decodes in one ``numpy.frombuffer``. A
+column's decoded length and range are checked before it is used.
 
 :class:`GridChunks` is the grid as a lazy ``Sequence[Chunk]``: a cell's :class:`Chunk`
 is built when asked for, lookups go through its :class:`~xckpt.layout.GridIndex` (bisect
@@ -30,6 +38,8 @@ product of the split counts, checked against ``MAX_CHUNKS`` as it is formed.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import math
 import re
@@ -41,10 +51,12 @@ import numpy as np
 from xckpt.errors import LayoutError, ManifestError
 from xckpt.layout import GridAxis, GridIndex
 from xckpt.manifest._checks import (
+    COLUMNS_VERSION,
     MAX_CHUNKS,
     MAX_KEY_LEN,
     MAX_TENSOR_BYTES,
     MAX_WORLD_SIZE,
+    VERSION,
     _check_key,
     _new,
     _set,
@@ -128,8 +140,8 @@ class Packed(NamedTuple):
 class GridChunks(Sequence[Chunk]):
     """A tensor's chunks as a grid: a lazy sequence whose cell ``i`` (row-major) is built on
     demand. ``grid_index`` finds the cells a box meets; nothing here is O(cells) but
-    :meth:`to_json`, equality and iteration (which builds every cell once and keeps them,
-    as a chunk tuple would)."""
+    :meth:`to_json`, the columns, equality and iteration (which builds each cell as it goes
+    and keeps none)."""
 
     def __init__(
         self,
@@ -151,7 +163,6 @@ class GridChunks(Sequence[Chunk]):
         self.key, self.keys = key, keys
         self.inner = dict(inner) if inner else None
         self.packed = packed
-        self._all: tuple[Chunk, ...] | None = None
         #: Packed cell -> its position among the packed cells (all cells: None).
         self._packed_at = None if packed is None or packed.cells is None else {
             c: j for j, c in enumerate(packed.cells.tolist())
@@ -183,11 +194,9 @@ class GridChunks(Sequence[Chunk]):
         return self.chunk(i)
 
     def __iter__(self) -> Iterator[Chunk]:
-        # A caller walking every chunk (verify, show, convert) gets them built once and kept:
-        # what a chunk list would hold. Lookups never walk them.
-        if self._all is None:
-            self._all = tuple(self.chunk(i) for i in range(self.grid_index.n))
-        return iter(self._all)
+        # Built as walked, not kept: a walk over every chunk (verify, convert) holds what it
+        # keeps of them, never every cell of every grid at once. Lookups never walk them.
+        return map(self.chunk, range(self.grid_index.n))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, GridChunks):
@@ -209,10 +218,30 @@ class GridChunks(Sequence[Chunk]):
         base, strides = self.rank_rule or (0, ())
         return base + sum(j * s for j, s in zip(self.grid_index.cell(i) if idx is None else idx, strides))
 
+    def ranks_column(self) -> np.ndarray:
+        """The writer of every cell (int64, row-major cell order), by arithmetic: no cell is built."""
+        if self.rank_list is not None:
+            return self.rank_list
+        base, strides = self.rank_rule or (0, ())
+        n = self.grid_index.n
+        out = np.full(n, base, np.int64)
+        ar = np.arange(n, dtype=np.int64)
+        for s, c, st in zip(self.grid_index.strides, self.grid_index.counts, strides):
+            if st:
+                out += ((ar // s) % c) * st
+        return out
+
+    def nbytes_column(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """The bytes of every cell (or of cells ``ids``), int64, by arithmetic: no cell is built."""
+        ids = np.arange(self.grid_index.n, dtype=np.int64) if ids is None else ids
+        nbytes = np.full(len(ids), self.itemsize, np.int64)
+        for a, s, c in zip(self.grid_index.axes, self.grid_index.strides, self.grid_index.counts):
+            sizes = np.array([a.size(j) for j in range(c)], np.int64)
+            nbytes *= sizes[(ids // s) % c]
+        return nbytes
+
     def chunk(self, i: int) -> Chunk:
-        """Cell ``i`` as a :class:`Chunk` (built now, unless every cell was walked already)."""
-        if self._all is not None:
-            return self._all[i]
+        """Cell ``i`` as a :class:`Chunk` (built now)."""
         idx = self.grid_index.cell(i)
         off, shp = self.grid_index.cell_box(idx)
         rank = self.rank(i, idx)
@@ -242,16 +271,19 @@ class GridChunks(Sequence[Chunk]):
         if p is None:
             return {}
         ids = np.arange(self.grid_index.n, dtype=np.int64) if p.cells is None else p.cells
-        nbytes = np.full(len(ids), self.itemsize, np.int64)
-        for a, s, c in zip(self.grid_index.axes, self.grid_index.strides, self.grid_index.counts):
-            sizes = np.array([a.size(j) for j in range(c)], np.int64)
-            nbytes *= sizes[(ids // s) % c]
-        ends = (np.asarray(p.byte_offset, np.int64) + nbytes).tolist()
+        nbytes = self.nbytes_column(ids)
+        ends = np.asarray(p.byte_offset, np.int64) + nbytes
         out: dict[str, int] = {}
-        for i, e in zip(ids.tolist(), ends):
-            k = self.keys[i] if self.keys is not None else f"{data_dir(self.rank(i), self.dirs)}/{p.key}"
-            out[k] = max(out.get(k, 0), e)
-        return out
+        if self.keys is not None:
+            for i, e in zip(ids.tolist(), ends.tolist()):
+                out[self.keys[i]] = max(out.get(self.keys[i], 0), e)
+            return out
+        # One packed array per writer: the largest end per rank, by numpy (409,600 cells: no loop).
+        ranks = self.ranks_column()[ids]
+        writers, inv = np.unique(ranks, return_inverse=True)
+        last = np.zeros(len(writers), np.int64)
+        np.maximum.at(last, inv.reshape(-1), ends)
+        return {f"{data_dir(r, self.dirs)}/{p.key}": e for r, e in zip(writers.tolist(), last.tolist())}
 
     # -- JSON ---------------------------------------------------------------------
 
@@ -262,7 +294,7 @@ class GridChunks(Sequence[Chunk]):
         """The ``"grid"`` member (keys relative to ``self.dirs``, which the manifest writes)."""
         d: dict[str, Any] = {"splits": self.splits_json()}
         if self.rank_list is not None:
-            d["ranks"] = self.rank_list.tolist()
+            d["ranks"] = column_json(self.rank_list, "<u4")
         else:
             base, strides = self.rank_rule or (0, ())
             d["ranks"] = {"base": base, "strides": list(strides)}
@@ -279,16 +311,19 @@ class GridChunks(Sequence[Chunk]):
                 pd["cells"] = p.cells.tolist()
             if p.key is not None:
                 pd["key"] = p.key
-            pd["byte_offset"] = p.byte_offset if type(p.byte_offset) is int else np.asarray(p.byte_offset).tolist()
-            pd["crc32"] = p.crc32.tolist()
+            bo = p.byte_offset
+            pd["byte_offset"] = bo if isinstance(bo, int) else column_json(bo, "<u8")
+            pd["crc32"] = column_json(p.crc32, "<u4")
             d["packed"] = pd
         return d
 
     @classmethod
     def from_json(
-        cls, raw: Any, shape: tuple[int, ...], itemsize: int, world_size: int, dirs: Mapping[int, str], where: str
+        cls, raw: Any, shape: tuple[int, ...], itemsize: int, world_size: int, dirs: Mapping[int, str], where: str,
+        version: int = VERSION,
     ) -> GridChunks:
-        """Validate a ``"grid"`` member; bounded work before anything is sized from a claim."""
+        """Validate a ``"grid"`` member of a version ``version`` manifest; bounded work before
+        anything is sized from a claim."""
         if type(raw) is not dict:
             raise ManifestError(f"{where}: grid must be an object")
         unknown = set(raw) - {"splits", "ranks", "key", "keys", "inner", "packed"}
@@ -296,6 +331,15 @@ class GridChunks(Sequence[Chunk]):
             raise ManifestError(f"{where}: grid has unknown members {sorted(unknown)[:5]}")
         index = _grid_index(raw.get("splits"), shape, where)
         n = index.n
+        if version < COLUMNS_VERSION:
+            p = raw.get("packed")
+            p = p if isinstance(p, dict) else {}
+            for col in (raw.get("ranks"), p.get("byte_offset"), p.get("crc32")):
+                if type(col) is str:
+                    raise ManifestError(
+                        f"{where}: a base64 grid column in a version {version} manifest (they are written from "
+                        f"version {COLUMNS_VERSION} on); the file was edited"
+                    )
         rank_rule, rank_list = _ranks(raw.get("ranks"), index, world_size, where)
         key, keys = raw.get("key"), raw.get("keys")
         if key is not None and keys is not None:
@@ -332,8 +376,8 @@ def _ranks(ranks: Any, index: GridIndex, world_size: int, where: str) -> tuple[A
         if lo < 0 or hi >= world_size:
             raise ManifestError(f"{where}: grid ranks run from {lo} to {hi}, outside [0, {world_size})")
         return (base, tuple(strides)), None
-    if type(ranks) is list:
-        return None, _int_list(ranks, index.n, 0, world_size, "grid ranks", where)
+    if type(ranks) in (list, str):
+        return None, _column(ranks, index.n, 0, world_size, "grid ranks", where, "<u4")
     raise ManifestError(f"{where}: grid lacks ranks (a rule {{'base', 'strides'}} or one rank per cell)")
 
 
@@ -363,9 +407,38 @@ def _packed(raw: Any, n: int, explicit_keys: bool, where: str) -> Packed | None:
             raise ManifestError(f"{where}: grid byte_offset {b} is out of range")
         bo: int | np.ndarray = b
     else:
-        bo = _int_list(b, m, 0, MAX_TENSOR_BYTES, "grid byte_offset", where)
-    crc = _int_list(raw["crc32"], m, 0, 1 << 32, "grid crc32", where)
+        bo = _column(b, m, 0, MAX_TENSOR_BYTES, "grid byte_offset", where, "<u8")
+    crc = _column(raw["crc32"], m, 0, 1 << 32, "grid crc32", where, "<u4")
     return Packed(cells, key, bo, crc)
+
+
+def column_json(v: np.ndarray | Sequence[int], dtype: str) -> str:
+    """A column of integers as JSON: the base64 of their little-endian bytes (``dtype``
+    ``"<u4"`` or ``"<u8"``; the values fit it, as :func:`_column` checked or the writer made them)."""
+    return base64.b64encode(np.asarray(v, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _column(v: Any, n: int, lo: int, hi: int, what: str, where: str, dtype: str) -> np.ndarray:
+    """A column (a list of ``n`` integers, or the base64 of ``n`` little-endian ``dtype``
+    integers) as int64, each in ``[lo, hi)``; the string's length is checked before it is decoded."""
+    if type(v) is not str:
+        return _int_list(v, n, lo, hi, what, where)
+    size = np.dtype(dtype).itemsize
+    if len(v) != 4 * -(-n * size // 3):
+        raise ManifestError(
+            f"{where}: {what} is a base64 column of {len(v)} characters; {n} little-endian {8 * size}-bit "
+            f"integers take {4 * -(-n * size // 3)}"
+        )
+    try:
+        raw = base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise ManifestError(f"{where}: {what} is not valid base64 (RFC 4648, padded)") from None
+    if len(raw) != n * size:
+        raise ManifestError(f"{where}: {what} decodes to {len(raw)} bytes, not {n * size}")
+    col = np.frombuffer(raw, dtype)
+    if n and (int(col.min()) < lo or int(col.max()) >= hi):
+        raise ManifestError(f"{where}: {what} must lie in [{lo}, {hi})")
+    return col.astype(np.int64)
 
 
 def _int_list(v: Any, n: int, lo: int, hi: int, what: str, where: str) -> np.ndarray:

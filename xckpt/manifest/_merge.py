@@ -39,6 +39,7 @@ from xckpt.manifest._document import Header, Manifest
 from xckpt.manifest._entries import ObjectEntry, TensorEntry
 from xckpt.manifest._grids import GRID_MIN_CELLS, grid_from_columns, split_key
 from xckpt.manifest._rows import _tensor_entries
+from xckpt.manifest._runs import Run
 
 __all__ = ["RankMerge"]
 
@@ -193,6 +194,8 @@ class RankMerge:
         self._ints: list[Any] = []
         self._gints: list[Any] = []
         self._checked = False
+        #: Ranks taken whole (:mod:`xckpt.manifest._runs`), not yet in the columns.
+        self._run: Run | None = None
 
     # -- adding a rank -------------------------------------------------------------
 
@@ -207,9 +210,30 @@ class RankMerge:
         self.hashes.update(h.hashes)
         self.deltas.update(h.deltas)
         dirs = h.dirs if h.version >= GRID_VERSION else None
-        self._entries(h, where, dirs)
+        if not self._take_run(h):
+            if self._run is not None:
+                self._run.flush()  # (earlier ranks' chunks go first: chunks stay in rank order)
+            self._entries(h, where, dirs)
         for o in h.objects:
             self._add_object(ObjectEntry.from_json(o, where))
+
+    def _take_run(self, h: Header) -> bool:
+        """The rank's entries taken whole by a :class:`~xckpt.manifest._runs.Run`, when it
+        lists the tensors of the ranks before it, in their order, each one plain chunk."""
+        names = tuple(h.tensors)
+        run = self._run
+        if run is None or run.names != names:
+            if run is not None:
+                run.flush()
+            accs = [self.tensors.get(n) for n in names]
+            if not names or any(a is None or a.n < 0 for a in accs):
+                self._run = None
+                return False
+            run = self._run = Run(names, accs)
+        try:
+            return run.take(h.tensors, self.world, (self.dir_ids, self.sfx_ids, self.inner_ids), self.rank_dirs)
+        except (TypeError, ValueError, OverflowError, KeyError, AttributeError):
+            return False  # (a shape of JSON no check foresaw: the chunk-at-a-time path names it)
 
     def touch(self, acc: _Tensor) -> None:
         """Record ``acc`` as changed by this rank (once), with its chunk count before."""
@@ -272,7 +296,7 @@ class RankMerge:
             if type(t) is list:
                 e = _tensor_entries({name: t}, h.packed, where, self.world)[name]
             else:
-                e = TensorEntry.from_json(name, t, where, self.world, dirs)
+                e = TensorEntry.from_json(name, t, where, self.world, dirs, h.version)
             self._add_entry(acc, e, t, h.rank)
 
     def _fast(self, acc: _Tensor, t: dict[str, Any]) -> bool:
@@ -468,6 +492,8 @@ class RankMerge:
     def result(self) -> Manifest:
         """The merged manifest (``rank`` None). Tensors that form grids are
         :class:`~xckpt.manifest._grids.GridChunks`; the others' coverage is the caller's to check."""
+        if self._run is not None:
+            self._run.flush()
         dirs = dict(self.declared_dirs)
         for r, d in self.rank_dirs.items():  # where the keys are, whatever a document declared
             if d != f"data/{r}":

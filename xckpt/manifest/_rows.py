@@ -19,6 +19,7 @@ from xckpt.manifest._checks import (
     MAX_TENSOR_BYTES,
     MAX_WORLD_SIZE,
     ROWS_VERSION,
+    VERSION,
     ZEROS,
     _check_key,
     _dims,
@@ -71,19 +72,19 @@ def _packed_keys(raw: Any, where: str, world_size: int, version: int) -> dict[in
 
 def _tensor_entries(
     raw: Mapping[str, Any], keys: Mapping[int, str], where: str, world_size: int,
-    dirs: Mapping[int, str] | None = None,
+    dirs: Mapping[int, str] | None = None, version: int = VERSION,
 ) -> dict[str, TensorEntry]:
     """The ``"tensors"`` member parsed: entry objects by :meth:`TensorEntry.from_json`,
     packed rows here, every field checked (plain type and range tests per row, the
     dtype/shape/rank bounds once per distinct combination; error text only on failure).
     20,000 rows: about 0.03 s. ``dirs``: the manifest's data directories, given where grid
-    entries may appear (version 5 on)."""
+    entries may appear (version 5 on); ``version``: the manifest's."""
     out: dict[str, TensorEntry] = {}
     seen: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (dtype, shape, rank) -> checked (shape, offset, key, nbytes)
     new, put = _new, _set
     for n, t in raw.items():
         if type(t) is not list:
-            out[n] = TensorEntry.from_json(n, t, where, world_size, dirs)
+            out[n] = TensorEntry.from_json(n, t, where, world_size, dirs, version)
             continue
         v = None
         if len(t) == 5:

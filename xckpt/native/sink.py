@@ -63,7 +63,7 @@ class XckptSink(Sink):
         one writer's in-flight budget bounds memory; rank 0 finalizes."""
         src = job.src
         infos = {n: src.info(n) for n in job.names}
-        world = max([src.world_size] + [c.rank + 1 for t in infos.values() for c in t.chunks])
+        world = max([src.world_size] + [int(t.ranks_column.max()) + 1 for t in infos.values() if len(t.chunks)])
         save_id = job.save_id or "convert-" + secrets.token_hex(8)
         meta = json_metadata(job) or {}
         for r in range(world):
