@@ -220,14 +220,17 @@ def test_sigkill_in_saves_and_retention(tmp_path):
 
 def test_golden_v6_checkpoint_loads_unchanged():
     """tests/golden/v6 (make_golden_v6.py): a manager root whose step 1 references step 0's
-    shuffle-zstd bytes and patches 5 rows of a table, and a two-rank save with a zstd rank
-    beside a raw one."""
+    shuffle-zstd bytes and patches 5 rows of a table, a two-rank save with a zstd rank
+    beside a raw one, and an 8-writer grid whose packed columns are base64 binary."""
     import hashlib
     from pathlib import Path
 
     root = Path(__file__).parent / "golden" / "v6"
     expect = json.loads((root / "expected.json").read_text())
-    cases = [(root / "root" / s, t) for s, t in expect["root"].items()] + [(root / "ranks", expect["ranks"])]
+    cases = [(root / "root" / s, t) for s, t in expect["root"].items()] + [
+        (root / "ranks", expect["ranks"]),
+        (root / "grid", expect["grid"]),
+    ]
     for path, tensors in cases:
         with xckpt.open(path) as ck:
             for name, spec in tensors.items():
@@ -241,3 +244,6 @@ def test_golden_v6_checkpoint_loads_unchanged():
     ((patch,),) = m["deltas"].values()
     assert patch["step"] == 1 and patch["rows"] == 5 and patch["codec"] == "shuffle-zstd"
     assert json.loads((root / "ranks" / "xckpt.json").read_bytes())["codecs"] == {"0": "zstd"}
+    grid = json.loads((root / "grid" / "xckpt.json").read_bytes())["tensors"]["cells"]["grid"]
+    assert grid["ranks"] == {"base": 7, "strides": [-1, 0]}  # binary columns (version 6): base64
+    assert isinstance(grid["packed"]["byte_offset"], str) and isinstance(grid["packed"]["crc32"], str)

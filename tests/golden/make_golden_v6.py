@@ -5,7 +5,10 @@
   its table ``tab`` (5 rows changed) is a row patch over step 0's (``deltas``); array
   chunks written whole have their BLAKE2b-128 in ``hashes``; ``b`` is a packed row (raw);
 - ``ranks/``: a two-rank save whose rank 0 compresses with ``"zstd"`` and rank 1 writes
-  raw (``codecs`` names rank 0 only), finalized.
+  raw (``codecs`` names rank 0 only), finalized;
+- ``grid/``: eight writers of a (64, 16) float32 tensor (8 rows each: packed cells),
+  finalized: a grid entry whose ``ranks``, packed ``byte_offset`` and ``crc32`` columns
+  are base64 binary (version 6), beside a whole replicated tensor.
 
 Never re-run to "fix" a failing golden test: a change that breaks reading these files is a
 format change and needs a new version."""
@@ -44,6 +47,19 @@ for r, comp in enumerate(["zstd", None]):
     wr.commit()
 xckpt.finalize(root / "ranks", world_size=2, save_id="golden-6")
 
+cells = np.arange(64 * 16, dtype=np.float32).reshape(64, 16) - 100.5
+# rank r writes rows [8 r', ...) with r' = 7 - r (ranks by a list, not a rule) and, on rank 0, a
+# small vector first (so the packed cells sit at different byte offsets of their writers' arrays)
+bias = np.linspace(-1, 1, 10).astype(np.float32)
+for r in range(8):
+    wr = xckpt.Writer(root / "grid", rank=r, world_size=8, save_id="golden-6-grid")
+    if r == 0:
+        wr.write("bias", bias)
+    rr = 7 - r
+    wr.write("cells", cells[8 * rr : 8 * rr + 8], global_shape=cells.shape, offset=(8 * rr, 0))
+    wr.commit()
+xckpt.finalize(root / "grid", world_size=8, save_id="golden-6-grid")
+
 
 def _sha(a: np.ndarray) -> str:
     return hashlib.sha256(a.tobytes()).hexdigest()
@@ -53,6 +69,8 @@ expected = {
     "root": {str(s): {k: {"dtype": v.dtype.name, "shape": list(v.shape), "sha256": _sha(v)} for k, v in st.items()}
              for s, st in steps.items()},
     "ranks": {"g": {"dtype": "float32", "shape": list(g.shape), "sha256": _sha(g)}},
+    "grid": {k: {"dtype": "float32", "shape": list(v.shape), "sha256": _sha(v)} for k, v in
+             {"cells": cells, "bias": bias}.items()},
 }
 (root / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
 print("wrote", root)
