@@ -61,6 +61,7 @@ from xckpt.errors import (
     MissingEntryError,
     ObjectError,
     ShapeMismatchError,
+    XckptError,
 )
 from xckpt.layout import Box, ReadRequest, box_from_index, plan_reads
 from xckpt.manifest import Chunk, TensorEntry, paused_gc
@@ -433,7 +434,16 @@ class Source:
         return problems
 
     def _verify_objects(self) -> list[str]:
-        return []
+        """Problems reading the objects `verify` can read (pickled ones only with `allow_pickle`)."""
+        problems = []
+        for name in self.object_names():
+            if name in self.pickled_objects() and not self.allow_pickle:
+                continue
+            try:
+                self._object_value(name, None)
+            except XckptError as e:
+                problems.append(str(e))
+        return problems
 
     # -- lifetime ---------------------------------------------------------------
 

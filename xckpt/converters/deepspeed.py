@@ -723,17 +723,6 @@ class DeepSpeedSource(Source):
         arr = read_object(v, f)
         return arr.item()
 
-    def _verify_objects(self) -> list[str]:
-        problems = []
-        for name in self._objects:
-            if name in self._pickled and not self.allow_pickle:
-                continue
-            try:
-                self._object_value(name, None)
-            except XckptError as e:
-                problems.append(str(e))
-        return problems
-
     def close(self) -> None:
         for f in self._files.values():
             f.bytes.close()

@@ -280,17 +280,6 @@ class MegatronSource(DcpSource):
             "code: read it only from a trusted checkpoint, by opening with allow_pickle=True"
         )
 
-    def _verify_objects(self) -> list[str]:
-        problems = []
-        for name in self._parts:
-            if name in self.pickled_objects() and not self.allow_pickle:
-                continue
-            try:
-                self._object_value(name, None)
-            except XckptError as e:
-                problems.append(str(e))
-        return problems
-
     def close(self) -> None:
         super().close()
         for f in getattr(self, "_commons", []):

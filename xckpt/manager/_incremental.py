@@ -29,7 +29,7 @@ from xckpt.manifest import Manifest
 from xckpt.native._refs import Dedup
 from xckpt.native.reader import Checkpoint
 from xckpt.native.steps import StepInfo, delete_step, step_location
-from xckpt.storage import Location, Storage, location_name
+from xckpt.storage import Location, Storage, fsync_dir, location_name
 
 __all__ = [
     "ManifestCache", "dedup_for", "base_step", "retain_steps", "delete_manifests", "check_replace", "rows_predicate",
@@ -105,27 +105,16 @@ def rows_predicate(row_deltas: Any) -> Any:
     raise XckptError(f"row_deltas={row_deltas!r}: pass True (every 2-D tensor), False, or a list of tensor names")
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def delete_manifests(root: Location, step: int) -> None:
     """Make step ``step`` incomplete, keeping its data: ``xckpt.json``, then every
     ``ranks/<r>.json`` (durable on a local disk before this returns)."""
     storage = Storage(step_location(root, step))
     storage.delete_key("xckpt.json")
     if storage.root is not None:
-        _fsync_dir(storage.root)
+        fsync_dir(storage.root, missing_ok=True)
     storage.delete_prefix("ranks/")
     if storage.root is not None:
-        _fsync_dir(os.path.join(storage.root, "ranks"))
+        fsync_dir(os.path.join(storage.root, "ranks"), missing_ok=True)
 
 
 def retain_steps(

@@ -44,7 +44,7 @@ from xckpt.errors import (
 )
 from xckpt.manifest import MAX_OBJECT_DEPTH, Manifest
 from xckpt.native.commit import read_rank_manifests, validate
-from xckpt.storage import Location, Storage, location_name, location_spec
+from xckpt.storage import Location, Storage, fsync_dir, location_name, location_spec
 
 __all__ = [
     "MANAGER_KEY",
@@ -285,17 +285,6 @@ def manager_root_error(root: Any, *, context: Any = None) -> CheckpointNotFoundE
     )
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def delete_step(root: Location, step: int, *, context: Any = None) -> None:
     """Delete step ``step`` of ``root``: manifests first, then data (`delete_checkpoint`).
 
@@ -340,19 +329,19 @@ def delete_checkpoint(
             os.unlink(os.path.join(top, "xckpt.json"))
         except FileNotFoundError:
             pass
-        _fsync_dir(top)
+        fsync_dir(top, missing_ok=True)
         ranks = os.path.join(top, "ranks")
         if os.path.isdir(ranks):
             for n in os.listdir(ranks):
                 os.unlink(os.path.join(ranks, n))
-            _fsync_dir(ranks)
+            fsync_dir(ranks, missing_ok=True)
         shutil.rmtree(top, ignore_errors=False)
     except FileNotFoundError:
         return
     except OSError as e:
         target = what if what is not None else f"checkpoint {location_name(loc)!r}"
         raise StorageError(e.errno, f"cannot delete {target} ({e}); {fix}") from e
-    _fsync_dir(os.path.dirname(top))
+    fsync_dir(os.path.dirname(top), missing_ok=True)
 
 
 def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -42,6 +42,7 @@ __all__ = [
     "local_root",
     "storage_error",
     "checked_spec",
+    "fsync_dir",
     "not_a_location",
     "Storage",
     "corrupt",
@@ -370,6 +371,20 @@ class Storage:
     def child(self, sub: str) -> Any:
         """The kvstore spec of directory ``sub`` inside this location."""
         return _child(self.url, sub)
+
+
+def fsync_dir(path: str, *, missing_ok: bool = False) -> None:
+    """Make a directory's entries durable (after files were created, renamed or removed in it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _prefix_end(prefix: str) -> str:
