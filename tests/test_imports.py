@@ -105,3 +105,26 @@ def test_no_module_is_over_800_lines() -> None:
     long = {str(p.relative_to(Path(xckpt.__file__).parent)): n for p in _package_files()
             if (n := len(p.read_text().splitlines())) > 800}
     assert long == {}
+
+
+#: The longest a function of the package may be, in lines, its docstring not counted.
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            doc = 0
+            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    doc = (body[0].end_lineno or body[0].lineno) - body[0].lineno + 1
+            n = (node.end_lineno or node.lineno) - node.lineno + 1 - doc
+            if n > MAX_FUNCTION_LINES:
+                out.append(f"{path.name}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_is_over_80_lines() -> None:
+    assert [f for p in _package_files() for f in _long_functions(p)] == []

@@ -500,32 +500,12 @@ def _inner(raw: Any, index: GridIndex, where: str) -> dict[tuple[int, ...], tupl
 # Recognising a grid in chunk columns (a merge of rank manifests)
 
 
-def grid_from_columns(
-    shape: tuple[int, ...],
-    itemsize: int,
-    offs: np.ndarray,
-    shps: np.ndarray,
-    ranks: np.ndarray,
-    same_dir: np.ndarray,
-    sfx_ids: np.ndarray,
-    sfx_table: Sequence[str],
-    inner_ids: np.ndarray,
-    inner_table: Sequence[tuple[int, ...] | None],
-    byte_offset: np.ndarray,
-    crc32: np.ndarray,
-    dirs: Mapping[int, str],
-    full_keys: Callable[[], list[str]],
-) -> GridChunks | None:
-    """The chunks given as columns (one row per chunk) as a :class:`GridChunks`, or None
-    when they do not form a rectilinear grid covering ``shape`` exactly, cell by cell.
-
-    ``same_dir[i]``: chunk i's key lies in its writer's data directory (``dirs``) with
-    suffix ``sfx_table[sfx_ids[i]]``; ``full_keys()`` gives every key otherwise.
-    ``byte_offset`` and ``crc32`` are -1 for array chunks. O(n log n), in numpy.
-    """
+def _grid_order(
+    shape: tuple[int, ...], offs: np.ndarray, shps: np.ndarray
+) -> tuple[GridIndex, np.ndarray] | None:
+    """The grid the boxes form (per-dimension splits) and the chunk of each cell, in cell
+    order; None when they are no rectilinear grid tiling `shape`, cell by cell."""
     n, k = offs.shape
-    if k == 0 or n < GRID_MIN_CELLS or n > MAX_CHUNKS:
-        return None
     axes, idx = [], []
     for d in range(k):
         o = offs[:, d]
@@ -552,12 +532,17 @@ def grid_from_columns(
         return None
     cell = np.ravel_multi_index(tuple(idx), index.counts)
     if (cell == np.arange(n)).all():  # (chunks in cell order already: writers in rank order)
-        order = np.arange(n)
-    else:
-        order = np.argsort(cell, kind="stable")
-        if not (cell[order] == np.arange(n)).all():
-            return None  # a cell held twice (and so another missing)
-    ranks = ranks[order]
+        return index, np.arange(n)
+    order = np.argsort(cell, kind="stable")
+    if not (cell[order] == np.arange(n)).all():
+        return None  # a cell held twice (and so another missing)
+    return index, order
+
+
+def _rank_rule(index: GridIndex, ranks: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
+    """`(base, strides)` when cell `(i0, i1, ...)`'s writer is `base + i0 s0 + i1 s1 + ...`
+    for every cell (ranks in cell order), else None (the grid lists them)."""
+    n = len(ranks)
     base = int(ranks[0])
     strides = tuple(int(ranks[s] - base) if c > 1 else 0 for s, c in zip(index.strides, index.counts))
     pred = np.full(n, base, np.int64)
@@ -565,7 +550,56 @@ def grid_from_columns(
     for s, c, st in zip(index.strides, index.counts, strides):
         if st:
             pred += ((ar // s) % c) * st
-    rule = (base, strides) if (pred == ranks).all() else None
+    return (base, strides) if (pred == ranks).all() else None
+
+
+def _inner_grids(
+    shapes: np.ndarray, ids: np.ndarray, table: Sequence[tuple[int, ...] | None]
+) -> dict[tuple[int, ...], tuple[int, ...] | None] | None:
+    """The zarr chunk shape of the array cells of each cell shape, or None when cells of one
+    shape differ (or there are too many shapes to list)."""
+    groups, g = np.unique(shapes, axis=0, return_inverse=True)
+    g = g.reshape(-1)
+    first = np.full(len(groups), -1, np.int64)
+    first[g] = ids
+    if not (first[g] == ids).all():
+        return None  # cells of one shape with different inner grids
+    inner = {tuple(sh): table[int(i)] for sh, i in zip(groups.tolist(), first.tolist()) if table[int(i)] is not None}
+    return None if len(inner) > MAX_GRID_SHAPES else inner
+
+
+def grid_from_columns(
+    shape: tuple[int, ...],
+    itemsize: int,
+    offs: np.ndarray,
+    shps: np.ndarray,
+    ranks: np.ndarray,
+    same_dir: np.ndarray,
+    sfx_ids: np.ndarray,
+    sfx_table: Sequence[str],
+    inner_ids: np.ndarray,
+    inner_table: Sequence[tuple[int, ...] | None],
+    byte_offset: np.ndarray,
+    crc32: np.ndarray,
+    dirs: Mapping[int, str],
+    full_keys: Callable[[], list[str]],
+) -> GridChunks | None:
+    """The chunks given as columns (one row per chunk) as a :class:`GridChunks`, or None
+    when they do not form a rectilinear grid covering ``shape`` exactly, cell by cell.
+
+    ``same_dir[i]``: chunk i's key lies in its writer's data directory (``dirs``) with
+    suffix ``sfx_table[sfx_ids[i]]``; ``full_keys()`` gives every key otherwise.
+    ``byte_offset`` and ``crc32`` are -1 for array chunks. O(n log n), in numpy.
+    """
+    n, k = offs.shape
+    if k == 0 or n < GRID_MIN_CELLS or n > MAX_CHUNKS:
+        return None
+    found = _grid_order(shape, offs, shps)
+    if found is None:
+        return None
+    index, order = found
+    ranks = ranks[order]
+    rule = _rank_rule(index, ranks)
     bo = byte_offset[order]
     packed = bo >= 0
     arrays = ~packed
@@ -586,16 +620,8 @@ def grid_from_columns(
         keys = [full_keys()[i] for i in order.tolist()]
     inner = None
     if arrays.any():
-        ids = inner_ids[order][arrays]
-        groups, g = np.unique(shps[order][arrays], axis=0, return_inverse=True)
-        g = g.reshape(-1)
-        first = np.full(len(groups), -1, np.int64)
-        first[g] = ids
-        if not (first[g] == ids).all():
-            return None  # cells of one shape with different inner grids
-        inner = {tuple(sh): inner_table[int(i)] for sh, i in zip(groups.tolist(), first.tolist())
-                 if inner_table[int(i)] is not None}
-        if len(inner) > MAX_GRID_SHAPES:
+        inner = _inner_grids(shps[order][arrays], inner_ids[order][arrays], inner_table)
+        if inner is None:
             return None
     pk = None
     if packed.any():

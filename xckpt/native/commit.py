@@ -121,36 +121,52 @@ def read_rank_manifests(
     stale = {r: s for r, (s, _) in present.items() if s != save_id}
     other_w = {r: w for r, (_, w) in present.items() if w != world}
     if len(present) < world or stale or other_w:
-        bits = []
-        n_missing = world - len(present) - len(pending)
-        if n_missing:
-            missing: list[int] = []
-            r = 0
-            while len(missing) < min(n_missing, 20):
-                if r not in present and r not in claims:
-                    missing.append(r)
-                r += 1
-            more = f", ... ({n_missing} ranks)" if n_missing > len(missing) else ""
-            bits.append(f"rank manifests missing: {str(missing)[:-1]}{more}]")
-        if pending:
-            bits.append(
-                f"ranks {_first(pending)} have claimed the location and not committed (a save is running "
-                "or failed)"
-            )
-        if stale:
-            bits.append(f"ranks {_first(stale)} belong to another save ({dict(list(stale.items())[:5])}, "
-                        f"expected {save_id!r})")
-        if other_w:
-            bits.append(f"ranks {_first(other_w)} report world sizes {dict(list(other_w.items())[:5])}, "
-                        f"expected {world}")
-        raise IncompleteCheckpointError(
-            f"checkpoint {where!r} of {world} ranks is incomplete: " + "; ".join(bits) + ". The "
-            "save did not finish on every rank (or was overwritten part way); re-run the save, "
-            "or load an earlier checkpoint"
-        )
+        raise _incomplete(where, world, save_id, present, claims, pending, stale, other_w)
     merged = merge.result()
     validate(merged, where)
     return merged
+
+
+
+def _incomplete(
+    where: str,
+    world: int,
+    save_id: str | None,
+    present: dict[int, tuple[str, int]],
+    claims: dict[int, Claim],
+    pending: list[int],
+    stale: dict[int, str],
+    other_w: dict[int, int],
+) -> IncompleteCheckpointError:
+    """The error for a save not every rank committed: which ranks are missing, still
+    claiming, of another save, or of another world size."""
+    bits = []
+    n_missing = world - len(present) - len(pending)
+    if n_missing:
+        missing: list[int] = []
+        r = 0
+        while len(missing) < min(n_missing, 20):
+            if r not in present and r not in claims:
+                missing.append(r)
+            r += 1
+        more = f", ... ({n_missing} ranks)" if n_missing > len(missing) else ""
+        bits.append(f"rank manifests missing: {str(missing)[:-1]}{more}]")
+    if pending:
+        bits.append(
+            f"ranks {_first(pending)} have claimed the location and not committed (a save is running "
+            "or failed)"
+        )
+    if stale:
+        bits.append(f"ranks {_first(stale)} belong to another save ({dict(list(stale.items())[:5])}, "
+                    f"expected {save_id!r})")
+    if other_w:
+        bits.append(f"ranks {_first(other_w)} report world sizes {dict(list(other_w.items())[:5])}, "
+                    f"expected {world}")
+    return IncompleteCheckpointError(
+        f"checkpoint {where!r} of {world} ranks is incomplete: " + "; ".join(bits) + ". The "
+        "save did not finish on every rank (or was overwritten part way); re-run the save, "
+        "or load an earlier checkpoint"
+    )
 
 
 def validate(m: Manifest, where: str) -> None:

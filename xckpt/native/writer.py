@@ -402,6 +402,21 @@ class Writer:
             arr = arr.astype(arr.dtype.newbyteorder("="))
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
+        chunk = self._store(name, arr, gshape, off, shape, chunk_value_range)
+        self._chunks[name].append(chunk)
+
+    def _store(
+        self,
+        name: str,
+        arr: np.ndarray,
+        gshape: tuple[int, ...],
+        off: tuple[int, ...],
+        shape: tuple[int, ...],
+        chunk_value_range: tuple[int, int] | None,
+    ) -> Chunk:
+        """One box's bytes queued (packed, an array chunk, or in a manager root a reference
+        or row delta); the chunk that records it."""
+        tensors = self._tensors
         nbytes = arr.nbytes
         if nbytes <= self.pack_threshold:
             # A C-contiguous array is its bytes (buffer protocol): crc32 and _seal_packed's
@@ -442,8 +457,7 @@ class Writer:
             if self._dedup is not None and (
                 self._delta(name, key, gshape, off, arr) or self._reference(name, key, gshape, off, shape, arr)
             ):
-                self._chunks[name].append(chunk)
-                return
+                return chunk  # recorded; its bytes are not written again
             if self._pending and self._pending_bytes + self._packed_size + nbytes > self.inflight_bytes:
                 # Write what is held first: in flight stays within the budget or one chunk.
                 self._seal_packed()
@@ -452,7 +466,7 @@ class Writer:
             self._pending_bytes += nbytes
             if self._pending_bytes >= self.inflight_bytes:
                 self._flush()  # a chunk as large as the budget is written at once, not held
-        self._chunks[name].append(chunk)
+        return chunk
 
     def _reference(
         self, name: str, key: str, gshape: tuple[int, ...], off: tuple[int, ...], shape: tuple[int, ...],
