@@ -1,4 +1,4 @@
-"""The commit protocol's read side: which save is at a location, and is it complete.
+"""The commit protocol: which save is at a location, is it complete, and its merged manifest.
 
 A rank writes its data, makes it durable, then writes ``ranks/<rank>.json``; in
 coordinated mode rank 0 then writes the merged ``xckpt.json`` (DESIGN.md section
@@ -30,7 +30,7 @@ from xckpt.manifest import (
     parse_header,
     paused_gc,
 )
-from xckpt.storage import Storage
+from xckpt.storage import Location, Storage
 
 __all__ = ["read_rank_manifests", "validate"]
 
@@ -179,3 +179,20 @@ def validate(m: Manifest, where: str) -> None:
             if t.chunks[0].shape == t.shape and 0 not in t.shape:
                 continue
         check_coverage(t.shape, [c.box for c in t.chunks], name=name, where=where)
+
+
+def finalize(path: Location, world_size: int, save_id: str, context: Any = None) -> Manifest:
+    """Merge ranks 0..W-1 into ``xckpt.json`` (rank 0, after all ranks committed).
+
+    Validates the merged layout first, and removes rank manifests of a larger
+    earlier save at the same location.
+    """
+    storage = Storage(path, context)
+    merged = read_rank_manifests(storage, expect_world_size=world_size, expect_save_id=save_id)
+    for key in storage.list_prefix("ranks/"):
+        stem = key[len("ranks/") : -len(".json")] if key.endswith(".json") else ""
+        if stem.isascii() and stem.isdigit() and len(stem) < 8 and int(stem) >= world_size:
+            storage.delete_key(key)
+            storage.delete_range(f"data/{stem}.", f"data/{stem}0")  # data/<r>/ and data/<r>.<token>/
+    storage.write_key("xckpt.json", merged.dumps())
+    return merged

@@ -80,7 +80,7 @@ from xckpt.native import _fileio
 from xckpt.native._codecs import check_compression
 from xckpt.native._refs import Dedup, chunk_hash
 from xckpt.native._zarr import NativeStorage, inner_chunk_shape, packed_grid
-from xckpt.native.commit import read_rank_manifests
+from xckpt.native.commit import finalize
 from xckpt.storage import Location, storage_error
 
 __all__ = ["Writer", "save", "finalize", "derived_save_id", "tensor_key_id", "ALL_HELD", "Dedup"]
@@ -719,23 +719,6 @@ class Writer:
             hashes=dict(self._hashes),
             deltas=dict(self._deltas),
         )
-
-
-def finalize(path: Location, world_size: int, save_id: str, context: Any = None) -> Manifest:
-    """Merge ranks 0..W-1 into ``xckpt.json`` (rank 0, after all ranks committed).
-
-    Validates the merged layout first, and removes rank manifests of a larger
-    earlier save at the same location.
-    """
-    storage = NativeStorage(path, context)
-    merged = read_rank_manifests(storage, expect_world_size=world_size, expect_save_id=save_id)
-    for key in storage.list_prefix("ranks/"):
-        stem = key[len("ranks/") : -len(".json")] if key.endswith(".json") else ""
-        if stem.isascii() and stem.isdigit() and len(stem) < 8 and int(stem) >= world_size:
-            storage.delete_key(key)
-            storage.delete_range(f"data/{stem}.", f"data/{stem}0")  # data/<r>/ and data/<r>.<token>/
-    storage.write_key("xckpt.json", merged.dumps())
-    return merged
 
 
 def save(
