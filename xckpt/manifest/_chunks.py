@@ -32,70 +32,86 @@ from xckpt.manifest._checks import (
     _shape,
 )
 
-__all__ = ["Chunk"]
+__all__ = ["Chunk", "RawFields", "raw_chunk_fields"]
+
+
+#: A raw chunk's fields, each checked: offset, shape (lists), rank, nbytes, form, inner grid,
+#: packed byte offset and crc32 (None for an array chunk), value range.
+RawFields = tuple[list[int], list[int], int, int, str, "tuple[int, ...] | None", "int | None", "int | None", Any]
+
+
+def raw_chunk_fields(d: Any, ndim: int, itemsize: int, world_size: int) -> RawFields | None:
+    """The fields of one raw chunk (a JSON object as the writer writes it) when every one
+    passes every check of `Chunk.from_json` except the key's; None when any might not (the
+    checked path then raises the precise error). The one fast check of a chunk, for entries
+    and for rank manifests merged as columns."""
+    if type(d) is not dict:
+        return None
+    get = d.get
+    off, shp, rank, nbytes = get("offset"), get("shape"), get("rank"), get("nbytes")
+    if (
+        type(off) is not list
+        or type(shp) is not list
+        or len(off) != ndim
+        or len(shp) != ndim
+        or type(rank) is not int
+        or not 0 <= rank < world_size
+        or type(nbytes) is not int
+        or nbytes >= MAX_TENSOR_BYTES
+    ):
+        return None
+    for x in off:
+        if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+            return None
+    for x in shp:
+        if type(x) is not int or not 0 <= x <= MAX_EXTENT:
+            return None
+    if nbytes != math.prod(shp) * itemsize:
+        return None
+    form = get("form", "array")
+    grid = bo = crc = None
+    if form == "packed":
+        bo, crc = get("byte_offset"), get("crc32")
+        if type(bo) is not int or not 0 <= bo < MAX_TENSOR_BYTES or type(crc) is not int or not 0 <= crc < 1 << 32:
+            return None
+    elif form == "array":
+        raw_grid = get("grid")
+        if raw_grid is not None:
+            grid = _dims(raw_grid)
+            if grid is None or len(grid) != ndim or (grid and min(grid) < 1):
+                return None
+    else:
+        return None
+    vr = get("value_range")
+    if vr is not None:
+        if type(vr) is not list or len(vr) != 2 or type(vr[0]) is not int or type(vr[1]) is not int:
+            return None
+        vr = tuple(vr)
+    return off, shp, rank, nbytes, form, grid, bo, crc, vr
 
 
 def _chunks_fast(raw: list[Any], shape: tuple[int, ...], itemsize: int, world_size: int) -> tuple[Chunk, ...] | None:
     """The chunks of a tensor entry when every one passes every check of
-    :meth:`Chunk.from_json` and :meth:`TensorEntry.from_json`; None when any might
+    `Chunk.from_json` and `TensorEntry.from_json`; None when any might
     not (the checked path then raises the precise error)."""
     ndim = len(shape)
     zeros = ZEROS[ndim]
     out = []
     for d in raw:
-        if type(d) is not dict:
+        fields = raw_chunk_fields(d, ndim, itemsize, world_size)
+        if fields is None:
             return None
-        get = d.get
-        off, shp, key, rank, nbytes = get("offset"), get("shape"), get("key"), get("rank"), get("nbytes")
-        if (
-            type(off) is not list
-            or type(shp) is not list
-            or len(off) != ndim
-            or len(shp) != ndim
-            or type(key) is not str
-            or len(key) > MAX_KEY_LEN
-            or type(rank) is not int
-            or not 0 <= rank < world_size
-            or type(nbytes) is not int
-            or nbytes >= MAX_TENSOR_BYTES
-        ):
+        off_l, shp_l, rank, nbytes, form, grid, bo, crc, vr = fields
+        key = d.get("key")
+        if type(key) is not str or len(key) > MAX_KEY_LEN or not _key_ok(key):
             return None
-        for x in off:
-            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
-                return None
-        for x in shp:
-            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
-                return None
-        shp = tuple(shp)
-        if nbytes != math.prod(shp) * itemsize or not _key_ok(key):
-            return None
-        off = tuple(off)
+        off, shp = tuple(off_l), tuple(shp_l)
         # Shared tuples (a whole-tensor chunk's shape is the tensor's): fewer objects to
         # allocate, and fewer for the garbage collector to walk once the manifest is built.
         if off == zeros:
             off = zeros
         if shp == shape:
             shp = shape
-        form = get("form", "array")
-        if form == "packed":
-            bo, crc = get("byte_offset"), get("crc32")
-            if type(bo) is not int or not 0 <= bo < MAX_TENSOR_BYTES or type(crc) is not int or not 0 <= crc < 1 << 32:
-                return None
-            grid = None
-        elif form == "array":
-            bo = crc = None
-            grid = get("grid")
-            if grid is not None:
-                grid = _dims(grid)
-                if grid is None or len(grid) != ndim or (grid and min(grid) < 1):
-                    return None
-        else:
-            return None
-        vr = get("value_range")
-        if vr is not None:
-            if type(vr) is not list or len(vr) != 2 or type(vr[0]) is not int or type(vr[1]) is not int:
-                return None
-            vr = tuple(vr)
         c = _new(Chunk)
         _set(
             c,

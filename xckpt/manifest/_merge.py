@@ -31,10 +31,9 @@ from xckpt.manifest._checks import (
     MAX_TENSOR_BYTES,
     ZEROS,
     _build,
-    _dims,
     numpy_dtype,
 )
-from xckpt.manifest._chunks import Chunk
+from xckpt.manifest._chunks import Chunk, raw_chunk_fields
 from xckpt.manifest._document import Header, Manifest
 from xckpt.manifest._entries import ObjectEntry, TensorEntry
 from xckpt.manifest._grids import GRID_MIN_CELLS, grid_from_columns, split_key
@@ -409,50 +408,16 @@ class RankMerge:
         return True
 
     def _row(self, c: Any, nd: int, itemsize: int) -> _Row | None:
-        """A chunk's fields when it passes every check of :meth:`Chunk.from_json`, else None."""
-        if type(c) is not dict:
+        """A chunk's fields when it passes every check of `Chunk.from_json`, else None."""
+        fields = raw_chunk_fields(c, nd, itemsize, self.world)
+        if fields is None:
             return None
-        get = c.get
-        off, shp, rank, nbytes = get("offset"), get("shape"), get("rank"), get("nbytes")
-        if (
-            type(off) is not list or type(shp) is not list or len(off) != nd or len(shp) != nd
-            or type(rank) is not int or not 0 <= rank < self.world or type(nbytes) is not int
-        ):
-            return None
-        for x in off:
-            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
-                return None
-        for x in shp:
-            if type(x) is not int or not 0 <= x <= MAX_EXTENT:
-                return None
-        if nbytes != math.prod(shp) * itemsize:
-            return None
-        parts = split_key(get("key"))
+        off, shp, rank, _nbytes, form, grid, bo, crc, vr = fields
+        parts = split_key(c.get("key"))
         if parts is None:
             return None
-        form = get("form", "array")
-        grid: tuple[int, ...] | None = None
-        bo: Any
-        crc: Any
-        if form == "array":
-            bo = crc = -1
-            raw_grid = get("grid")
-            if raw_grid is not None:
-                grid = _dims(raw_grid)
-                if grid is None or len(grid) != nd or (grid and min(grid) < 1):
-                    return None
-        elif form == "packed":
-            bo, crc = get("byte_offset"), get("crc32")
-            if type(bo) is not int or not 0 <= bo < MAX_TENSOR_BYTES or type(crc) is not int or not 0 <= crc < 1 << 32:
-                return None
-        else:
-            return None
-        vr = get("value_range")
-        if vr is not None:
-            if type(vr) is not list or len(vr) != 2 or type(vr[0]) is not int or type(vr[1]) is not int:
-                return None
-            vr = tuple(vr)
-        return off, shp, rank, parts[0], parts[1], grid, bo, crc, vr
+        # an array chunk's byte offset and crc32 are -1 in the columns
+        return off, shp, rank, parts[0], parts[1], grid, -1 if bo is None else bo, -1 if crc is None else crc, vr
 
     def _add_entry(self, acc: _Tensor | None, e: TensorEntry, raw: Any, rank: int | None) -> None:
         if acc is None:
