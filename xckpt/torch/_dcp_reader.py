@@ -159,6 +159,7 @@ class XckptStorageReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.rules = rules
         self._source: Source | None = None
+        self._used = False  # whether a load has read the open source's metadata
         self._rank = 0
         self._objects: dict[str, tuple[str, tuple[Any, ...]]] = {}  # DCP name -> (object, path inside)
         self._values: dict[str, Any] = {}
@@ -168,6 +169,7 @@ class XckptStorageReader(StorageReader):
 
     def _open(self) -> None:
         self.close()
+        self._used = False
         raw = open_source(self.path, format=self.format, allow_pickle=self.allow_pickle)
         try:
             src: Source = raw
@@ -206,13 +208,18 @@ class XckptStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: Location | None = None) -> None:
         """A new load begins: (re)open the checkpoint, at `checkpoint_id` when given."""
+        path = self.path
         if checkpoint_id is not None:
-            self.path = checkpoint_id if isinstance(checkpoint_id, Mapping) else os.fspath(checkpoint_id)
+            path = checkpoint_id if isinstance(checkpoint_id, Mapping) else os.fspath(checkpoint_id)
+        if self._source is not None and not self._used and path == self.path:
+            return  # opened by the constructor and not read from yet: still the current state
+        self.path = path
         self._open()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata of the checkpoint, from the source's own (no data is read)."""
         src = self.source
+        self._used = True
         md: dict[str, Any] = {}
         for name in src.names():
             t = src.info(name)
