@@ -12,6 +12,8 @@ starts its own 4 ranks, and measures, barrier to barrier on rank 0:
               (targets resident, as a model's parameters are); warm page cache
 - async stall how long ``dcp.async_save(state, storage_writer=...)`` blocks the caller
               (DCP's default stager copies the state to host memory); the slowest rank
+- CPU         user + system seconds of the save and of the load (all threads), summed
+              over the ranks: steadier than wall time on a busy machine
 - load peak   the largest rank's peak RSS during the load (``/proc/self/clear_refs`` reset
               before it), and its growth over the RSS at the load's start
 
@@ -41,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    cpu_seconds,
     current_rss_mib,
     emit,
     load_average,
@@ -130,8 +133,9 @@ def _rank(rank: int, port: int, side: str, root: str, width: int, layers: int, o
         res: dict[str, float] = {}
 
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         dcp.save(state, storage_writer=_writer(side, f"{root}/save"))
+        res["save_cpu_s"] = cpu_seconds() - c0
         dist.barrier()
         res["save_s"] = time.perf_counter() - t0
 
@@ -141,9 +145,10 @@ def _rank(rank: int, port: int, side: str, root: str, width: int, layers: int, o
         dist.barrier()
         rss0 = current_rss_mib()
         reset_peak_rss()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         reader = _reader(side, f"{root}/save")  # (xckpt opens the checkpoint here: timed)
         dcp.load(fresh, storage_reader=reader)
+        res["load_cpu_s"] = cpu_seconds() - c0
         dist.barrier()
         res["load_s"] = time.perf_counter() - t0
         res["load_peak_mib"] = peak_rss_mib()
@@ -186,6 +191,8 @@ def child(side: str, root: str, width: int, layers: int) -> None:
         "stall_s": max(r["stall_s"] for r in results.values()),
         "load_peak_mib": max(r["load_peak_mib"] for r in results.values()),
         "load_growth_mib": max(r["load_growth_mib"] for r in results.values()),
+        "save_cpu_s": sum(r["save_cpu_s"] for r in results.values()),
+        "load_cpu_s": sum(r["load_cpu_s"] for r in results.values()),
     })
 
 
@@ -219,6 +226,9 @@ def main() -> None:
     ):
         d, x = med["dcp"][key], med["xckpt"][key]
         rows.append([label, d, x, x / d, f"<= {target}", "met" if x / d <= target else "MISSED"])
+    for key, label in (("save_cpu_s", "save CPU, 4 ranks (s)"), ("load_cpu_s", "load CPU, 4 ranks (s)")):
+        d, x = med["dcp"][key], med["xckpt"][key]
+        rows.append([label, d, x, x / d, "", ""])
     rows.append(["load RSS growth, largest rank (MiB)", med["dcp"]["load_growth_mib"],
                  med["xckpt"]["load_growth_mib"], float("nan"), "", ""])
     table = markdown_table(["measure", "DCP FileSystem", "xckpt storage layer", "xckpt / DCP", "target", ""], rows)

@@ -338,7 +338,7 @@ def test_jax_loads_the_written_checkpoint(runs: dict[str, Any]) -> None:
 def _small() -> dict[str, Any]:
     import torch
 
-    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "n": 3, "cfg": {"lr": 0.5, "ids": {"x": (1, "a")}}}
+    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "n": 3, "k": np.int64(4), "cfg": {"lr": 0.5, "ids": {"x": (1, "a")}}}
 
 
 @pytest.fixture
@@ -359,10 +359,11 @@ def test_objects_are_json_and_load_back(one: str) -> None:
     import xckpt.torch as xt
 
     with xckpt.open(one) as src:
-        assert src.objects() == {"n": 3, "cfg.lr": 0.5, "cfg.ids.x": (1, "a")}
-    sd = {"w": torch.zeros(3, 4), "n": 0, "cfg": {"lr": 0.0, "ids": {"x": ()}}}
+        assert src.objects() == {"n": 3, "k": 4, "cfg.lr": 0.5, "cfg.ids.x": (1, "a")}
+        assert type(src.objects(["k"])["k"]) is np.int64 and src.metadata == {}  # JSON, no pickle
+    sd = {"w": torch.zeros(3, 4), "n": 0, "k": None, "cfg": {"lr": 0.0, "ids": {"x": ()}}}
     dcp.load(sd, storage_reader=xt.XckptStorageReader(one))
-    assert torch.equal(sd["w"], _small()["w"]) and sd["n"] == 3 and sd["cfg"] == {"lr": 0.5, "ids": {"x": (1, "a")}}
+    assert torch.equal(sd["w"], _small()["w"]) and sd["n"] == 3 and sd["k"] == 4 and sd["cfg"] == {"lr": 0.5, "ids": {"x": (1, "a")}}
 
 
 def test_existing_checkpoint_is_refused_unless_overwrite(one: str, tmp_path: Path) -> None:

@@ -96,6 +96,8 @@ def _plain(value: Any, depth: int = 0) -> bool:
     t = type(value)
     if t in _JSON_SCALARS:
         return True  # (non-finite floats and big ints are tagged, as xckpt.torch.save stores them)
+    if isinstance(value, np.generic):
+        return value.dtype.kind in "biuf"  # numpy scalars come back as their numpy type
     if t in (list, tuple):
         return all(_plain(v, depth + 1) for v in value)
     if t is dict:
