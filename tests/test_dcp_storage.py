@@ -426,3 +426,35 @@ def test_pickled_objects_need_allow_pickle(tmp_path: Path) -> None:
     assert isinstance(err, ObjectError) and "object 'when' is a pickle" in str(err) and "allow_pickle=True" in str(err)
     dcp.load(sd, storage_reader=xt.XckptStorageReader(p, allow_pickle=True))
     assert sd == {"when": datetime.date(2020, 1, 2), "n": 1}
+
+
+def test_dcp_load_from_dcp_own_checkpoint(tmp_path: Path) -> None:
+    """A FileSystemWriter checkpoint: its param groups are one pickled object to xckpt
+    (`optim.param_groups`), served to DCP's planner under the names DCP flattens to."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import xckpt.torch as xt
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    p = str(tmp_path / "dcp")
+    dcp.save({"model": m.state_dict(), "optim": opt.state_dict(), "step": 3}, storage_writer=dcp.FileSystemWriter(p))
+    m2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.Adam(m2.parameters(), lr=0.5)
+    m2(torch.randn(2, 4)).sum().backward()
+    opt2.step()
+    sd = {"model": m2.state_dict(), "optim": opt2.state_dict(), "step": 0}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(sd, storage_reader=xt.XckptStorageReader(p))
+    err = info.value.failures[0][0]
+    assert isinstance(err, ObjectError) and "allow_pickle=True" in str(err)
+    dcp.load(sd, storage_reader=xt.XckptStorageReader(p, allow_pickle=True))
+    assert sd["step"] == 3 and sd["optim"]["param_groups"][0]["lr"] == 0.1
+    assert torch.equal(sd["model"]["weight"], m.weight) and torch.equal(sd["model"]["bias"], m.bias)
+    want = opt.state_dict()["state"]
+    assert all(torch.equal(sd["optim"]["state"][i][k], want[i][k]) for i in want for k in want[i])
