@@ -2,7 +2,8 @@
 
 Four real gloo ranks train an FSDP2 model with Adam for two steps and save model, optimizer
 (`get_state_dict`), lr scheduler and plain objects with `XckptStorageWriter`: `dcp.save`,
-`dcp.async_save` in a thread and in DCP's checkpoint process (`checkpoint_id=`); the last
+`dcp.async_save` in a thread and in DCP's checkpoint process (`checkpoint_id=`), and a
+rank-local `dcp.save(..., use_collectives=False)`; the last
 layer's rows do not divide by 4, so one rank holds empty shards. They also save an
 FSDP2 + TP model on a (2, 2) mesh and `dcp.load` a DeepSpeed ZeRO-3 fixture, a safetensors
 file and an orbax checkpoint into DTensors with `XckptStorageReader`. Three ranks then
@@ -166,6 +167,8 @@ def _save_rank(rank: int, world: int, root: str, foreign: dict[str, str]) -> dic
         state, checkpoint_id=f"{root}/process", storage_writer=xt.XckptStorageWriter(f"{root}/unused"),
         async_checkpointer_type=AsyncCheckpointerType.PROCESS,
     ).result()
+    # Rank-local (no collective in DCP either): every rank commits its manifest; readers merge.
+    dcp.save(state, storage_writer=xt.XckptStorageWriter(f"{root}/local"), use_collectives=False)
     out["losses"] = [_step(m, opt, sched), _step(m, opt, sched)]
 
     # FSDP2 + TP on a (2, 2) mesh: saved, and loaded back into the same layout.
@@ -316,6 +319,17 @@ def test_written_checkpoint_is_ordinary_xckpt(runs: dict[str, Any]) -> None:
                         "optim.param_groups.0.lr": runs["saved"][0]["sched"]["_last_lr"][0]}
         assert isinstance(src.objects(["extra.when"])["extra.when"], bytes)  # DCP's torch.save bytes, unread
         assert src.pickled_objects() == set()
+
+
+def test_rank_local_save_is_complete(runs: dict[str, Any]) -> None:
+    saved = runs["saved"][0]["saved"]
+    path = os.path.join(runs["root"], "local")
+    assert not os.path.exists(os.path.join(path, "xckpt.json"))  # nobody merged: the reader does
+    with xckpt.open(path) as src:
+        assert src.world_size == 4 and set(src.names()) == set(saved)
+        got = src.read_all(show_progress=False)
+        assert [n for n, a in saved.items() if not _same(got[n], a)] == []
+        assert src.objects(["step"]) == {"step": 2}
 
 
 def test_jax_loads_the_written_checkpoint(runs: dict[str, Any]) -> None:

@@ -30,7 +30,11 @@ The writer runs no collective of its own, so `dcp.async_save` on any process gro
 a thread or in DCP's checkpoint process, is safe. With `dcp.save(..., use_collectives=False)`
 (rank-local) step 3 runs on every rank for itself, step 5 writes nothing, the ranks
 agree on the save id by the location (or `save_id=`), and readers merge the rank
-manifests; the world size is then the default group's.
+manifests; the world size is then the default group's, and a whole tensor (which every
+rank holds: SPMD) is written by one rank, as `xckpt.torch.save` chooses it. Boxes that
+several ranks hold in part (HSDP's replicated shards) are written by each of them and
+such a rank-local checkpoint is refused on read (overlapping boxes): save those with
+collectives.
 
 Objects (DCP's `BYTE_IO` items: ints, floats, lr-scheduler and dataloader dicts) are
 stored as JSON when the value is made of plain JSON types (tuples, bytes and int keys
@@ -62,6 +66,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from xckpt.errors import CheckpointExistsError, ObjectError, XckptError
+from xckpt.layout import choose_writer
 from xckpt.manifest import MAX_OBJECT_DEPTH, STORAGE_KINDS
 from xckpt.native._zarr import NativeStorage
 from xckpt.native.writer import ALL_HELD, INFLIGHT_BYTES, Writer, finalize
@@ -80,11 +85,16 @@ _JSON_SCALARS = (type(None), bool, int, float, str, bytes)
 
 @dataclasses.dataclass(frozen=True)
 class _Place:
-    """What one rank's plan carries from the coordinator: the save and the rank's place in it."""
+    """What one rank's plan carries from the coordinator: the save and the rank's place in it.
+
+    ``rank_local``: no global plan chose one writer per replicated item, so a whole tensor
+    (which every rank holds, SPMD) is written by the rank `xckpt.layout.choose_writer` picks.
+    """
 
     save_id: str | None
     rank: int
     world_size: int
+    rank_local: bool = False
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
@@ -175,8 +185,15 @@ class XckptStorageWriter(StorageWriter):
         self._coordinator_id = None
 
     def _refuse_existing(self) -> None:
+        """Refuse a location holding a save: its merged manifest, or this rank's manifest.
+
+        Only this rank's own manifest counts: in a rank-local save a faster rank may have
+        committed its manifest before this one constructs its writer. (The claim in
+        `write_data` refuses the rest, and races, in any case.)"""
         st = NativeStorage(self.path)
-        if st.read_key("xckpt.json") is not None or st.list_prefix("ranks/"):
+        dist = distributed()
+        mine = f"ranks/{dist.get_rank() if dist is not None else 0}.json"
+        if st.read_key("xckpt.json") is not None or st.read_key(mine) is not None:
             raise CheckpointExistsError(
                 f"checkpoint {st.path!r} already holds an xckpt checkpoint; pass "
                 "XckptStorageWriter(path, overwrite=True) to replace it, or save to a new path"
@@ -196,7 +213,8 @@ class XckptStorageWriter(StorageWriter):
         if not self._collective:
             dist = distributed()
             world = dist.get_world_size() if dist is not None else 1
-            return [dataclasses.replace(p, storage_data=_Place(self.save_id, self._rank, world)) for p in plans]
+            place = _Place(self.save_id, self._rank, world, rank_local=True)
+            return [dataclasses.replace(p, storage_data=place) for p in plans]
         save_id = self.save_id if self.save_id is not None else f"s-{secrets.token_hex(8)}"
         self._coordinator_id, self._world = save_id, len(plans)
         return [dataclasses.replace(p, storage_data=_Place(save_id, i, len(plans))) for i, p in enumerate(plans)]
@@ -225,7 +243,7 @@ class XckptStorageWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     n = self._write_object(writer, item, planner, pickled)
                 else:
-                    n = self._write_tensor(writer, item, planner)
+                    n = self._write_tensor(writer, item, planner, place)
                 results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=place.rank))
             if pickled:
                 writer.metadata[f"{PICKLED_KEY}/{place.rank}"] = pickled
@@ -238,16 +256,20 @@ class XckptStorageWriter(StorageWriter):
         return fut
 
     @staticmethod
-    def _write_tensor(writer: Writer, item: WriteItem, planner: SavePlanner) -> int:
+    def _write_tensor(writer: Writer, item: WriteItem, planner: SavePlanner, place: _Place) -> int:
         td = item.tensor_data
         if td is None:
             raise XckptError(f"DCP write item {item.index.fqn!r} is a tensor without tensor_data")
+        size = tuple(td.size)
+        whole = tuple(td.chunk.sizes) == size
+        if whole and place.rank_local and choose_writer(item.index.fqn, 0, range(place.world_size)) != place.rank:
+            writer.declare(item.index.fqn, _np_dtype(td.properties.dtype), size)  # another rank writes it
+            return 0
         data = planner.resolve_data(item)
         if not isinstance(data, torch.Tensor):
             raise XckptError(f"DCP write item {item.index.fqn!r}: the planner resolved a {type(data).__name__}, not a tensor")
         arr = _host(data)
-        size = tuple(td.size)
-        if tuple(td.chunk.sizes) == size:
+        if whole:
             writer.write(item.index.fqn, arr)  # the whole tensor
         else:
             writer.write(item.index.fqn, arr, global_shape=size, offset=tuple(td.chunk.offsets))
@@ -288,6 +310,10 @@ class XckptStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike, Mapping))
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    return as_numpy(torch.empty(0, dtype=dtype)).dtype
 
 
 def _on_cpu(planner: SavePlanner, item: WriteItem) -> bool:
