@@ -94,6 +94,7 @@ def run_ranks(
     *args: Any,
     timeout: float = 120,
     init: bool = True,
+    daemon: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
@@ -103,6 +104,8 @@ def run_ranks(
         *args: picklable arguments passed to every rank.
         timeout: seconds for the whole run.
         init: initialise the default process group (gloo) before calling ``fn``.
+        daemon: start the ranks as daemon processes; False lets a rank start processes
+            of its own (torch DCP's checkpoint process); they are killed on exit all the same.
 
     Returns:
         The per-rank return values, in rank order.
@@ -115,7 +118,7 @@ def run_ranks(
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, init, args, out), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, init, args, out), daemon=daemon)
         for r in range(world_size)
     ]
     for p in procs:

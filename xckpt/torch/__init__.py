@@ -7,6 +7,10 @@ stored range once for the whole process group);
 ``load_full`` returns whole tensors for one process. Importing this module
 imports torch; ``import xckpt`` does not.
 
+`XckptStorageWriter` / `XckptStorageReader` are torch DCP's storage layer:
+`dcp.save` / `dcp.async_save` write an xckpt checkpoint, `dcp.load` reads
+any format `xckpt.open` reads.
+
 Value groups (value-partitioned state such as torchrec's managed-collision
 modules) are declared with ``ManagedCollision`` / ``managed_collision_groups``
 from :mod:`xckpt.torch.value_groups`; ``redistribute_by_value``
@@ -16,6 +20,8 @@ re-exported here.
 
 from __future__ import annotations
 
+from xckpt.torch._dcp_reader import XckptStorageReader
+from xckpt.torch._dcp_writer import XckptStorageWriter
 from xckpt.torch._load import DeviceRing, LoadResult, load, load_full
 from xckpt.torch._save import save
 from xckpt.torch._state_dict import PerRank
@@ -33,4 +39,6 @@ __all__ = [
     "ValueGroup",
     "managed_collision_groups",
     "redistribute_by_value",
+    "XckptStorageWriter",
+    "XckptStorageReader",
 ]
