@@ -23,6 +23,7 @@ docstrings mkdocstrings cannot render) exits 0, and every page is in the nav.
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import os
 import re
@@ -121,6 +122,25 @@ def test_site_builds_strict(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "site" / "api" / "xckpt" / "index.html").exists()
+    assert [hit for hit in _raw_markup(tmp_path / "site")] == []
+
+
+#: reST markup the site would show as text: a role before a code span (`:class:` then
+#: `<code>`), or double backticks left over in rendered text.
+_RAW_ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|data|attr|exc|obj|const|ref|doc):(?:<code>|`)")
+_RAW_DOUBLE = re.compile(r"(?<!`)``(?!`)")
+
+
+def _raw_markup(site: Path) -> list[str]:
+    """Places in the built site's pages where docstring markup shows as raw text."""
+    hits = []
+    for page in sorted(site.rglob("*.html")):
+        html_text = re.sub(r"<(script|style)\b.*?</\1>", "", page.read_text(), flags=re.S)
+        text = html.unescape(re.sub(r"<[^>]+>", "", html_text))
+        for m in list(_RAW_ROLE.finditer(html_text)) + list(_RAW_DOUBLE.finditer(text)):
+            src = m.string
+            hits.append(f"{page.relative_to(site)}: {src[max(0, m.start() - 50) : m.end() + 30]!r}")
+    return hits
 
 
 def test_the_home_page_links_every_guide_a_newcomer_needs():

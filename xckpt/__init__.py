@@ -2,8 +2,8 @@
 
 Save from PyTorch or JAX, load into either at any world size and layout,
 convert from and to torch DCP, orbax, safetensors and torch.save, and inspect
-chunks in a notebook. ``import xckpt`` imports neither torch nor jax: the
-adapters live in :mod:`xckpt.torch` and :mod:`xckpt.jax`.
+chunks in a notebook. `import xckpt` imports neither torch nor jax: the
+adapters live in `xckpt.torch` and `xckpt.jax`.
 """
 
 from __future__ import annotations

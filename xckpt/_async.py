@@ -1,13 +1,13 @@
-"""Background saves shared by ``xckpt.save``, ``xckpt.torch.save`` and ``xckpt.jax.save``.
+"""Background saves shared by `xckpt.save`, `xckpt.torch.save` and `xckpt.jax.save`.
 
-Call protocol: a save first calls :func:`wait_pending` (the previous async save
+Call protocol: a save first calls `wait_pending` (the previous async save
 of this process, from any of the three verbs, finishes before a new one
 starts; its error stays with its own future), does its foreground part
 (plan, open the writer, take host copies of everything the caller may change
-afterwards), then either runs the write itself or hands it to :func:`submit`,
-which returns a :class:`concurrent.futures.Future` resolving to what the write
+afterwards), then either runs the write itself or hands it to `submit`,
+which returns a `concurrent.futures.Future` resolving to what the write
 returns (this process's manifest). One worker thread runs the writes in order,
-as torch DCP's ``async_save`` and orbax's async checkpointer do.
+as torch DCP's `async_save` and orbax's async checkpointer do.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def wait_pending() -> None:
 
 
 def submit(write: Callable[[], T]) -> cf.Future[T]:
-    """Run ``write`` on the save thread; the returned future resolves to its result."""
+    """Run `write` on the save thread; the returned future resolves to its result."""
     global _pending, _executor
     with _lock:
         if _executor is None:

@@ -2,30 +2,30 @@
 
 The plan depends on the source, the output format and the options, never on the number
 of workers: the same source converted the same way gives the same parts, so the output
-is byte-identical whoever writes which part. :func:`make_plan` cuts it;
-:func:`write_part` writes one part into the conversion's temporary output (any worker,
-any host); :func:`commit_files` writes what completes the output (an index, a
-``.metadata``, a merged manifest) once every part is written. The journal beside the
-output (:class:`Journal`) records each finished part's files and checksums once they
-are durable, so a killed conversion resumes (:func:`kept_part`).
+is byte-identical whoever writes which part. `make_plan` cuts it;
+`write_part` writes one part into the conversion's temporary output (any worker,
+any host); `commit_files` writes what completes the output (an index, a
+`.metadata`, a merged manifest) once every part is written. The journal beside the
+output (`Journal`) records each finished part's files and checksums once they
+are durable, so a killed conversion resumes (`kept_part`).
 
 Parts by output format:
 
 * xckpt and torch DCP: the source's chunks grouped by source writer (so the boxes, and
   where they fit one part the writers, are kept), each writer's chunks cut greedily, in
-  tensor order, into parts of about ``part_size`` bytes (a chunk larger than that is a
-  part of its own). Part ``p`` is xckpt writer ``p`` (``ranks/<p>.json``, ``data/<p>/``)
-  or DCP's ``__<p>_0.distcp``. Part 0 also holds the objects and the tensors with no
+  tensor order, into parts of about `part_size` bytes (a chunk larger than that is a
+  part of its own). Part `p` is xckpt writer `p` (`ranks/<p>.json`, `data/<p>/`)
+  or DCP's `__<p>_0.distcp`. Part 0 also holds the objects and the tensors with no
   stored bytes.
-* a Hugging Face safetensors directory: the shards ``huggingface_hub`` would cut (greedy
-  in source order, at most ``part_size`` bytes of tensors unless one tensor alone is
-  larger); shard ``p`` is part ``p``; the first holds the metadata.
-* one file (a ``.safetensors`` file, torch.save) and orbax (one OCDBT database): one part,
+* a Hugging Face safetensors directory: the shards `huggingface_hub` would cut (greedy
+  in source order, at most `part_size` bytes of tensors unless one tensor alone is
+  larger); shard `p` is part `p`; the first holds the metadata.
+* one file (a `.safetensors` file, torch.save) and orbax (one OCDBT database): one part,
   written by the format's own sink.
 
-**The fingerprint** (:func:`fingerprint`) names a conversion: the SHA-256 of a canonical
+**The fingerprint** (`fingerprint`) names a conversion: the SHA-256 of a canonical
 JSON document of the source's format, its metadata (JSON-able values; others by type
-name), its objects (as :func:`xckpt.manifest.encode_value` encodes them), every tensor's
+name), its objects (as `xckpt.manifest.encode_value` encodes them), every tensor's
 name, dtype, shape and chunk boxes (offset, shape, writer, stored crc32 where the format
 keeps one), and the options that change the output's bytes (output format, part size, a
 Hugging Face directory or not, rules, include, exclude, allow_pickle; a rules file by
@@ -33,7 +33,7 @@ its content). File names, paths, times and sizes on disk are not in it, so a cop
 checkpoint converts to the same bytes. Two sources alike in all of that but different
 tensor values get the same save id: the id names the conversion, not the values, and each
 output is written whole into a fresh directory, so no reader mixes them. The save id is
-derived from it (``convert-`` and 16 hex digits for xckpt, 32 hex digits for DCP, the
+derived from it (`convert-` and 16 hex digits for xckpt, 32 hex digits for DCP, the
 length torch writes).
 """
 
@@ -83,12 +83,12 @@ __all__ = [
     "DEFAULT_PART_SIZE",
 ]
 
-#: Bytes per part of xckpt and torch DCP outputs when no ``max_shard_size`` is given.
+#: Bytes per part of xckpt and torch DCP outputs when no `max_shard_size` is given.
 DEFAULT_PART_SIZE = 1 << 30
 
 #: What a finished part reports (and the journal keeps): JSON values only.
-#: ``files``: [[path relative to the output, size, crc32c]]; ``crcs``: [[name, offset,
-#: shape, crc32c]] of every source box it read (for verify); ``stored``: DCP's chunks.
+#: `files`: [[path relative to the output, size, crc32c]]; `crcs`: [[name, offset,
+#: shape, crc32c]] of every source box it read (for verify); `stored`: DCP's chunks.
 PartResult = dict[str, Any]
 
 
@@ -107,13 +107,13 @@ class Plan:
     """What a parallel conversion writes: the same for any number of workers.
 
     Attributes:
-        kind: ``"xckpt"``, ``"torch-dcp"``, ``"hf-dir"`` or ``"single"`` (one part by the sink).
+        kind: `"xckpt"`, `"torch-dcp"`, `"hf-dir"` or `"single"` (one part by the sink).
         format: the output format's name.
         names: tensors, in source order.
         parts: the parts, in order.
         fingerprint: the source's fingerprint with the options (see the module docstring).
         plan_id: the fingerprint and the parts: a journal of another plan is not resumed.
-        save_id: the save id written into xckpt manifests and DCP's ``.metadata``.
+        save_id: the save id written into xckpt manifests and DCP's `.metadata`.
     """
 
     kind: str
@@ -125,7 +125,7 @@ class Plan:
     save_id: str
 
     def shard_file(self, p: int) -> str:
-        """A Hugging Face directory's name of shard ``p``."""
+        """A Hugging Face directory's name of shard `p`."""
         return f"model-{p + 1:05d}-of-{len(self.parts):05d}.safetensors"
 
 
@@ -149,7 +149,7 @@ def _rules_text(rules: Any) -> Any:
 def fingerprint(
     src: Source, names: Sequence[str], objects: Mapping[str, Any], options: Mapping[str, Any]
 ) -> str:
-    """The SHA-256 (hex) naming this conversion of ``src`` (see the module docstring)."""
+    """The SHA-256 (hex) naming this conversion of `src` (see the module docstring)."""
     h = hashlib.sha256()
     head = {
         "format": src.format,
@@ -166,7 +166,7 @@ def fingerprint(
 
 
 def _cut(units: Sequence[tuple[tuple[str, int], int]], size: int) -> list[list[tuple[tuple[str, int], int]]]:
-    """Greedy in order: a part closes when the next unit would take it past ``size``."""
+    """Greedy in order: a part closes when the next unit would take it past `size`."""
     parts: list[list[tuple[tuple[str, int], int]]] = []
     cur: list[tuple[tuple[str, int], int]] = []
     total = 0
@@ -182,7 +182,7 @@ def _cut(units: Sequence[tuple[tuple[str, int], int]], size: int) -> list[list[t
 
 
 def make_plan(src: Source, names: Sequence[str], fmt: str, *, hf_dir: bool, part_size: int, fp: str) -> Plan:
-    """The parts of converting ``names`` of ``src`` to ``fmt`` (see the module docstring)."""
+    """The parts of converting `names` of `src` to `fmt` (see the module docstring)."""
     infos = {n: src.info(n) for n in names}
     if fmt in ("xckpt", "torch-dcp"):
         kind = fmt
@@ -209,7 +209,7 @@ def make_plan(src: Source, names: Sequence[str], fmt: str, *, hf_dir: bool, part
 
 
 def save_id_for(fmt: str, fp: str) -> str:
-    """The save id an output of format ``fmt`` records for a conversion of fingerprint ``fp``."""
+    """The save id an output of format `fmt` records for a conversion of fingerprint `fp`."""
     return fp[:32] if fmt == "torch-dcp" else "convert-" + fp[:16]
 
 
@@ -225,8 +225,8 @@ def options_of(
     layout: str,
     compression: str | None = None,
 ) -> dict[str, Any]:
-    """The options a fingerprint holds: those that change the output's bytes. ``layout``:
-    ``"parts"`` (a parallel conversion) or ``"writers"`` (one process, the source's writers)."""
+    """The options a fingerprint holds: those that change the output's bytes. `layout`:
+    `"parts"` (a parallel conversion) or `"writers"` (one process, the source's writers)."""
     return {
         "to": fmt,
         "hf_dir": hf_dir,
@@ -256,7 +256,7 @@ def assign(plan: Plan, workers: int) -> list[list[int]]:
 
 
 def part_files(plan: Plan, p: int, tmp: str) -> list[str]:
-    """Paths (relative to the output; "" for a one-file output) that part ``p`` wrote."""
+    """Paths (relative to the output; "" for a one-file output) that part `p` wrote."""
     if plan.kind == "hf-dir":
         return [plan.shard_file(p)]
     if plan.kind == "torch-dcp":
@@ -275,7 +275,7 @@ def _walk(root: str, rel: str) -> list[str]:
 
 
 def _clear(plan: Plan, p: int, tmp: str) -> None:
-    """Remove whatever an unfinished attempt at part ``p`` left."""
+    """Remove whatever an unfinished attempt at part `p` left."""
     if plan.kind == "single":
         _remove(tmp)
         return
@@ -313,7 +313,7 @@ def _digests(plan: Plan, p: int, tmp: str) -> list[list[Any]]:
 
 
 class Journal:
-    """A directory beside the output: ``plan.json`` (the plan id) and one ``part-<p>.json``
+    """A directory beside the output: `plan.json` (the plan id) and one `part-<p>.json`
     per finished part (its files' sizes and crc32c, its source boxes' crc32c, what the
     commit needs), each written to a temporary name, fsynced and renamed."""
 
@@ -321,7 +321,7 @@ class Journal:
         self.path = path
 
     def start(self, plan: Plan, resume: bool) -> bool:
-        """Begin (or, with ``resume``, continue) a journal of ``plan``; True when an earlier
+        """Begin (or, with `resume`, continue) a journal of `plan`; True when an earlier
         run of the same plan is continued. Another plan's journal is discarded."""
         if resume and self._read("plan.json").get("plan_id") == plan.plan_id:
             return True
@@ -331,11 +331,11 @@ class Journal:
         return False
 
     def record(self, result: PartResult) -> None:
-        """Part ``result["part"]`` is finished and durable."""
+        """Part `result["part"]` is finished and durable."""
         self._write(f"part-{result['part']}.json", result)
 
     def entry(self, plan: Plan, p: int) -> PartResult | None:
-        """What an earlier run recorded of part ``p`` of ``plan`` (None: nothing)."""
+        """What an earlier run recorded of part `p` of `plan` (None: nothing)."""
         doc = self._read(f"part-{p}.json")
         return doc if doc.get("plan_id") == plan.plan_id and doc.get("part") == p else None
 
@@ -360,7 +360,7 @@ class Journal:
 
 
 def kept_part(plan: Plan, p: int, tmp: str, journal: Journal) -> PartResult | None:
-    """Part ``p`` as an earlier run finished it, when every file's bytes still match the
+    """Part `p` as an earlier run finished it, when every file's bytes still match the
     journal (read back whole); else None, and what is left of it is removed."""
     entry = journal.entry(plan, p)
     if entry is not None:
@@ -462,12 +462,12 @@ def _write_shard(job: WriteJob, plan: Plan, part: Part, meta: Mapping[str, str])
 def write_part(
     job: WriteJob, plan: Plan, part: Part, journal: Journal | None, meta: Mapping[str, str]
 ) -> PartResult:
-    """Write part ``part`` of ``plan`` into ``job.dst`` (the temporary output, made by the
+    """Write part `part` of `plan` into `job.dst` (the temporary output, made by the
     caller; for a one-part output, absent; or an xckpt location in object storage, with no
-    journal), make it durable, record it in ``journal``.
+    journal), make it durable, record it in `journal`.
 
-    ``meta`` is a Hugging Face directory's first shard's ``__metadata__``. The job records
-    the source's crc32c of every box it reads (with ``job.record``), returned for verify."""
+    `meta` is a Hugging Face directory's first shard's `__metadata__`. The job records
+    the source's crc32c of every box it reads (with `job.record`), returned for verify."""
     if plan.kind == "xckpt":
         extra = _write_xckpt(job, plan, part)
     elif plan.kind == "torch-dcp":
@@ -504,8 +504,8 @@ def clear_commit(plan: Plan, tmp: str) -> None:
 
 def commit_files(job: WriteJob, plan: Plan, results: Sequence[PartResult]) -> None:
     """Write what completes the output once every part is written: a Hugging Face
-    directory's index, DCP's ``.metadata``, xckpt's merged manifest (several parts).
-    ``results`` are the parts' results, in part order."""
+    directory's index, DCP's `.metadata`, xckpt's merged manifest (several parts).
+    `results` are the parts' results, in part order."""
     if plan.kind == "hf-dir":
         weight_map = {n: plan.shard_file(p.index) for p in plan.parts for n, _ in p.items}
         index = {"metadata": {"total_size": sum(p.nbytes for p in plan.parts)}, "weight_map": weight_map}

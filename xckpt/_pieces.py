@@ -1,24 +1,24 @@
 """How one source tensor lands in a rules view's output, and the parameter expressions rules use
-(helpers of :mod:`xckpt.rules`; pure arithmetic, no I/O).
+(helpers of `xckpt.rules`; pure arithmetic, no I/O).
 
-:class:`Landing` maps boxes between a source tensor and the output it lands in: unstacked
-(one slice of an axis), split or joined (a :class:`Cut` of one axis), transposed, stacked.
+`Landing` maps boxes between a source tensor and the output it lands in: unstacked
+(one slice of an axis), split or joined (a `Cut` of one axis), transposed, stacked.
 
-``split`` cuts one tensor into named parts along an axis of an optional reshape of it;
-``join`` is its inverse, placing each part into the whole. Either way one axis ``a`` of
-the (un-reshaped) tensor carries a :class:`Cut`: the whole axis is a sequence of blocks of
-``stride`` elements, and the part holds elements ``[start, start + block)`` of each block.
-Megatron's fused QKV, reshaped ``(groups, (q + 2) * d, hidden)`` and split along axis 1
-into ``q * d, d, d``, gives the part ``q_proj`` the cut ``block = q * d``, ``stride =
-(q + 2) * d``, ``start = 0`` on axis 0: rows ``g * stride + [0, q * d)`` of every group.
+`split` cuts one tensor into named parts along an axis of an optional reshape of it;
+`join` is its inverse, placing each part into the whole. Either way one axis `a` of
+the (un-reshaped) tensor carries a `Cut`: the whole axis is a sequence of blocks of
+`stride` elements, and the part holds elements `[start, start + block)` of each block.
+Megatron's fused QKV, reshaped `(groups, (q + 2) * d, hidden)` and split along axis 1
+into `q * d, d, d`, gives the part `q_proj` the cut `block = q * d`, `stride =
+(q + 2) * d`, `start = 0` on axis 0: rows `g * stride + [0, q * d)` of every group.
 
 A contiguous range of the whole holds a contiguous range of the part (the part's order is
 the whole's), and a contiguous range of the part is a run of pieces, one per block it
-touches, each contiguous in the whole: :meth:`Cut.whole_to_part` and :meth:`Cut.part_runs`.
+touches, each contiguous in the whole: `Cut.whole_to_part` and `Cut.part_runs`.
 
 Parameter expressions are a small safe subset of Python expressions (integers, names,
-``.attribute`` / ``.key`` access, ``+ - * // %``, comparisons, ``and or not``, ``x if c
-else y``), evaluated by walking the syntax tree; no Python code is run.
+`.attribute` / `.key` access, `+ - * // %`, comparisons, `and or not`, `x if c
+else y`), evaluated by walking the syntax tree; no Python code is run.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ class ExpressionError(XckptError, ValueError):
 
 @dataclass(frozen=True)
 class Cut:
-    """Landing elements ``x`` of axis ``axis`` are whole elements ``(x // block) * stride + start + x % block``.
+    """Landing elements `x` of axis `axis` are whole elements `(x // block) * stride + start + x % block`.
 
-    ``join`` says which side the rule's source is: False (split) the source is the whole and the
+    `join` says which side the rule's source is: False (split) the source is the whole and the
     output the part; True (join) the reverse.
     """
 
@@ -57,7 +57,7 @@ class Cut:
     join: bool = False
 
     def part_runs(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """Landing ``[lo, hi)`` as pieces ``(part_lo, part_hi, whole_lo)``, each contiguous in the whole."""
+        """Landing `[lo, hi)` as pieces `(part_lo, part_hi, whole_lo)`, each contiguous in the whole."""
         out = []
         x = lo
         while x < hi:
@@ -68,7 +68,7 @@ class Cut:
         return out
 
     def whole_to_part(self, lo: int, hi: int) -> tuple[int, int] | None:
-        """The part elements lying in whole ``[lo, hi)``: one range (or None)."""
+        """The part elements lying in whole `[lo, hi)`: one range (or None)."""
 
         def first_at_or_after(w: int) -> int:
             b, r = divmod(w, self.stride)
@@ -82,14 +82,14 @@ class Cut:
         return (a, z) if a < z else None
 
     def to_output(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """The output ranges the source range ``[lo, hi)`` of the cut axis fills."""
+        """The output ranges the source range `[lo, hi)` of the cut axis fills."""
         if self.join:
             return [(w, w + b - a) for a, b, w in self.part_runs(lo, hi)]
         got = self.whole_to_part(lo, hi)
         return [] if got is None else [got]
 
     def to_source(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """Output ``[lo, hi)`` as pieces ``(out_lo, out_hi, source_lo)``, each contiguous in the source."""
+        """Output `[lo, hi)` as pieces `(out_lo, out_hi, source_lo)`, each contiguous in the source."""
         if not self.join:
             return self.part_runs(lo, hi)
         got = self.whole_to_part(lo, hi)
@@ -106,11 +106,11 @@ def make_cut(
     reshape: Sequence[int] | None,
     join: bool,
 ) -> tuple[Cut, tuple[int, ...]]:
-    """The cut of part ``index`` and the shape of the rule's output, for a source of ``shape``.
+    """The cut of part `index` and the shape of the rule's output, for a source of `shape`.
 
-    ``reshape`` (one entry may be -1) applies to the source: the whole for a split, the part
-    for a join. ``axis`` is an axis of the reshape (of ``shape`` without one). A split's
-    ``sizes`` may hold one -1, the rest of the axis.
+    `reshape` (one entry may be -1) applies to the source: the whole for a split, the part
+    for a join. `axis` is an axis of the reshape (of `shape` without one). A split's
+    `sizes` may hold one -1, the rest of the axis.
 
     Raises:
         ValueError: the reshape does not fit, merges axes, or the sizes do not fill the axis;
@@ -145,7 +145,7 @@ def make_cut(
         extent = sum(parts)
     elif sum(parts) != extent:
         raise ValueError(f"sizes {parts} add up to {sum(parts)}, not the axis's extent {extent}")
-    # The reshape axis k lies inside one axis ``a`` of the tensor when its stride and span do.
+    # The reshape axis k lies inside one axis `a` of the tensor when its stride and span do.
     inner = math.prod(dims[k + 1 :])
     span = inner * dims[k]
     strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
@@ -168,9 +168,9 @@ def make_cut(
 class Landing:
     """How one source tensor (or one slice of it) lands in an output tensor.
 
-    ``take = (k, i)``: the source's slice ``i`` along axis ``k`` (unstack); ``cut``: then
-    only a part of one axis (split), or placed as a part of a larger axis (join); ``perm``:
-    then transposed; ``put = (a, i)``: then placed at position ``i`` of a new axis ``a`` (stack).
+    `take = (k, i)`: the source's slice `i` along axis `k` (unstack); `cut`: then
+    only a part of one axis (split), or placed as a part of a larger axis (join); `perm`:
+    then transposed; `put = (a, i)`: then placed at position `i` of a new axis `a` (stack).
     """
 
     src: str
@@ -214,7 +214,7 @@ class Landing:
         return self._untake(self._unplace(box))
 
     def to_sources(self, box: Box) -> list[tuple[Box, Box]]:
-        """An output box -> ``(source box, output box)`` pairs covering it; several when a split
+        """An output box -> `(source box, output box)` pairs covering it; several when a split
         part's box spans blocks of the whole (each contiguous in the source)."""
         if self.cut is None:
             return [(self.to_source(box), box)]
@@ -251,7 +251,7 @@ class Landing:
         return outs[0].shape if outs else None  # (the grid's box always holds the taken index)
 
     def piece_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape a source tensor of ``shape`` has in the output, before any stack axis."""
+        """The shape a source tensor of `shape` has in the output, before any stack axis."""
         out = list(shape)
         if self.take is not None:
             del out[self.take[0]]
@@ -263,7 +263,7 @@ class Landing:
         return tuple(out)
 
     def source_view(self, arr: np.ndarray) -> np.ndarray:
-        """A view of ``arr`` (output box) with the source box's axes: reads land straight in ``arr``."""
+        """A view of `arr` (output box) with the source box's axes: reads land straight in `arr`."""
         if self.put is not None:
             arr = arr[(slice(None),) * self.put[0] + (0, Ellipsis)]  # Ellipsis: a 0-d view, not a scalar
         if self.perm is not None:
@@ -310,7 +310,7 @@ _CMP: dict[type, Callable[[Any, Any], Any]] = {
 
 
 def _member(obj: Any, key: str, text: str) -> Any:
-    """``obj.key``: a mapping's key, or an instance attribute (never a property or method)."""
+    """`obj.key`: a mapping's key, or an instance attribute (never a property or method)."""
     if isinstance(obj, dict):
         if key in obj:
             return obj[key]
@@ -322,7 +322,7 @@ def _member(obj: Any, key: str, text: str) -> Any:
 
 
 def evaluate(text: str, lookup: Callable[[str], Any]) -> Any:
-    """Evaluate parameter expression ``text``; names come from ``lookup`` (which raises when absent).
+    """Evaluate parameter expression `text`; names come from `lookup` (which raises when absent).
 
     Raises:
         ExpressionError: syntax outside the allowed subset, or a missing attribute.
@@ -375,8 +375,8 @@ def evaluate(text: str, lookup: Callable[[str], Any]) -> Any:
 class Parameters:
     """A rule set's parameters (name -> an integer or an expression), evaluated when first needed.
 
-    Names in expressions are other parameters, then the checkpoint's objects (``args``): read
-    through ``read_object`` (which raises :class:`ExpressionError` when it cannot be read).
+    Names in expressions are other parameters, then the checkpoint's objects (`args`): read
+    through `read_object` (which raises `ExpressionError` when it cannot be read).
     """
 
     def __init__(
@@ -402,7 +402,7 @@ class Parameters:
         )
 
     def value(self, name: str) -> Any:
-        """Parameter ``name``'s value (evaluated once)."""
+        """Parameter `name`'s value (evaluated once)."""
         if name in self.values:
             return self.values[name]
         if name in self._busy:

@@ -1,9 +1,9 @@
 """Progress bars for long saves, loads and conversions: on a TTY only.
 
 By default a bar is shown when stderr is a terminal and the work is at least
-:data:`MIN_AUTO_BYTES` (short reads do not flash bars). ``XCKPT_PROGRESS=0``
-turns bars off everywhere (``xckpt --no-progress`` sets it), ``XCKPT_PROGRESS=1``
-on; an explicit ``show_progress=`` argument wins over both.
+`MIN_AUTO_BYTES` (short reads do not flash bars). `XCKPT_PROGRESS=0`
+turns bars off everywhere (`xckpt --no-progress` sets it), `XCKPT_PROGRESS=1`
+on; an explicit `show_progress=` argument wins over both.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class _NoBar:
 
 
 def progress(total: int, desc: str, enabled: bool | None = None, unit: str = "B") -> Any:
-    """A tqdm bar on stderr when ``enabled`` (default: see the module docstring), else a no-op."""
+    """A tqdm bar on stderr when `enabled` (default: see the module docstring), else a no-op."""
     if enabled is None:
         env = os.environ.get("XCKPT_PROGRESS")
         if env is not None:

@@ -28,7 +28,7 @@ _TENSOR_ONLY = ("transpose", "dtype", "stack", "unstack", "split", "join", "dequ
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-#: The ``rules=`` option of every verb: a list of rule dicts, ``{"rules": [...]}``, the
+#: The `rules=` option of every verb: a list of rule dicts, `{"rules": [...]}`, the
 #: path of a JSON or TOML file, the name of a shipped rule set, or None (no rules).
 Rules = Union[Sequence[Mapping[str, Any]], Mapping[str, Any], str, "os.PathLike[str]", None]
 
@@ -41,10 +41,10 @@ Rules = Union[Sequence[Mapping[str, Any]], Mapping[str, Any], str, "os.PathLike[
 
 @dataclass(frozen=True)
 class Split:
-    """A rule's ``split`` (or ``join``): parts ``names`` of ``sizes`` along ``axis`` of ``reshape``.
+    """A rule's `split` (or `join`): parts `names` of `sizes` along `axis` of `reshape`.
 
     Sizes and reshape entries are ints or parameter expressions (strings), resolved per tensor;
-    ``part`` (join only) is the template naming the part a source tensor is.
+    `part` (join only) is the template naming the part a source tensor is.
     """
 
     axis: int
@@ -74,7 +74,7 @@ class Rule:
 
     @property
     def label(self) -> str:
-        """How messages name the rule: ``rule 2 (match '...')``, with its file when it has one."""
+        """How messages name the rule: `rule 2 (match '...')`, with its file when it has one."""
         at = "" if self.where == "rules" else f"{self.where}: "
         return f"{at}rule {self.index} (match {self.pattern.pattern!r})"
 
@@ -87,7 +87,7 @@ class Rule:
 
 
 def shipped_rule_sets() -> list[str]:
-    """Names of the rule sets shipped with xckpt (usable as ``rules="<name>"``)."""
+    """Names of the rule sets shipped with xckpt (usable as `rules="<name>"`)."""
     return sorted(p.stem for p in RULESETS_DIR.glob("*.json"))
 
 
@@ -247,7 +247,7 @@ def _read_file(path: Path) -> Any:
 
 
 def load_rules(rules: Rules | Sequence[Rule]) -> list[Rule]:
-    """Parse and check rules: a list of dicts, ``{"rules": [...]}``, a file path or a shipped name.
+    """Parse and check rules: a list of dicts, `{"rules": [...]}`, a file path or a shipped name.
 
     Raises:
         RuleError: a bad file (suffix, syntax, layout) or a bad rule (unknown
@@ -259,13 +259,13 @@ def load_rules(rules: Rules | Sequence[Rule]) -> list[Rule]:
 def load_rule_set(
     rules: Rules | Sequence[Rule], depth: int = 0
 ) -> tuple[list[Rule], dict[str, int | str | None]]:
-    """:func:`load_rules` and the rule set's parameters (the file's, overridden by the caller's).
+    """`load_rules` and the rule set's parameters (the file's, overridden by the caller's).
 
-    ``{"rules": "<shipped name or file>", "parameters": {...}}`` loads that rule set with
+    `{"rules": "<shipped name or file>", "parameters": {...}}` loads that rule set with
     those parameters over its own.
 
     Raises:
-        RuleError: as :func:`load_rules`; a parameter that is not a name -> int or expression.
+        RuleError: as `load_rules`; a parameter that is not a name -> int or expression.
     """
     where = "rules"
     params: dict[str, int | str | None] = {}

@@ -1,10 +1,10 @@
 """Streaming helpers of a conversion: two recycled buffers, reads one ahead, crc32c of arrays.
 
-A conversion reads the source piece by piece (:class:`xckpt.sink.WriteJob`) and
-re-reads its output piece by piece (``convert``'s verify pass); both read the next
-piece in the background while the current one is used (:func:`read_ahead`), into
-two arenas used in turn (:class:`Buffers`), and take a crc32c of each piece
-(:func:`crc32c`). No framework, no I/O of its own.
+A conversion reads the source piece by piece ([`xckpt.sink.WriteJob`][xckpt.sink.WriteJob]) and
+re-reads its output piece by piece (`convert`'s verify pass); both read the next
+piece in the background while the current one is used (`read_ahead`), into
+two arenas used in turn (`Buffers`), and take a crc32c of each piece
+(`crc32c`). No framework, no I/O of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ KEEP_BYTES = 32 << 20
 
 
 def crc32c(arr: np.ndarray, crc: int = 0) -> int:
-    """crc32c of ``arr``'s row-major bytes (hardware crc32c, several GB/s), continuing ``crc``."""
+    """crc32c of `arr`'s row-major bytes (hardware crc32c, several GB/s), continuing `crc`."""
     if not arr.size:
         return crc
     a = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
@@ -36,7 +36,7 @@ def crc32c(arr: np.ndarray, crc: int = 0) -> int:
 
 
 def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of 64 (pieces packed into one arena stay aligned)."""
+    """`nbytes` rounded up to a multiple of 64 (pieces packed into one arena stay aligned)."""
     return -(-nbytes // 64) * 64
 
 
@@ -54,7 +54,7 @@ class Buffers:
         self._turn = 0
 
     def take(self, shape: Sequence[int], dtype: np.dtype[Any]) -> np.ndarray:
-        """A C-contiguous array of ``shape`` and ``dtype`` in the next arena."""
+        """A C-contiguous array of `shape` and `dtype` in the next arena."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         i, self._turn = self._turn, 1 - self._turn
         arena = self._arenas[i]
@@ -65,7 +65,7 @@ class Buffers:
         return arena[:nbytes].view(dtype).reshape(shape)
 
     def trim(self) -> None:
-        """Drop arenas larger than ``KEEP_BYTES`` (the caller is done with every piece)."""
+        """Drop arenas larger than `KEEP_BYTES` (the caller is done with every piece)."""
         self._arenas = [a if a is not None and a.nbytes <= KEEP_BYTES else None for a in self._arenas]
 
 
@@ -73,7 +73,7 @@ _POOL: ThreadPoolExecutor | None = None
 
 
 def read_ahead(reads: Sequence[Callable[[], T]]) -> Iterator[T]:
-    """The results of ``reads`` in order, the next one read in the background while the
+    """The results of `reads` in order, the next one read in the background while the
     caller uses the current one: reading and writing overlap, one piece ahead.
 
     A caller that stops early (an error, an interrupt) waits for the read in flight,

@@ -76,7 +76,7 @@ def _ls(ck: Source, args: argparse.Namespace) -> int:
 
 
 def _ls_location(args: argparse.Namespace) -> int:
-    """``xckpt ls PATH``: a checkpoint's tensors, or a checkpoint manager root's steps."""
+    """`xckpt ls PATH`: a checkpoint's tensors, or a checkpoint manager root's steps."""
     try:
         ck = open_source(args.path, format=args.format, allow_pickle=args.allow_pickle, step=args.step)
     except CheckpointNotFoundError:
@@ -115,12 +115,12 @@ def _verify(ck: Source, args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-#: Bytes of each tensor compared at a time by ``diff --values`` (per side).
+#: Bytes of each tensor compared at a time by `diff --values` (per side).
 _DIFF_SLAB = 64 << 20
 
 
 def _slabs(shape: tuple[int, ...], itemsize: int) -> list[tuple[slice, ...]]:
-    """Row ranges of dim 0 of at most about ``_DIFF_SLAB`` bytes each (the whole tensor for 0-d)."""
+    """Row ranges of dim 0 of at most about `_DIFF_SLAB` bytes each (the whole tensor for 0-d)."""
     if not shape or shape[0] == 0:
         return [tuple(slice(0, s) for s in shape)]
     row = itemsize * math.prod(shape[1:])
@@ -129,7 +129,7 @@ def _slabs(shape: tuple[int, ...], itemsize: int) -> list[tuple[slice, ...]]:
 
 
 def _values_differ(a: Source, b: Source, name: str) -> str | None:
-    """Where the values of tensor ``name`` first differ (bit for bit), or None when equal."""
+    """Where the values of tensor `name` first differ (bit for bit), or None when equal."""
     t = a.info(name)
     for index in _slabs(t.shape, t.np_dtype.itemsize):
         va, vb = a.read(name, index), b.read(name, index)
@@ -411,8 +411,8 @@ def _step(arg: str) -> int | str:
 
 
 def _location(arg: str) -> object:
-    """A path argument: a tensorstore kvstore spec when it is JSON (starts with ``{``), e.g.
-    ``'{"driver": "s3", "bucket": "b", "path": "ckpt/", "endpoint": "http://host:9000"}'``."""
+    """A path argument: a tensorstore kvstore spec when it is JSON (starts with `{`), e.g.
+    `'{"driver": "s3", "bucket": "b", "path": "ckpt/", "endpoint": "http://host:9000"}'`."""
     if not isinstance(arg, str) or not arg.lstrip().startswith("{"):
         return arg
     try:
@@ -432,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except BrokenPipeError:
-        # The reader of our output went away (``xckpt ls CKPT | head``): stop quietly, as
+        # The reader of our output went away (`xckpt ls CKPT | head`): stop quietly, as
         # `ls | head` does. stdout is pointed at /dev/null so the flush at exit cannot
         # raise again; 141 is what a shell reports for a process ended by SIGPIPE.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -1,17 +1,17 @@
 """Convert a checkpoint of any format into any other, streaming with bounded memory.
 
-``xckpt.convert(src, dst)`` opens ``src`` as a :class:`~xckpt.source.Source`
+`xckpt.convert(src, dst)` opens `src` as a [`Source`][xckpt.source.Source]
 (any format, rules applied as a view), decides what to write (names after
-``include``/``exclude``, objects), and drives the output format's
-:class:`~xckpt.sink.Sink` (from :data:`xckpt.formats.FORMATS`) through its call
-protocol: ``check`` the :class:`~xckpt.sink.WriteJob`, ``write`` it under a fresh
+`include`/`exclude`, objects), and drives the output format's
+[`Sink`][xckpt.sink.Sink] (from `xckpt.formats.FORMATS`) through its call
+protocol: `check` the [`WriteJob`][xckpt.sink.WriteJob], `write` it under a fresh
 temporary path (the sink reads chunk by chunk through the job), then re-read
-every written box through the format's own source (``verify``: crc32c of each
+every written box through the format's own source (`verify`: crc32c of each
 source box, taken as it was read, against the re-read bytes; for xckpt output the
 reader's own crc32c check of every stored chunk) and rename the result into
-place. Nothing at ``dst`` is touched before that rename.
+place. Nothing at `dst` is touched before that rename.
 
-Speed: source chunks are read into two recycled buffers (:mod:`xckpt._stream`;
+Speed: source chunks are read into two recycled buffers (`xckpt._stream`;
 the next one in the background while a sink writes the current one), so no page
 is faulted in and zeroed per chunk; only the xckpt sink, which holds chunks until
 it flushes them, gets fresh ones. No allocator setting is changed (an earlier
@@ -19,19 +19,19 @@ fixed glibc mmap threshold cost CPU on every fresh buffer, process-wide).
 
 Decisions where the design is silent (also in the report):
 
-* ``include``/``exclude`` filter the source's own (un-ruled) names, objects
+* `include`/`exclude` filter the source's own (un-ruled) names, objects
   included, through a filtering view; the rules are applied to that view, so a
-  ``stack`` rule sees only the selected pieces.
-* The temporary output is a hidden sibling ``.<dst name>.xckpt-tmp-<hex>``; a
-  killed process may leave one behind (never at ``dst``; delete it freely).
-  ``overwrite`` moves the old output to ``.<dst name>.xckpt-old-<hex>`` for the
+  `stack` rule sees only the selected pieces.
+* The temporary output is a hidden sibling `.<dst name>.xckpt-tmp-<hex>`; a
+  killed process may leave one behind (never at `dst`; delete it freely).
+  `overwrite` moves the old output to `.<dst name>.xckpt-old-<hex>` for the
   instant of the swap and removes it after the new one is in place.
-* ``dst`` is a local path. A non-empty directory that holds no checkpoint is
-  never replaced, even with ``overwrite`` (it may be someone's data); ``dst``
-  equal to ``src``, or holding ``src`` inside it, is refused.
-* ``max_shard_size`` is only for Hugging Face directories (safetensors output
-  whose ``dst`` does not end in ``.safetensors``); default 5 GB as
-  ``huggingface_hub`` splits. Such a directory always gets an index, even for
+* `dst` is a local path. A non-empty directory that holds no checkpoint is
+  never replaced, even with `overwrite` (it may be someone's data); `dst`
+  equal to `src`, or holding `src` inside it, is refused.
+* `max_shard_size` is only for Hugging Face directories (safetensors output
+  whose `dst` does not end in `.safetensors`); default 5 GB as
+  `huggingface_hub` splits. Such a directory always gets an index, even for
   one shard.
 * Per-rank objects (saved with a value per rank) travel as the list of every
   rank's value, except into xckpt, which keeps them per rank.
@@ -86,10 +86,10 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from an int or a size string as ``huggingface_hub`` reads it.
+    """Bytes from an int or a size string as `huggingface_hub` reads it.
 
-    ``"100KB"`` is 100,000 bytes, ``"5GB"`` 5 * 10**9; binary units as
-    transformers reads them (``"5GiB"`` is 5 * 2**30); a bare number is bytes.
+    `"100KB"` is 100,000 bytes, `"5GB"` 5 * 10**9; binary units as
+    transformers reads them (`"5GiB"` is 5 * 2**30); a bare number is bytes.
     """
     if isinstance(size, bool):
         raise XckptError(f"max_shard_size must be bytes or a size string like '5GB', got {size!r}")
@@ -110,12 +110,12 @@ def parse_size(size: int | str) -> int:
 
 
 class VerifyMismatchError(CorruptChunkError):
-    """A converted output does not read back as its source (``verify=True``); nothing is at ``dst``."""
+    """A converted output does not read back as its source (`verify=True`); nothing is at `dst`."""
 
 
 def guess_format(dst: str) -> str:
-    """The output format ``dst``'s name suggests: the first format of the table whose suffix
-    ends it (``.safetensors``: safetensors; ``.pt``, ``.pth``, ``.bin``: torch), else xckpt."""
+    """The output format `dst`'s name suggests: the first format of the table whose suffix
+    ends it (`.safetensors`: safetensors; `.pt`, `.pth`, `.bin`: torch), else xckpt."""
     low = dst.rstrip("/").lower()
     for fmt in formats.FORMATS.values():
         if fmt.suffixes and low.endswith(fmt.suffixes):
@@ -194,7 +194,7 @@ def _is_checkpoint(path: str) -> bool:
 
 
 def _check_dst(dst: str, src: Any, overwrite: bool) -> bool:
-    """Whether something at ``dst`` is to be replaced; raises when it must not be."""
+    """Whether something at `dst` is to be replaced; raises when it must not be."""
     src_local = local_path(src)
     if src_local is not None:
         a, b = os.path.realpath(src_local), os.path.realpath(dst)
@@ -254,18 +254,18 @@ def _commit(tmp: str, dst: str, replace: bool) -> None:
     _remove(old)
 
 
-#: Bytes of boxes verify reads back in one ``read_into`` (the reader runs them concurrently).
+#: Bytes of boxes verify reads back in one `read_into` (the reader runs them concurrently).
 _VERIFY_BATCH = 16 << 20
 
 
 def _verify(job: WriteJob, out: Format) -> None:
-    """Check the output at ``job.dst`` reads back as the source.
+    """Check the output at `job.dst` reads back as the source.
 
     Other formats than xckpt: every box recorded while converting is re-read through
     the format's reader and its crc32c compared with the source's. xckpt output: every
     stored chunk is re-read through the xckpt reader, which checks each one's crc32c
     (and a packed chunk's crc32), and the names, dtypes, shapes and boxes must be the
-    source's. Reads go in batches of about ``_VERIFY_BATCH`` bytes (a larger box of a
+    source's. Reads go in batches of about `_VERIFY_BATCH` bytes (a larger box of a
     format other than xckpt in bands of rows, its crc32c continued band by band) into the
     two recycled buffers, the next batch read in the background while one is checked.
     """
@@ -310,9 +310,9 @@ def _verify(job: WriteJob, out: Format) -> None:
 
 
 def _read_back(out: Source, keys: Sequence[BoxKey], *, split: bool) -> Iterator[tuple[BoxKey, np.ndarray, bool]]:
-    """Each box of ``keys`` read from ``out`` in batches (see :func:`_verify`): ``(key, piece,
-    last)``. With ``split``, a box larger than a batch comes as bands of whole rows, in order
-    (``last`` on its final band), so a reader that decodes every stored chunk a read touches at
+    """Each box of `keys` read from `out` in batches (see `_verify`): `(key, piece,
+    last)`. With `split`, a box larger than a batch comes as bands of whole rows, in order
+    (`last` on its final band), so a reader that decodes every stored chunk a read touches at
     once (tensorstore, for orbax) holds about a batch, not the largest box."""
     dtypes = {name: out.info(name).np_dtype for name in {key[0] for key in keys}}
     buffers = Buffers()
@@ -393,10 +393,10 @@ def destination(
     overwrite: bool,
     parts: bool = False,
 ) -> tuple[str, str, Format, bool, int | None, bool]:
-    """The checks before a conversion writes anything: ``(out, format name, format,
-    Hugging Face directory?, shard or part size, replace?)``.
+    """The checks before a conversion writes anything: `(out, format name, format,
+    Hugging Face directory?, shard or part size, replace?)`.
 
-    ``parts``: a parallel conversion, where ``max_shard_size`` is also the part size of
+    `parts`: a parallel conversion, where `max_shard_size` is also the part size of
     xckpt and torch DCP outputs (None here: the caller's default).
     """
     out = local_path(dst)
@@ -445,38 +445,38 @@ def convert(
     show_progress: bool | None = None,
     compression: str | None = None,
 ) -> str:
-    """Convert the checkpoint at ``src`` (any format) into ``dst``, chunk by chunk.
+    """Convert the checkpoint at `src` (any format) into `dst`, chunk by chunk.
 
     Args:
         src: checkpoint location of any format: a local path, a kvstore URL or spec
-            (``s3://``, ``gs://``, an S3-compatible endpoint, ``memory://``), or an
-            ``http(s)://`` URL (safetensors, Hugging Face directories, torch.save).
-        dst: local output path. Format from ``to_format``, else from the name:
-            ``*.safetensors`` one safetensors file, ``*.pt|*.pth|*.bin`` torch.save,
-            anything else xckpt (``to_format="safetensors"`` with another name
+            (`s3://`, `gs://`, an S3-compatible endpoint, `memory://`), or an
+            `http(s)://` URL (safetensors, Hugging Face directories, torch.save).
+        dst: local output path. Format from `to_format`, else from the name:
+            `*.safetensors` one safetensors file, `*.pt|*.pth|*.bin` torch.save,
+            anything else xckpt (`to_format="safetensors"` with another name
             writes a Hugging Face directory: index and shards).
         from_format: force the source format; one that does not fit is an error.
-        to_format: ``xckpt``, ``safetensors``, ``torch``, ``torch-dcp`` or ``orbax``.
+        to_format: `xckpt`, `safetensors`, `torch`, `torch-dcp` or `orbax`.
         rules: rename/transpose/stack rules (list of dicts, or a JSON/TOML file).
-        include, exclude: shell globs (``fnmatch``: ``*`` crosses dots) on the
+        include, exclude: shell globs (`fnmatch`: `*` crosses dots) on the
             source's names, tensors and objects, applied before rules.
-        overwrite: replace an existing checkpoint at ``dst`` (whole, after the new
+        overwrite: replace an existing checkpoint at `dst` (whole, after the new
             one is written and verified).
         verify: re-read every written box and compare crc32s with the source's.
-        max_shard_size: bytes or a size string (``"5GB"``, ``"500MiB"``) per shard
+        max_shard_size: bytes or a size string (`"5GB"`, `"500MiB"`) per shard
             of a Hugging Face directory; default 5 GB.
         allow_pickle: convert pickled objects (DCP's non-tensor values); without
             it they are skipped with a warning naming them.
         show_progress: progress bar (default: when stderr is a TTY).
         compression: xckpt output only: the codec of its array chunks, None (raw),
-            ``"zstd"`` or ``"shuffle-zstd"`` (format version 6).
+            `"zstd"` or `"shuffle-zstd"` (format version 6).
 
     Returns:
         The output path.
 
     Raises:
-        CheckpointExistsError: ``dst`` exists and ``overwrite`` is not set.
-        CorruptChunkError: ``verify`` read back bytes that differ from the source's.
+        CheckpointExistsError: `dst` exists and `overwrite` is not set.
+        CorruptChunkError: `verify` read back bytes that differ from the source's.
         XckptError: the source cannot be read as asked, or the output cannot hold it.
     """
     out, fmt, out_fmt, hf_dir, shard, replace = destination(

@@ -1,39 +1,39 @@
-"""Conversion at scale: ``xckpt.convert(..., workers=N)``, the same under ``torchrun``, ``resume``.
+"""Conversion at scale: `xckpt.convert(..., workers=N)`, the same under `torchrun`, `resume`.
 
-The output is cut into parts by :func:`xckpt._parts.make_plan` (byte-balanced, one
+The output is cut into parts by `xckpt._parts.make_plan` (byte-balanced, one
 output file each, decided by the source and the options, never by the number of
-workers), and the parts are written by workers: ``workers=N`` local processes (spawned;
+workers), and the parts are written by workers: `workers=N` local processes (spawned;
 each takes the next part when it is free, the largest first), or every rank of a
-``torchrun`` job (each rank its byte-balanced share, :func:`xckpt._parts.assign`). A
+`torchrun` job (each rank its byte-balanced share, `xckpt._parts.assign`). A
 worker opens the source itself (its own connections to object storage) and reads only
-the boxes of its parts. Every part goes into a temporary output beside ``dst``
-(``.<dst name>.xckpt-convert``); a journal beside it (``.<dst name>.xckpt-journal/``)
+the boxes of its parts. Every part goes into a temporary output beside `dst`
+(`.<dst name>.xckpt-convert`); a journal beside it (`.<dst name>.xckpt-journal/`)
 records each finished part's files and checksums once they are durable.
 
 Then one process (the caller, or rank 0) writes what completes the output (an index,
-DCP's ``.metadata``, xckpt's merged manifest), every worker re-reads its own parts through
-the format's reader and compares each box's crc32c with the source's (``verify``), and
+DCP's `.metadata`, xckpt's merged manifest), every worker re-reads its own parts through
+the format's reader and compares each box's crc32c with the source's (`verify`), and
 the caller or rank 0 renames the output into place and removes the journal. Until that
-rename nothing is at ``dst``: a killed conversion never leaves a destination that looks
-complete. With ``resume=True`` a conversion continues the journal of the same plan:
+rename nothing is at `dst`: a killed conversion never leaves a destination that looks
+complete. With `resume=True` a conversion continues the journal of the same plan:
 parts whose files still match their recorded checksums are kept (not rewritten), the
 rest, a damaged finished file included, are written again. A failed run keeps its
-temporary output and journal for a resume (delete both freely); a run without ``resume``
+temporary output and journal for a resume (delete both freely); a run without `resume`
 starts afresh.
 
-Under ``torchrun`` (the environment's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``, or a
+Under `torchrun` (the environment's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`, or a
 process group already initialized) the process group only agrees: every rank computes
 the plan and all compare its id; after the parts, the results are gathered on rank 0
 for the commit; after verify, rank 0 renames. A gloo group is started from the
 environment when none is (and destroyed after), with a timeout of
-:data:`GROUP_TIMEOUT_S` between collectives. ``dst`` must be a filesystem every rank
+`GROUP_TIMEOUT_S` between collectives. `dst` must be a filesystem every rank
 sees. Progress for the whole job shows on rank 0 (the ranks add their bytes to the
 group's store).
 
 An xckpt output may also be in object storage (a kvstore URL or spec): there is no
 rename, so the parts' writers write their ranks in place, the commit writes the merged
 manifest, and xckpt's own commit protocol keeps a killed run from looking complete (a
-reader needs every part's manifest); no ``overwrite`` or ``resume`` there.
+reader needs every part's manifest); no `overwrite` or `resume` there.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ GROUP_TIMEOUT_S = 4 * 3600
 
 
 def torchrun_env() -> bool:
-    """Whether this process is one rank of a ``torchrun`` job of more than one rank (the
-    ``xckpt convert`` command then converts with ``workers="torchrun"``)."""
+    """Whether this process is one rank of a `torchrun` job of more than one rank (the
+    `xckpt convert` command then converts with `workers="torchrun"`)."""
     env = os.environ
     return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) and env["WORLD_SIZE"] not in ("", "1")
 
@@ -173,7 +173,7 @@ class _Worker:
         )
 
     def write(self, p: int) -> PartResult:
-        """Part ``p``: kept when the journal says it is finished and its bytes match, else written."""
+        """Part `p`: kept when the journal says it is finished and its bytes match, else written."""
         part = self.plan.parts[p]
         kept = kept_part(self.plan, p, self.spec.tmp, self.journal) if self.journal is not None else None
         if kept is not None:
@@ -184,7 +184,7 @@ class _Worker:
         return write_part(job, self.plan, part, self.journal, meta)
 
     def verify(self, results: Sequence[PartResult]) -> None:
-        """Re-read every box of ``results`` through the output's reader; compare crc32c."""
+        """Re-read every box of `results` through the output's reader; compare crc32c."""
         fmt = self.spec.fmt
         keys = {(n, tuple(o), tuple(s)): c for r in results for n, o, s, c in r["crcs"]}
         if not keys:
@@ -257,7 +257,7 @@ def _poll(bar: Any, read: Callable[[], int], stop: threading.Event) -> None:
 
 
 class _Pool:
-    """``workers`` spawned processes, each with the source opened once, for the parts and
+    """`workers` spawned processes, each with the source opened once, for the parts and
     then their verify (one pool: a process's start, imports included, is paid once)."""
 
     def __init__(self, spec: _Spec, plan: Plan, workers: int, bar: Any) -> None:
@@ -451,7 +451,7 @@ _ERROR = "xckpt-convert-error"
 
 
 def _attempt(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or ``{_ERROR: its error}`` (so every rank reaches the next collective)."""
+    """`fn()`, or `{_ERROR: its error}` (so every rank reaches the next collective)."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - sent to every rank, raised there as an XckptError
@@ -580,38 +580,38 @@ def convert(
     resume: bool = False,
     compression: str | None = None,
 ) -> str:
-    """Convert the checkpoint at ``src`` (any format) into ``dst``, chunk by chunk; in parallel
-    with ``workers`` or under ``torchrun``, resumable with ``resume``.
+    """Convert the checkpoint at `src` (any format) into `dst`, chunk by chunk; in parallel
+    with `workers` or under `torchrun`, resumable with `resume`.
 
     Args:
         src: checkpoint location of any format: a local path, a kvstore URL or spec
-            (``s3://``, ``gs://``, an S3-compatible endpoint, ``memory://``), or an
-            ``http(s)://`` URL (safetensors, Hugging Face directories, torch.save).
-        dst: output path. Format from ``to_format``, else from the name:
-            ``*.safetensors`` one safetensors file, ``*.pt|*.pth|*.bin`` torch.save,
-            anything else xckpt (``to_format="safetensors"`` with another name
-            writes a Hugging Face directory: index and shards). With ``workers`` (or
-            ``"torchrun"``), an xckpt output may also be a kvstore URL or spec (object
-            storage), written in place (no ``overwrite``, no ``resume``).
+            (`s3://`, `gs://`, an S3-compatible endpoint, `memory://`), or an
+            `http(s)://` URL (safetensors, Hugging Face directories, torch.save).
+        dst: output path. Format from `to_format`, else from the name:
+            `*.safetensors` one safetensors file, `*.pt|*.pth|*.bin` torch.save,
+            anything else xckpt (`to_format="safetensors"` with another name
+            writes a Hugging Face directory: index and shards). With `workers` (or
+            `"torchrun"`), an xckpt output may also be a kvstore URL or spec (object
+            storage), written in place (no `overwrite`, no `resume`).
         from_format: force the source format; one that does not fit is an error.
-        to_format: ``xckpt``, ``safetensors``, ``torch``, ``torch-dcp`` or ``orbax``.
+        to_format: `xckpt`, `safetensors`, `torch`, `torch-dcp` or `orbax`.
         rules: rename/transpose/stack rules (list of dicts, or a JSON/TOML file).
-        include, exclude: shell globs (``fnmatch``: ``*`` crosses dots) on the
+        include, exclude: shell globs (`fnmatch`: `*` crosses dots) on the
             source's names, tensors and objects, applied before rules.
-        overwrite: replace an existing checkpoint at ``dst`` (whole, after the new
+        overwrite: replace an existing checkpoint at `dst` (whole, after the new
             one is written and verified).
         verify: re-read every written box and compare crc32s with the source's.
-        max_shard_size: bytes or a size string (``"5GB"``, ``"500MiB"``) per shard
+        max_shard_size: bytes or a size string (`"5GB"`, `"500MiB"`) per shard
             of a Hugging Face directory (default 5 GB); in a parallel conversion also
             per part of an xckpt or torch-dcp output (default 1 GiB).
         allow_pickle: convert pickled objects (DCP's non-tensor values); without
             it they are skipped with a warning naming them.
         show_progress: progress bar (default: when stderr is a TTY).
         workers: convert in parallel with this many local processes (1: one, in this
-            process), or ``"torchrun"``: every rank of the ``torchrun`` job (or of the
+            process), or `"torchrun"`: every rank of the `torchrun` job (or of the
             initialized process group) is a worker, and every rank calls this. The
             output is the same for any number of workers or hosts.
-        resume: continue a conversion to ``dst`` that was killed or failed: parts it
+        resume: continue a conversion to `dst` that was killed or failed: parts it
             finished whose files still match the journal are kept.
         compression: xckpt output only: the codec of its array chunks, None (raw),
             `"zstd"` or `"shuffle-zstd"` (format version 6).
@@ -620,8 +620,8 @@ def convert(
         The output path.
 
     Raises:
-        CheckpointExistsError: ``dst`` exists and ``overwrite`` is not set.
-        CorruptChunkError: ``verify`` read back bytes that differ from the source's.
+        CheckpointExistsError: `dst` exists and `overwrite` is not set.
+        CorruptChunkError: `verify` read back bytes that differ from the source's.
         XckptError: the source cannot be read as asked, or the output cannot hold it.
     """
     dist = workers == "torchrun"

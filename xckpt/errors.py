@@ -1,9 +1,9 @@
 """The exception hierarchy of xckpt.
 
-Every error raised for bad input or a bad checkpoint is an :class:`XckptError`.
+Every error raised for bad input or a bad checkpoint is an [`XckptError`][xckpt.errors.XckptError].
 Messages name the checkpoint, the tensor (or object) and what to do next.
-Built-in bases are added where they fit, so ``except ValueError`` and
-``except FileNotFoundError`` keep working for callers that expect them.
+Built-in bases are added where they fit, so `except ValueError` and
+`except FileNotFoundError` keep working for callers that expect them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class CheckpointNotFoundError(XckptError, FileNotFoundError):
 
 
 class CheckpointExistsError(XckptError, FileExistsError):
-    """A save would overwrite an existing checkpoint without ``overwrite=True``."""
+    """A save would overwrite an existing checkpoint without `overwrite=True`."""
 
 
 class IncompleteCheckpointError(XckptError):
@@ -73,7 +73,7 @@ class ValueRangeError(XckptError, ValueError):
 
 
 class UnsupportedPlacementError(XckptError, ValueError):
-    """A placement cannot be saved (e.g. ``Partial``) or is not understood."""
+    """A placement cannot be saved (e.g. `Partial`) or is not understood."""
 
 
 class ObjectError(XckptError, ValueError):
@@ -87,8 +87,8 @@ class MissingEntryError(XckptError, LookupError):
 class StorageError(XckptError, OSError):
     """Storage failed under a read or write (disk full, file too large, permission, network).
 
-    The tensorstore or OS error is the ``__cause__``; ``errno`` is set when the
-    OS reported one (e.g. ``errno.ENOSPC``, ``errno.EFBIG``, ``errno.EACCES``).
+    The tensorstore or OS error is the `__cause__`; `errno` is set when the
+    OS reported one (e.g. `errno.ENOSPC`, `errno.EFBIG`, `errno.EACCES`).
     """
 
 

@@ -51,7 +51,7 @@ __all__ = ["FORMATS", "Format", "Opener", "open", "opened", "load", "detect", "l
 
 
 class Opener(Protocol):
-    """Open a checkpoint of one format at ``location`` (see the module docstring)."""
+    """Open a checkpoint of one format at `location` (see the module docstring)."""
 
     def __call__(self, location: Any, *, allow_pickle: bool, context: Any) -> Source: ...
 
@@ -117,7 +117,7 @@ def _opener(open_at: Callable[..., Source]) -> Opener:
 
 _DIR, _FILE = frozenset({"dir"}), frozenset({"file"})
 
-#: Format name -> :class:`Format`, in detection order.
+#: Format name -> `Format`, in detection order.
 FORMATS: Mapping[str, Format] = {
     f.name: f
     for f in (
@@ -183,17 +183,17 @@ HTTP_PROBES: tuple[str, ...] = tuple(p for f in FORMATS.values() for p in f.http
 
 
 def listing(path: Any) -> str:
-    """What is at ``path`` (any location), in words (for messages)."""
+    """What is at `path` (any location), in words (for messages)."""
     return as_place(path, probes=HTTP_PROBES).describe()
 
 
 def detect(path: Any, *, context: Any = None) -> str:
-    """The name of the format at ``path``: a local path, a kvstore URL or spec, or an
-    ``http(s)://`` URL (``context``: the tensorstore Context of a ``memory://`` location).
+    """The name of the format at `path`: a local path, a kvstore URL or spec, or an
+    `http(s)://` URL (`context`: the tensorstore Context of a `memory://` location).
 
-    Each format of :data:`FORMATS` is tried in order: local paths by their files, kvstore
-    locations by listing them (xckpt by a probe of ``xckpt.json`` and a listing of
-    ``ranks/``), http(s) locations by probing names (they cannot be listed). A kvstore
+    Each format of `FORMATS` is tried in order: local paths by their files, kvstore
+    locations by listing them (xckpt by a probe of `xckpt.json` and a listing of
+    `ranks/`), http(s) locations by probing names (they cannot be listed). A kvstore
     location where nothing is recognised is opened as xckpt, whose reader says what is
     missing.
 
@@ -228,29 +228,29 @@ def open(  # noqa: A001
     context: Any = None,
     step: int | str | None = None,
 ) -> Source:
-    """Open the checkpoint at ``path``, of any format, for reading (metadata only).
+    """Open the checkpoint at `path`, of any format, for reading (metadata only).
 
     Args:
-        path: a local directory or file, a kvstore URL (``file://``, ``memory://``,
-            ``gs://``, ``s3://``), a tensorstore kvstore spec dict, an ``http(s)://`` URL
+        path: a local directory or file, a kvstore URL (`file://`, `memory://`,
+            `gs://`, `s3://`), a tensorstore kvstore spec dict, an `http(s)://` URL
             (safetensors files and Hugging Face directories, torch.save files), or an open
-            :class:`~xckpt.source.Source` (returned as is, seen through ``rules``).
-        format: force a format (``xckpt``, ``torch-dcp``, ``orbax``, ``safetensors``,
-            ``torch``) instead of detecting it.
+            [`Source`][xckpt.source.Source] (returned as is, seen through `rules`).
+        format: force a format (`xckpt`, `torch-dcp`, `orbax`, `safetensors`,
+            `torch`) instead of detecting it.
         allow_pickle: let pickled objects (DCP's non-tensor values; torch.save objects of
             classes outside the allow-list) be read. Tensor metadata is always read with a
             restricted unpickler; without this flag nothing runs code.
         rules: rename/transpose/stack rules (a list of dicts, or a JSON/TOML file),
             applied as a view: reads still touch only the bytes they need.
         context: a tensorstore Context for xckpt checkpoints.
-        step: ``path`` is a checkpoint manager's root (:class:`xckpt.CheckpointManager`):
-            open its step ``step``, a step number or ``"latest"`` (the highest complete
-            step), instead (:func:`xckpt.steps.resolve_step`).
+        step: `path` is a checkpoint manager's root ([`xckpt.CheckpointManager`][xckpt.CheckpointManager]):
+            open its step `step`, a step number or `"latest"` (the highest complete
+            step), instead (`xckpt.steps.resolve_step`).
 
     Raises:
-        CheckpointNotFoundError: nothing recognised at ``path``; at a manager root opened
-            without ``step``, the message names its steps and how to open one.
-        XckptError: ``format`` does not fit what is there, or the metadata is bad.
+        CheckpointNotFoundError: nothing recognised at `path`; at a manager root opened
+            without `step`, the message names its steps and how to open one.
+        XckptError: `format` does not fit what is there, or the metadata is bad.
     """
     if isinstance(path, Source):  # already open: only the rules view is added
         if step is not None:
@@ -277,7 +277,7 @@ def open(  # noqa: A001
 
 
 def _with_rules(src: Source, rules: Any) -> Source:
-    """``src`` seen through ``rules``; a bad rule closes the source it was given."""
+    """`src` seen through `rules`; a bad rule closes the source it was given."""
     try:
         return apply_rules(src, rules)
     except BaseException:
@@ -287,9 +287,9 @@ def _with_rules(src: Source, rules: Any) -> Source:
 
 @contextlib.contextmanager
 def opened(path: Location | Source, **options: Any) -> Iterator[Source]:
-    """:func:`open` as a context manager that closes what it opened.
+    """[`open`][xckpt.formats.open] as a context manager that closes what it opened.
 
-    A :class:`~xckpt.source.Source` given as ``path`` belongs to the caller and
+    A [`Source`][xckpt.source.Source] given as `path` belongs to the caller and
     stays open (a rules view over it is only dropped); anything opened here is
     closed on exit, error or not. Every verb that takes a location uses this.
     """
@@ -314,9 +314,9 @@ def load(
     """Every tensor (numpy) and object of a checkpoint of any format, by name, in one process.
 
     Pickled objects (DCP's non-tensor values) are left out, with a warning naming them,
-    unless ``allow_pickle=True``. ``format``, ``allow_pickle``, ``rules`` and ``context``
-    are :func:`open`'s; a source opened here is closed before ``load`` returns, an open
-    :class:`~xckpt.source.Source` passed as ``path`` stays open.
+    unless `allow_pickle=True`. `format`, `allow_pickle`, `rules` and `context`
+    are [`open`][xckpt.formats.open]'s; a source opened here is closed before `load` returns, an open
+    [`Source`][xckpt.source.Source] passed as `path` stays open.
     """
     # The manifest's objects and the outputs hold no cycles: no collections while they are built.
     options = {"format": format, "allow_pickle": allow_pickle, "rules": rules, "context": context}

@@ -1,16 +1,16 @@
 """Notebook views of a checkpoint of any format: a bounded text/HTML table and plots.
 
 The table renders from metadata alone (no chunk is read), like zarr's tree view:
-at most ``max_rows`` tensors, then a visible "N more" line. Each row has the
+at most `max_rows` tensors, then a visible "N more" line. Each row has the
 bytes each writer holds and a layout glyph (chunks per dim in text, the boxes in
-a small SVG in HTML). Plots need matplotlib (the ``notebook`` extra), imported
+a small SVG in HTML). Plots need matplotlib (the `notebook` extra), imported
 only when one is drawn:
 
-* :func:`plot_layout`: saved boxes coloured by writer; a target layout's boxes
+* `plot_layout`: saved boxes coloured by writer; a target layout's boxes
   outlined, shaded and labelled by rank; N-D tensors projected onto two dims;
-* :func:`plot_plan`: bytes each rank of a :class:`~xckpt.plan.LoadPlan` reads,
+* `plot_plan`: bytes each rank of a [`LoadPlan`][xckpt.plan.LoadPlan] reads,
   with what it keeps and the even share marked;
-* :func:`plot_value_ranges`: a value group's chunks over its key domain, with the
+* `plot_value_ranges`: a value group's chunks over its key domain, with the
   owners of each part of the domain at another world size.
 """
 
@@ -26,7 +26,7 @@ from xckpt.targets import Entries, target_boxes
 
 
 class Source(Entries, Protocol):
-    """What the views read of a checkpoint: any :class:`xckpt.source.Source` fits."""
+    """What the views read of a checkpoint: any [`xckpt.source.Source`][xckpt.source.Source] fits."""
 
     @property
     def format(self) -> str: ...
@@ -55,7 +55,7 @@ class _RankRow(Protocol):
 
 
 class LoadPlan(Protocol):
-    """What :func:`plot_plan` reads of an :class:`xckpt.plan.LoadPlan`."""
+    """What `plot_plan` reads of an [`xckpt.plan.LoadPlan`][xckpt.plan.LoadPlan]."""
 
     @property
     def target(self) -> str: ...
@@ -74,7 +74,7 @@ __all__ = ["human_bytes", "text_table", "html_table", "plot_layout", "plot_plan"
 MAX_ROWS = 200
 #: Boxes drawn in one HTML glyph before it says "+N".
 GLYPH_BOXES = 64
-#: Inner-chunk boundary lines drawn per saved chunk in :func:`plot_layout` (more: none drawn).
+#: Inner-chunk boundary lines drawn per saved chunk in `plot_layout` (more: none drawn).
 GRID_LINES = 64
 #: Writers listed per row before the rest are summed.
 WRITERS_SHOWN = 4
@@ -86,7 +86,7 @@ _PALETTE = (
 
 
 def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``: byte counts as tables, plans and the CLI print them."""
+    """`1536` -> `"1.5 KiB"`: byte counts as tables, plans and the CLI print them."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -109,7 +109,7 @@ def _per_writer(t: Any) -> str:
 
 
 def glyph(t: Any) -> str:
-    """Chunks per dim, e.g. ``4x1`` (a row split in 4); ``-`` for a tensor without chunks."""
+    """Chunks per dim, e.g. `4x1` (a row split in 4); `-` for a tensor without chunks."""
     if not t.chunks:
         return "-"
     if not t.shape:
@@ -160,7 +160,7 @@ def _more(n: int) -> str:
 
 
 def text_table(ck: Source, max_rows: int = MAX_ROWS) -> str:
-    """Plain-text table of tensors, at most ``max_rows`` rows."""
+    """Plain-text table of tensors, at most `max_rows` rows."""
     rows = _rows(ck)
     lines = [_summary(ck)]
     for name, t in rows[:max_rows]:
@@ -174,7 +174,7 @@ def text_table(ck: Source, max_rows: int = MAX_ROWS) -> str:
 
 
 def html_table(ck: Source, max_rows: int = MAX_ROWS) -> str:
-    """Escaped HTML table of tensors, at most ``max_rows`` rows."""
+    """Escaped HTML table of tensors, at most `max_rows` rows."""
     rows = _rows(ck)
     e = html.escape
     body = "".join(
@@ -199,7 +199,7 @@ def _colors(n: int) -> list[Any]:
 
 
 def _xy(box: Box) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(row, col) offset and extent of ``box`` projected on dims 0 and 1 (1-D: one row)."""
+    """(row, col) offset and extent of `box` projected on dims 0 and 1 (1-D: one row)."""
     if len(box.shape) >= 2:
         return (box.offset[0], box.offset[1]), (box.shape[0], box.shape[1])
     if len(box.shape) == 1:
@@ -208,7 +208,7 @@ def _xy(box: Box) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _target_boxes(ck: Source, name: str, target: Any) -> tuple[str, dict[int, tuple[Box, ...]]]:
-    """("rank" or "device", rank -> boxes of ``name``) for a torch or JAX target."""
+    """("rank" or "device", rank -> boxes of `name`) for a torch or JAX target."""
     if isinstance(target, tuple) and len(target) == 2:
         target = {name: target}
     elif not isinstance(target, dict):
@@ -220,7 +220,7 @@ def _target_boxes(ck: Source, name: str, target: Any) -> tuple[str, dict[int, tu
 
 
 def _ranks_label(who: str, ranks: list[int]) -> str:
-    """``rank 3``, ``devices 0-3``, ``devices 0,2,4,6`` (runs collapsed; long lists cut)."""
+    """`rank 3`, `devices 0-3`, `devices 0,2,4,6` (runs collapsed; long lists cut)."""
     if len(ranks) == 1:
         return f"{who} {ranks[0]}"
     runs: list[list[int]] = []
@@ -238,7 +238,7 @@ def _ranks_label(who: str, ranks: list[int]) -> str:
 
 def _draw_grids(ax: Any, chunks: Any) -> bool:
     """Dotted lines at the inner (zarr) chunk boundaries of array chunks, the unit a load reads;
-    skipped for a chunk whose projection has more than :data:`GRID_LINES` of them."""
+    skipped for a chunk whose projection has more than `GRID_LINES` of them."""
     drawn = False
     for c in chunks:
         if c.grid is None:
@@ -266,7 +266,7 @@ def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) ->
         ck: any source.
         name: the tensor.
         ax: matplotlib Axes to draw on (default: a new figure).
-        target: a layout to draw over the saved one: ``(mesh_shape, placements)``
+        target: a layout to draw over the saved one: `(mesh_shape, placements)`
             (torch ranks) or a JAX sharding; each rank's boxes are outlined, shaded
             and labelled with the rank.
 
@@ -326,7 +326,7 @@ def plot_layout(ck: Source, name: str, ax: Any = None, *, target: Any = None) ->
 
 
 def plot_plan(plan: LoadPlan, ax: Any = None) -> Any:
-    """Bytes each rank (or device) of ``plan`` reads, as bars; what it keeps and the even share marked."""
+    """Bytes each rank (or device) of `plan` reads, as bars; what it keeps and the even share marked."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -352,7 +352,7 @@ def plot_plan(plan: LoadPlan, ax: Any = None) -> Any:
 def plot_value_ranges(ck: Source, name: str, ax: Any = None, *, world_size: int | None = None) -> Any:
     """Draw each chunk's key value range [lo, hi) coloured by writer; returns the Axes.
 
-    With ``world_size``, the key domain is split as a load at that world size splits
+    With `world_size`, the key domain is split as a load at that world size splits
     it (torchrec's ceil split) and each part is shaded and labelled with its new owner.
     """
     import matplotlib.pyplot as plt

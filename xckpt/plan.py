@@ -1,4 +1,4 @@
-"""``plan_load``: what a load would read, per rank or JAX device, before anything is read.
+"""`plan_load`: what a load would read, per rank or JAX device, before anything is read.
 
 A dry run on any format the library reads. From the source's metadata and the
 target layout alone (no chunk is read, no target buffer allocated) it computes,
@@ -6,13 +6,13 @@ for every rank (flattened mesh coordinate) or JAX device, the storage reads a
 real load makes: which stored pieces its boxes touch, how many bytes that is,
 and how that compares with what the rank keeps.
 
-The unit of a read is the format's own (:meth:`xckpt.source.Source.read_units`):
+The unit of a read is the format's own ([`xckpt.source.Source.read_units`][xckpt.source.Source.read_units]):
 an inner zarr chunk of an xckpt array chunk, a packed chunk, a byte range of a
 safetensors or DCP chunk. A unit one rank needs for several boxes is counted
-once, as a load reads it once. ``peak_host_bytes`` is the host memory the load
+once, as a load reads it once. `peak_host_bytes` is the host memory the load
 allocates for the rank: its distinct boxes (torch and numpy targets are filled in
 place, so for them it is the targets' own memory; JAX reads into host buffers in
-batches of at most ``host_budget`` bytes before building device arrays).
+batches of at most `host_budget` bytes before building device arrays).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from xckpt.targets import target_boxes
 
 __all__ = ["RankPlan", "LoadPlan", "plan_load"]
 
-#: JAX host bytes per read batch (xckpt.jax.load's default ``host_budget``).
+#: JAX host bytes per read batch (xckpt.jax.load's default `host_budget`).
 JAX_HOST_BUDGET = 2 << 30
 
 
@@ -43,7 +43,7 @@ class RankPlan:
         bytes_to_read: stored bytes the rank's reads fetch.
         reads: storage reads (distinct read units).
         bytes_kept: bytes of the boxes the rank holds after the load.
-        over_read: ``bytes_to_read / bytes_kept`` (1.0 when both are 0).
+        over_read: `bytes_to_read / bytes_kept` (1.0 when both are 0).
         peak_host_bytes: host memory the load allocates for the rank.
     """
 
@@ -57,13 +57,13 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """The per-rank plan of a load; ``ranks`` is ordered by rank.
+    """The per-rank plan of a load; `ranks` is ordered by rank.
 
     Attributes:
         path: the checkpoint.
         format: its format.
         target: "torch" (ranks of a mesh) or "jax" (devices).
-        ranks: one :class:`RankPlan` per rank or device.
+        ranks: one [`RankPlan`][xckpt.plan.RankPlan] per rank or device.
         tensors: the tensors the plan covers.
         skipped: saved tensors the target does not ask for (not read).
         stored_bytes: bytes of the covered tensors in the checkpoint.
@@ -152,21 +152,21 @@ def plan_load(
     rules: Any = None,
     host_budget: int = JAX_HOST_BUDGET,
 ) -> LoadPlan:
-    """Dry-run a load of ``path`` into ``target``: per rank or device, what it would read.
+    """Dry-run a load of `path` into `target`: per rank or device, what it would read.
 
     Args:
-        path: a checkpoint of any format (or an open :class:`~xckpt.source.Source`).
+        path: a checkpoint of any format (or an open [`Source`][xckpt.source.Source]).
         target: either a dict from tensor names or glob patterns to
-            ``(mesh_shape, placements)`` (placements as :mod:`xckpt.layout`
-            descriptors or a string like ``"Shard(0), Replicate()"``; a shard of a dim
+            `(mesh_shape, placements)` (placements as `xckpt.layout`
+            descriptors or a string like `"Shard(0), Replicate()"`; a shard of a dim
             the tensor lacks replicates it), planned per rank (flattened mesh
             coordinate); or a JAX pytree / flat dict of shardings or
-            ``ShapeDtypeStruct``s, planned per device.
-        format, rules: as for :func:`xckpt.open`.
-        host_budget: JAX targets: host bytes read per batch (as ``xckpt.jax.load``).
+            `ShapeDtypeStruct`s, planned per device.
+        format, rules: as for [`xckpt.open`][xckpt.open].
+        host_budget: JAX targets: host bytes read per batch (as `xckpt.jax.load`).
 
     Returns:
-        A :class:`LoadPlan`.
+        A [`LoadPlan`][xckpt.plan.LoadPlan].
     """
     with opened(path, format=format, rules=rules) as src:
         return _plan(src, target, host_budget)

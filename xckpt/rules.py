@@ -1,72 +1,72 @@
 """Rules: rename, transpose, cast, drop, stack, unstack, split and join tensors as a lazy view over a source.
 
-``xckpt.open(path, rules=...)``, ``xckpt.torch.load`` and ``xckpt.jax.load`` call
-:func:`apply_rules`, which wraps any :class:`~xckpt.source.Source` in a
-:class:`RuledSource`: a source whose names, shapes, dtypes and chunk boxes are
+`xckpt.open(path, rules=...)`, `xckpt.torch.load` and `xckpt.jax.load` call
+`apply_rules`, which wraps any [`Source`][xckpt.source.Source] in a
+`RuledSource`: a source whose names, shapes, dtypes and chunk boxes are
 the transformed ones, and whose reads map every requested box back to the
 boxes of the source tensors it comes from. Nothing is copied up front: a device
 loading a slice of a transposed kernel reads only that slice's bytes.
 
-A rule is a dict (DESIGN.md section 6)::
+A rule is a dict (DESIGN.md section 6):
 
     {"match": r"(.*)\\.weight", "ndim": 2, "rename": r"\\1.kernel", "transpose": [1, 0]}
 
-* ``match``: a regular expression that must match the whole source name.
-* ``rename``: a template expanded with ``re.Match.expand`` (``\\1``, ``\\g<name>``).
-* ``transpose``: an axis permutation (numpy's ``transpose(axes)``).
-* ``dtype``: cast on read to a dtype of :data:`xckpt.manifest.DTYPES`; rounds as
-  numpy's ``astype`` does.
-* ``drop: true``: the tensor (or object) disappears from the view.
-* ``stack: {"axis": k, "index": "\\1"}``: every tensor renamed to the same name
-  is stacked along a new axis ``k`` at the integer position ``index`` expands
-  to; the positions must be exactly ``0..n-1`` and the pieces agree in shape
+* `match`: a regular expression that must match the whole source name.
+* `rename`: a template expanded with `re.Match.expand` (`\\1`, `\\g<name>`).
+* `transpose`: an axis permutation (numpy's `transpose(axes)`).
+* `dtype`: cast on read to a dtype of `xckpt.manifest.DTYPES`; rounds as
+  numpy's `astype` does.
+* `drop: true`: the tensor (or object) disappears from the view.
+* `stack: {"axis": k, "index": "\\1"}`: every tensor renamed to the same name
+  is stacked along a new axis `k` at the integer position `index` expands
+  to; the positions must be exactly `0..n-1` and the pieces agree in shape
   and dtype.
-* ``unstack: {"axis": k}``: the tensor is split along axis ``k`` into one
-  tensor per position; ``rename`` must contain ``{i}``, the position.
-* ``split: {"axis": k, "sizes": [...], "names": [...], "reshape": [...]}``: the
-  tensor is cut into named parts along axis ``k`` of its ``reshape`` (optional; one
+* `unstack: {"axis": k}`: the tensor is split along axis `k` into one
+  tensor per position; `rename` must contain `{i}`, the position.
+* `split: {"axis": k, "sizes": [...], "names": [...], "reshape": [...]}`: the
+  tensor is cut into named parts along axis `k` of its `reshape` (optional; one
   entry may be -1; a reshape may only split axes), one size per name (a split's sizes
   may hold one -1, the rest of the axis); each part keeps the tensor's rank (the
-  reshape's axes merge back); ``rename`` must contain ``{part}``, the part's name.
-  Megatron's fused QKV ``(groups * (q + 2) * d, hidden)`` split per query group is
-  ``"reshape": ["num_query_groups", -1, "hidden_size"], "axis": 1, "sizes": [q * d, d, d]``.
-* ``join: {"axis": k, "sizes": [...], "names": [...], "reshape": [...], "part": "\\2"}``:
-  the inverse of ``split``: every tensor renamed to the same name is the part ``part``
-  expands to (one of ``names``), placed along axis ``k`` of the whole (the reshape
-  applies to each part); every part must come exactly once (with ``stack``: once at
+  reshape's axes merge back); `rename` must contain `{part}`, the part's name.
+  Megatron's fused QKV `(groups * (q + 2) * d, hidden)` split per query group is
+  `"reshape": ["num_query_groups", -1, "hidden_size"], "axis": 1, "sizes": [q * d, d, d]`.
+* `join: {"axis": k, "sizes": [...], "names": [...], "reshape": [...], "part": "\\2"}`:
+  the inverse of `split`: every tensor renamed to the same name is the part `part`
+  expands to (one of `names`), placed along axis `k` of the whole (the reshape
+  applies to each part); every part must come exactly once (with `stack`: once at
   every position).
-* ``ndim``: an int or list of ints; the rule applies only to tensors of that
-  rank (so torch's 1-D norm ``weight`` and 2-D Linear ``weight`` can get
+* `ndim`: an int or list of ints; the rule applies only to tensors of that
+  rank (so torch's 1-D norm `weight` and 2-D Linear `weight` can get
   different rules, as transformers' torch -> flax rules decide by shape).
-* ``dequant: {"kind": "fp8_block" | "mxfp4", "scale": "\\1_scale_inv", "block": [128, 128]}``:
+* `dequant: {"kind": "fp8_block" | "mxfp4", "scale": "\\1_scale_inv", "block": [128, 128]}`:
   a tensor stored as float8 (uint8 for mxfp4) is read dequantized with the scale tensor
-  ``scale`` names, to the rule's ``dtype`` (bfloat16 by default), the scale leaving the view
-  (`xckpt._dequant`); ``ndim`` counts stored axes, other keys act on the result; never an object.
-* ``comment``: ignored (JSON has no comments).
+  `scale` names, to the rule's `dtype` (bfloat16 by default), the scale leaving the view
+  (`xckpt._dequant`); `ndim` counts stored axes, other keys act on the result; never an object.
+* `comment`: ignored (JSON has no comments).
 
 The first matching rule wins; names no rule matches pass unchanged; a rule
-with ``match`` alone passes its names unchanged (and shields them from later
-rules). ``rules`` is a list of such dicts, a mapping ``{"rules": [...]}``, the
-path of a ``.json`` or ``.toml`` file holding ``{"rules": [...]}`` (the suffix
-decides), or the name of a shipped rule set in ``xckpt/rulesets/``
-(``"torch_to_flax"``, ``"megatron_gpt_to_hf_llama"``, ``"fp8_block_dequant"``, ...);
-:func:`shipped_rule_sets` lists them.
+with `match` alone passes its names unchanged (and shields them from later
+rules). `rules` is a list of such dicts, a mapping `{"rules": [...]}`, the
+path of a `.json` or `.toml` file holding `{"rules": [...]}` (the suffix
+decides), or the name of a shipped rule set in `xckpt/rulesets/`
+(`"torch_to_flax"`, `"megatron_gpt_to_hf_llama"`, `"fp8_block_dequant"`, ...);
+`shipped_rule_sets` lists them.
 
-Order inside one rule: ``unstack`` splits first, then each piece is split (or
-joined), transposed and cast, then ``stack`` inserts the new axis; so a rule and
-its inverse name the same per-piece permutation (``transpose: [1, 0]`` both ways).
+Order inside one rule: `unstack` splits first, then each piece is split (or
+joined), transposed and cast, then `stack` inserts the new axis; so a rule and
+its inverse name the same per-piece permutation (`transpose: [1, 0]` both ways).
 
 Parameters. Sizes and reshape entries are integers or expressions (strings) in a
-small safe subset of Python (:func:`xckpt._pieces.evaluate`: integers, names,
-``.attribute`` / key access, ``+ - * // %``, comparisons, ``and or not``, ``x if c
-else y``; nothing is called) over the rule set's parameters and the checkpoint's
-objects. A rule set declares its parameters beside its rules, ``{"parameters":
+small safe subset of Python (`xckpt._pieces.evaluate`: integers, names,
+`.attribute` / key access, `+ - * // %`, comparisons, `and or not`, `x if c
+else y`; nothing is called) over the rule set's parameters and the checkpoint's
+objects. A rule set declares its parameters beside its rules, `{"parameters":
 {"num_query_groups": "args.num_query_groups if args.group_query_attention else
-args.num_attention_heads", ...}, "rules": [...]}`` (``null``: the caller must give
-it); the caller gives or overrides them as ``rules={"rules": "<shipped name or
-file>", "parameters": {...}}``. A parameter is evaluated when a rule first needs it;
+args.num_attention_heads", ...}, "rules": [...]}` (`null`: the caller must give
+it); the caller gives or overrides them as `rules={"rules": "<shipped name or
+file>", "parameters": {...}}`. A parameter is evaluated when a rule first needs it;
 reading an object that is a pickle needs the source opened with
-``allow_pickle=True``, and the error says so and how to give the value instead.
+`allow_pickle=True`, and the error says so and how to give the value instead.
 
 A split part's chunk is the image of one stored chunk (a contiguous range of the
 whole holds a contiguous range of the part); reading a box of it reads, from that
@@ -76,17 +76,17 @@ block of the whole; each reads one box of the part.
 
 Decisions where the design is silent:
 
-* Every mistake is a :class:`RuleError` (an ``XckptError`` and ``ValueError``)
-  raised by :func:`apply_rules`, before anything is read; its message names
-  the rule (index and ``match``) and the tensors.
+* Every mistake is a [`RuleError`][xckpt.rules.RuleError] (an `XckptError` and `ValueError`)
+  raised by `apply_rules`, before anything is read; its message names
+  the rule (index and `match`) and the tensors.
 * Objects (non-tensor values) are renamed and dropped by the same rules; a
   rule that matches an object but transposes, casts, stacks or unstacks is an
-  error (objects have no axes), and a rule with ``ndim`` never matches one.
-* Tensors of a value group (``value_range`` set) may only pass unchanged or be
+  error (objects have no axes), and a rule with `ndim` never matches one.
+* Tensors of a value group (`value_range` set) may only pass unchanged or be
   dropped: the group's structure is keyed by name and axis 0.
 * A renamed-only tensor keeps its placement provenance; a transformed one
   (transposed, cast, stacked, unstacked) drops it, since it describes the old axes.
-* :meth:`RuledSource.verify` verifies the underlying source (checksums live on
+* `RuledSource.verify` verifies the underlying source (checksums live on
   the stored bytes, dropped tensors included).
 """
 
@@ -138,7 +138,7 @@ class _View:
 
 
 def _ints(params: Parameters, rule: Rule, tensor: str, what: str, items: Sequence[int | str]) -> list[int]:
-    """Sizes or reshape entries of ``rule`` for ``tensor``: integers, or parameter expressions resolved."""
+    """Sizes or reshape entries of `rule` for `tensor`: integers, or parameter expressions resolved."""
     out = []
     for x in items:
         try:
@@ -160,12 +160,12 @@ def _ints(params: Parameters, rule: Rule, tensor: str, what: str, items: Sequenc
 
 
 class RuledSource(SourceView):
-    """A :class:`Source` seen through rules: transformed names, shapes, dtypes and boxes.
+    """A [`Source`][xckpt.rules.Source] seen through rules: transformed names, shapes, dtypes and boxes.
 
-    Built by :func:`apply_rules`. Every view chunk is one stored chunk of the
-    wrapped :attr:`source` (or an unstacked slice of it, the part of it a split
+    Built by `apply_rules`. Every view chunk is one stored chunk of the
+    wrapped `source` (or an unstacked slice of it, the part of it a split
     keeps, or one block of a joined part), so each read job maps to jobs of the
-    source's ``_read_chunks`` in that one chunk, covering only the requested
+    source's `_read_chunks` in that one chunk, covering only the requested
     elements (one per block of the whole for a split part), read straight into a
     transposed view of the output (through a temporary buffer when cast).
     """
@@ -405,7 +405,7 @@ class RuledSource(SourceView):
             np.copyto(dst, tmp, casting="unsafe")  # the same conversion loops as astype
 
     def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
-        """The source's storage reads for ``box`` of an output chunk (plan_load's byte counts)."""
+        """The source's storage reads for `box` of an output chunk (plan_load's byte counts)."""
         v = self._views.get(name)
         if v is None:
             return self.source.read_units(name, chunk, box, itemsize)
@@ -502,15 +502,15 @@ def _collision(out: str, who: list[tuple[str, Rule | None, _Slot | None]], objec
 
 
 def apply_rules(src: Source, rules: Rules | Sequence[Rule]) -> Source:
-    """``src`` seen through ``rules``: a lazy view, checked against the source before any read.
+    """`src` seen through `rules`: a lazy view, checked against the source before any read.
 
     Args:
         src: any opened source.
-        rules: a list of rule dicts, ``{"rules": [...]}``, the path of a ``.json``
-            or ``.toml`` rules file, or a shipped rule set's name.
+        rules: a list of rule dicts, `{"rules": [...]}`, the path of a `.json`
+            or `.toml` rules file, or a shipped rule set's name.
 
     Returns:
-        A :class:`RuledSource` (``src`` itself for an empty rule list).
+        A `RuledSource` (`src` itself for an empty rule list).
 
     Raises:
         RuleError: a bad rule or file, or rules that do not fit the checkpoint

@@ -42,7 +42,7 @@ ROUND_BYTES = 256 << 20
 MAX_CELL_BYTES = 16 << 20
 @dataclass(frozen=True)
 class Need:
-    """One box of tensor ``name`` that a rank loads."""
+    """One box of tensor `name` that a rank loads."""
 
     name: str
     box: L.Box
@@ -50,7 +50,7 @@ class Need:
 
 @dataclass(frozen=True)
 class Cell:
-    """Box ``box`` of tensor ``name``, needed by ``ranks``; it lies in read ``read`` of its group."""
+    """Box `box` of tensor `name`, needed by `ranks`; it lies in read `read` of its group."""
 
     name: str
     box: L.Box
@@ -65,7 +65,7 @@ class Cell:
 
 @dataclass(frozen=True)
 class Group:
-    """Cells that cost one storage read: ``reader`` reads ``reads`` (each inside one
+    """Cells that cost one storage read: `reader` reads `reads` (each inside one
     saved chunk) and sends each cell to the other ranks that need it."""
 
     reader: int
@@ -78,19 +78,19 @@ class Group:
 
 @dataclass(frozen=True)
 class Plan:
-    """``solo[r]``: the (name, box) rank r reads for itself alone; ``rounds``: the groups,
+    """`solo[r]`: the (name, box) rank r reads for itself alone; `rounds`: the groups,
     round by round."""
 
     solo: tuple[tuple[tuple[str, L.Box], ...], ...]
     rounds: tuple[tuple[Group, ...], ...]
 
     def group_read_bytes(self, rank: int) -> int:
-        """Bytes (as loaded) rank ``rank`` reads for the groups it reads."""
+        """Bytes (as loaded) rank `rank` reads for the groups it reads."""
         return sum(g.read_bytes() for rnd in self.rounds for g in rnd if g.reader == rank)
 
 
 def _cuts(lo: int, hi: int, step: int, origin: int) -> list[int]:
-    """Multiples of ``step`` from ``origin`` strictly inside (lo, hi)."""
+    """Multiples of `step` from `origin` strictly inside (lo, hi)."""
     first = origin + (-(-(lo + 1 - origin) // step)) * step
     return list(range(first, hi, step))
 
@@ -98,7 +98,7 @@ def _cuts(lo: int, hi: int, step: int, origin: int) -> list[int]:
 def _lattice(
     parts: Sequence[tuple[int, L.Box]], chunk: Chunk, itemsize: int, max_cell: int
 ) -> list[tuple[L.Box, tuple[int, ...]]]:
-    """The cells of the parts ``(rank, box)`` of one chunk and the ranks needing each."""
+    """The cells of the parts `(rank, box)` of one chunk and the ranks needing each."""
     holders: dict[L.Box, set[int]] = {}
     for r, b in parts:
         holders.setdefault(b, set()).add(r)
@@ -166,7 +166,7 @@ def _units_of(
 def _shared_parts(
     parts: Sequence[tuple[int, L.Box]], units: Callable[[L.Box], Mapping[Hashable, int]]
 ) -> set[L.Box]:
-    """The boxes among ``parts`` (of one chunk) that another rank needs too, or whose
+    """The boxes among `parts` (of one chunk) that another rank needs too, or whose
     storage units another rank's part costs as well; every other part is read by its
     rank alone, straight into its target."""
     owners: dict[L.Box, set[int]] = {}
@@ -409,7 +409,7 @@ def _cut_rounds(groups: Sequence[Group], world: int, round_bytes: int) -> tuple[
 
 
 def messages(rnd: Sequence[Group], me: int) -> tuple[dict[int, list[Cell]], dict[int, list[Cell]]]:
-    """Cells ``me`` sends to each rank and receives from each rank in round ``rnd``, in
+    """Cells `me` sends to each rank and receives from each rank in round `rnd`, in
     plan order (both sides lay a message out alike from this)."""
     sends: dict[int, list[Cell]] = {}
     recvs: dict[int, list[Cell]] = {}

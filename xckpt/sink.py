@@ -1,11 +1,11 @@
-"""The write protocol: what every output format of ``xckpt.convert`` implements.
+"""The write protocol: what every output format of `xckpt.convert` implements.
 
-A :class:`Sink` is the write side of one format, as a :class:`~xckpt.source.Source`
-is its read side; the formats table (:data:`xckpt.formats.FORMATS`) holds one sink
-per format beside its ``detect`` and ``open``. The converter hands a sink a
-:class:`WriteJob`: everything is decided (names, objects, the temporary path); the
+A [`Sink`][xckpt.sink.Sink] is the write side of one format, as a [`Source`][xckpt.source.Source]
+is its read side; the formats table (`xckpt.formats.FORMATS`) holds one sink
+per format beside its `detect` and `open`. The converter hands a sink a
+[`WriteJob`][xckpt.sink.WriteJob]: everything is decided (names, objects, the temporary path); the
 sink lays bytes out, reading the source through the job. The call protocol is in
-:class:`Sink`'s docstring.
+[`Sink`][xckpt.sink.Sink]'s docstring.
 """
 
 from __future__ import annotations
@@ -38,71 +38,71 @@ class Progress(Protocol):
     """What a sink reports progress to (a tqdm bar, or a no-op)."""
 
     def update(self, n: int = 1) -> object:
-        """``n`` more tensor bytes have landed."""
+        """`n` more tensor bytes have landed."""
 
 
 class Sink(Protocol):
-    """The write side of one output format: what ``xckpt.convert`` hands a checkpoint to.
+    """The write side of one output format: what `xckpt.convert` hands a checkpoint to.
 
     A sink keeps no state between calls: everything about one conversion is in the
-    :class:`WriteJob` it is handed, so the one instance in the formats table serves
+    [`WriteJob`][xckpt.sink.WriteJob] it is handed, so the one instance in the formats table serves
     every conversion.
 
-    Call protocol. ``xckpt.convert`` drives a conversion in one process, calling from
+    Call protocol. `xckpt.convert` drives a conversion in one process, calling from
     one thread (the job reads the next piece on a background thread of its own while
     the sink writes the current one). Nothing is distributed: the sink sees every source
-    writer's chunks, each with its writer as ``chunk.rank``, and a format that can keep
-    the source's layout (xckpt, torch DCP) writes one rank's pieces per ``chunk.rank``.
-    A parallel conversion (``xckpt.convert(..., workers=N)``, ``xckpt.convert_parallel``)
-    calls ``check`` the same way, then writes its parts through the formats' per-file
-    writers, and ``write`` only for outputs of one part (one file, orbax), with
-    ``job.dst`` a fixed sibling of the destination that a resumed run reuses.
+    writer's chunks, each with its writer as `chunk.rank`, and a format that can keep
+    the source's layout (xckpt, torch DCP) writes one rank's pieces per `chunk.rank`.
+    A parallel conversion (`xckpt.convert(..., workers=N)`, `xckpt.convert_parallel`)
+    calls `check` the same way, then writes its parts through the formats' per-file
+    writers, and `write` only for outputs of one part (one file, orbax), with
+    `job.dst` a fixed sibling of the destination that a resumed run reuses.
 
-    1. The driver opens the source (rules applied, ``include``/``exclude`` filtered),
-       resolves its objects (pickled ones read with ``allow_pickle``, else dropped with
-       a warning), refuses a ``dst`` that holds a checkpoint without ``overwrite``
-       (:class:`~xckpt.errors.CheckpointExistsError`), and builds the :class:`WriteJob`.
-       The sink may assume: ``job.names`` are tensors of ``job.src``, in its order;
-       ``job.objects`` are plain values (pickles already read or dropped);
-       ``job.dst`` is a fresh hidden sibling of the destination that does not exist
+    1. The driver opens the source (rules applied, `include`/`exclude` filtered),
+       resolves its objects (pickled ones read with `allow_pickle`, else dropped with
+       a warning), refuses a `dst` that holds a checkpoint without `overwrite`
+       ([`CheckpointExistsError`][xckpt.errors.CheckpointExistsError]), and builds the [`WriteJob`][xckpt.sink.WriteJob].
+       The sink may assume: `job.names` are tensors of `job.src`, in its order;
+       `job.objects` are plain values (pickles already read or dropped);
+       `job.dst` is a fresh hidden sibling of the destination that does not exist
        (nothing else writes there; its parent is made before step 3).
-    2. ``check(job)``, before anything exists at ``job.dst``: from metadata alone (no
+    2. `check(job)`, before anything exists at `job.dst`: from metadata alone (no
        tensor bytes read, nothing written) the sink raises
-       :class:`~xckpt.errors.XckptError` for what its format cannot hold (a dtype it has
+       [`XckptError`][xckpt.errors.XckptError] for what its format cannot hold (a dtype it has
        no name for, a name it cannot spell, two names that collide) and
-       :class:`~xckpt.errors.ObjectError` for an object it can neither hold nor drop;
-       it warns (``UserWarning``, naming them) about objects its format drops by design.
-       Nothing is lost silently: an object ``write`` will not store was an error or a
+       [`ObjectError`][xckpt.errors.ObjectError] for an object it can neither hold nor drop;
+       it warns (`UserWarning`, naming them) about objects its format drops by design.
+       Nothing is lost silently: an object `write` will not store was an error or a
        warning here.
-    3. ``write(job)``, once, after ``check`` passed, lays the checkpoint out at
-       ``job.dst`` (a file or a directory it creates) and at no other path:
+    3. `write(job)`, once, after `check` passed, lays the checkpoint out at
+       `job.dst` (a file or a directory it creates) and at no other path:
 
-       * every tensor of ``job.names`` in full, and every object of ``job.objects`` that
-         ``check`` did not announce as dropped (``job.per_rank_objects`` hold every
+       * every tensor of `job.names` in full, and every object of `job.objects` that
+         `check` did not announce as dropped (`job.per_rank_objects` hold every
          rank's value as a list, in rank order);
-       * tensor bytes come only through the job (:meth:`WriteJob.chunks`,
-         :meth:`~WriteJob.bands`, :meth:`~WriteJob.rows`, :meth:`~WriteJob.tensor`),
+       * tensor bytes come only through the job ([`WriteJob.chunks`][xckpt.sink.WriteJob.chunks],
+         [`bands`][xckpt.sink.WriteJob.bands], [`rows`][xckpt.sink.WriteJob.rows], [`tensor`][xckpt.sink.WriteJob.tensor]),
          which records the source's crc32c of every box for step 4; a sink never reads
-         ``job.src`` for tensor data;
+         `job.src` for tensor data;
        * memory: the sink holds only the pieces it asked for; a recycled piece
-         (``reuse=True``, a band, a row piece) is valid until the next one is asked for;
-       * progress: ``job.bar.update(nbytes)`` as tensor bytes land; the updates of one
-         ``write`` sum to the tensors' total ``nbytes``;
-       * completion: until ``write`` returns, nothing at ``job.dst`` is a checkpoint its
+         (`reuse=True`, a band, a row piece) is valid until the next one is asked for;
+       * progress: `job.bar.update(nbytes)` as tensor bytes land; the updates of one
+         `write` sum to the tensors' total `nbytes`;
+       * completion: until `write` returns, nothing at `job.dst` is a checkpoint its
          format's reader (xckpt's, or the format's own library) accepts as complete: the
          step that completes it comes last, after the data it describes (an xckpt
-         manifest; DCP's ``.metadata``; orbax's tree metadata and ``commit_success.txt``;
+         manifest; DCP's `.metadata`; orbax's tree metadata and `commit_success.txt`;
          a zip's central directory; a safetensors file's last byte, its header claiming
          every byte; a Hugging Face directory's last shard rename, its index naming
-         shards still written as ``.partial``);
+         shards still written as `.partial`);
        * on an error or interrupt the sink stops its own background work before the
-         exception leaves ``write``: nothing writes under ``job.dst`` afterwards.
-    4. The driver, never the sink, then checks that ``job.dst`` exists and, with
-       ``verify``, reopens it through the same format's ``open`` (an output its own reader
+         exception leaves `write`: nothing writes under `job.dst` afterwards.
+    4. The driver, never the sink, then checks that `job.dst` exists and, with
+       `verify`, reopens it through the same format's `open` (an output its own reader
        refuses fails the conversion), re-reads every box and compares its crc32c with the
-       source's (``xckpt.convert.VerifyMismatchError``); then it renames ``job.dst`` into
-       place, replacing an old checkpoint only now (``overwrite``). When step 2, 3 or 4
-       raises, or the process is interrupted, the driver removes ``job.dst`` whole: a sink
+       source's (`xckpt.convert.VerifyMismatchError`); then it renames `job.dst` into
+       place, replacing an old checkpoint only now (`overwrite`). When step 2, 3 or 4
+       raises, or the process is interrupted, the driver removes `job.dst` whole: a sink
        never cleans up, renames, or touches the destination.
     """
 
@@ -114,7 +114,7 @@ class Sink(Protocol):
         ...
 
     def write(self, job: WriteJob) -> None:
-        """Step 3: lay the checkpoint out at ``job.dst``, its completing piece last."""
+        """Step 3: lay the checkpoint out at `job.dst`, its completing piece last."""
         ...
 
 
@@ -125,19 +125,19 @@ class WriteJob:
     Attributes:
         src: the opened source (rules applied, names filtered).
         dst: a fresh local path (file or directory) that does not exist yet; the
-            driver makes its parent before :meth:`Sink.write` and renames it into
+            driver makes its parent before [`Sink.write`][xckpt.sink.Sink.write] and renames it into
             place afterwards.
         names: tensors to write, in source order.
         objects: objects to write (pickled ones already resolved or dropped).
         max_shard_size: bytes per shard of a safetensors Hugging Face directory (set by
             the driver only for one; None: the safetensors sink writes one file).
-        bar: progress; sinks call ``bar.update(nbytes)`` as tensor bytes land.
-        per_rank_objects: names in ``objects`` saved per rank; their value is the
+        bar: progress; sinks call `bar.update(nbytes)` as tensor bytes land.
+        per_rank_objects: names in `objects` saved per rank; their value is the
             list of every rank's value, in rank order.
         compression: the codec of an xckpt output's array chunks (None: raw).
         record: record a crc32c per source box as it is read, for verify (the driver
             turns it off without verify, and for xckpt output, which checks its own).
-        save_id: the id a format that records one (xckpt's manifests, DCP's ``.metadata``)
+        save_id: the id a format that records one (xckpt's manifests, DCP's `.metadata`)
             writes; the driver derives it from the source's fingerprint and the options, so
             converting the same source the same way gives the same bytes (None: random).
     """
@@ -162,12 +162,12 @@ class WriteJob:
     )
 
     def info(self, name: str) -> TensorEntry:
-        """dtype, shape and chunk boxes of ``name`` in the source."""
+        """dtype, shape and chunk boxes of `name` in the source."""
         return self.src.info(name)
 
     @property
     def crcs(self) -> Mapping[BoxKey, int]:
-        """crc32c of every source box read so far (with ``record``): the driver's, for verify."""
+        """crc32c of every source box read so far (with `record`): the driver's, for verify."""
         return self._crcs
 
     def _record(self, name: str, box: Box, arr: np.ndarray) -> None:
@@ -175,9 +175,9 @@ class WriteJob:
             self._crcs[(name, tuple(box.offset), tuple(box.shape))] = crc32c(arr)
 
     def read_chunk(self, name: str, chunk: Chunk, *, reuse: bool = False) -> np.ndarray:
-        """One stored chunk of ``name``; records its crc32c for verify.
+        """One stored chunk of `name`; records its crc32c for verify.
 
-        The buffer is fresh, or with ``reuse`` one of two recycled ones (see :meth:`chunks`).
+        The buffer is fresh, or with `reuse` one of two recycled ones (see `chunks`).
         """
         t = self.src.info(name)
         out = self._buffers.take(chunk.shape, t.np_dtype) if reuse else np.empty(chunk.shape, dtype=t.np_dtype)
@@ -189,11 +189,11 @@ class WriteJob:
     def chunks(
         self, name: str, *, rank: int | None = None, reuse: bool = False
     ) -> Iterator[tuple[Chunk, np.ndarray]]:
-        """Each stored chunk of ``name`` (of writer ``rank``, or all), in order.
+        """Each stored chunk of `name` (of writer `rank`, or all), in order.
 
-        ``chunk.box`` is where it lies in the tensor, ``chunk.rank`` its source
+        `chunk.box` is where it lies in the tensor, `chunk.rank` its source
         writer. Each buffer is fresh (a sink may keep it until it is written), or
-        with ``reuse`` valid only until the next chunk is asked for: a sink that is
+        with `reuse` valid only until the next chunk is asked for: a sink that is
         done with each chunk by then (it wrote it synchronously) saves the kernel
         zeroing fresh pages for every chunk. The next chunk is read in the background
         meanwhile (two in memory).
@@ -211,8 +211,8 @@ class WriteJob:
             self._buffers.trim()
 
     def pieces(self, items: Sequence[tuple[str, Chunk]], *, reuse: bool = False) -> Iterator[tuple[str, Chunk, np.ndarray]]:
-        """Each stored chunk of ``items`` (tensor name, chunk), in order, as :meth:`chunks`
-        reads them (fresh buffers, or recycled ones with ``reuse``; the next read ahead)."""
+        """Each stored chunk of `items` (tensor name, chunk), in order, as `chunks`
+        reads them (fresh buffers, or recycled ones with `reuse`; the next read ahead)."""
         yield from read_ahead([functools.partial(self._named_chunk, name, c, reuse) for name, c in items])
         if reuse:
             self._buffers.trim()
@@ -223,10 +223,10 @@ class WriteJob:
     def bands(
         self, name: str, *, max_bytes: int, multiple: int = 1
     ) -> Iterator[tuple[Chunk, tuple[int, ...], np.ndarray]]:
-        """Each stored chunk of ``name`` in bands of whole rows: ``(chunk, band offset, band)``.
+        """Each stored chunk of `name` in bands of whole rows: `(chunk, band offset, band)`.
 
-        A band holds a multiple of ``multiple`` rows (at least that many) and about
-        ``max_bytes``; a chunk no larger than that comes whole. Bands are read one at a
+        A band holds a multiple of `multiple` rows (at least that many) and about
+        `max_bytes`; a chunk no larger than that comes whole. Bands are read one at a
         time into recycled buffers, each valid only until the next is asked for, the
         next read in the background meanwhile: memory stays near two bands whatever
         the source's chunks. The crc32c recorded for verify is the whole chunk's.
@@ -268,7 +268,7 @@ class WriteJob:
     def tensor(self, name: str, *, reuse: bool = False) -> np.ndarray:
         """The whole tensor (for outputs that cannot hold chunks); crc32c per source box.
 
-        Fresh, or with ``reuse`` valid only until the next read through this job.
+        Fresh, or with `reuse` valid only until the next read through this job.
         """
         t = self.src.info(name)
         out = self._buffers.take(t.shape, t.np_dtype) if reuse else np.empty(t.shape, dtype=t.np_dtype)

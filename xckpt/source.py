@@ -1,46 +1,46 @@
 """The read protocol: what every checkpoint format presents to the rest of xckpt.
 
-A :class:`Source` is one opened checkpoint of any format (xckpt, torch DCP,
-orbax, safetensors, torch.save). The torch and JAX loaders, ``plan_load``, the
-CLI, the notebook view and ``convert`` use only this protocol, so none of them
+A [`Source`][xckpt.source.Source] is one opened checkpoint of any format (xckpt, torch DCP,
+orbax, safetensors, torch.save). The torch and JAX loaders, `plan_load`, the
+CLI, the notebook view and `convert` use only this protocol, so none of them
 special-cases a format.
 
 Call contract (who calls what, what an implementation may assume):
 
-1. ``open`` builds the source from the format's own metadata only: no tensor
+1. `open` builds the source from the format's own metadata only: no tensor
    bytes are read and nothing is allocated in proportion to a claimed size
    before the claim is checked against what storage holds. Every tensor is
-   described as a :class:`~xckpt.manifest.TensorEntry`: dtype (a name from
-   :data:`xckpt.manifest.DTYPES`), global shape, and ``chunks`` whose boxes are
+   described as a [`TensorEntry`][xckpt.manifest.TensorEntry]: dtype (a name from
+   `xckpt.manifest.DTYPES`), global shape, and `chunks` whose boxes are
    disjoint and tile the shape exactly (checked once, at open). A chunk's
-   ``rank`` is its writer (a DCP rank, an orbax process, 0 for one file) and its
-   ``key`` is a human-readable location (for messages, tables, ``xckpt show``).
-2. Callers read through :meth:`Source.read_into` (or :meth:`read` /
-   :meth:`read_all`, which call it). The base class checks dtypes and shapes,
-   plans which chunks each target box touches (:func:`xckpt.layout.plan_reads` over
-   the entry's :attr:`~xckpt.manifest.TensorEntry.chunk_index`: a lookup, not a scan)
-   and calls :meth:`Source._read_chunks` once per ``read_into`` with every
-   :class:`ChunkRead`. An implementation fills ``out[req.target_slices]`` from
-   ``chunk[req.chunk_slices]`` for each, reading only those bytes where its
-   format allows; ``req is None`` means the chunk is the whole tensor and
-   ``out`` is the whole tensor. It calls ``bar.update(nbytes)`` as data lands.
+   `rank` is its writer (a DCP rank, an orbax process, 0 for one file) and its
+   `key` is a human-readable location (for messages, tables, `xckpt show`).
+2. Callers read through [`Source.read_into`][xckpt.source.Source.read_into] (or `read` /
+   `read_all`, which call it). The base class checks dtypes and shapes,
+   plans which chunks each target box touches ([`xckpt.layout.plan_reads`][xckpt.layout.plan_reads] over
+   the entry's `chunk_index`: a lookup, not a scan)
+   and calls `Source._read_chunks` once per `read_into` with every
+   [`ChunkRead`][xckpt.source.ChunkRead]. An implementation fills `out[req.target_slices]` from
+   `chunk[req.chunk_slices]` for each, reading only those bytes where its
+   format allows; `req is None` means the chunk is the whole tensor and
+   `out` is the whole tensor. It calls `bar.update(nbytes)` as data lands.
    Bytes that fail a checksum or cannot be decoded raise
-   :class:`~xckpt.errors.CorruptChunkError` naming the checkpoint and tensor.
-3. Objects (non-tensor values) are listed by :meth:`object_names` and read by
-   :meth:`objects`, whose policy lives here once: unknown names raise
-   :class:`~xckpt.errors.MissingEntryError`; objects listed by
-   :meth:`pickled_objects` are read only when the source was opened with
-   ``allow_pickle=True`` and otherwise raise :class:`~xckpt.errors.ObjectError`
-   naming the object and the flag; objects listed by :meth:`per_rank_objects`
+   [`CorruptChunkError`][xckpt.errors.CorruptChunkError] naming the checkpoint and tensor.
+3. Objects (non-tensor values) are listed by `object_names` and read by
+   `objects`, whose policy lives here once: unknown names raise
+   [`MissingEntryError`][xckpt.errors.MissingEntryError]; objects listed by
+   `pickled_objects` are read only when the source was opened with
+   `allow_pickle=True` and otherwise raise [`ObjectError`][xckpt.errors.ObjectError]
+   naming the object and the flag; objects listed by `per_rank_objects`
    come back by rank, or as every rank's list. An implementation provides only
-   ``_object_value(name, rank)`` and, with per-rank objects,
-   ``_per_rank_values(name)``; ``objects`` calls them after those checks.
-4. :meth:`verify` reads every chunk and object and returns the problems found.
-5. :meth:`read_units` tells ``plan_load`` which storage reads a box costs, so a
-   plan's byte counts match what ``_read_chunks`` really reads.
+   `_object_value(name, rank)` and, with per-rank objects,
+   `_per_rank_values(name)`; `objects` calls them after those checks.
+4. `verify` reads every chunk and object and returns the problems found.
+5. `read_units` tells `plan_load` which storage reads a box costs, so a
+   plan's byte counts match what `_read_chunks` really reads.
 
 Sources are used from one thread at a time; an implementation may run its own
-reads concurrently inside ``_read_chunks``. ``close`` releases file handles and
+reads concurrently inside `_read_chunks`. `close` releases file handles and
 mappings; sources are context managers.
 """
 
@@ -70,9 +70,9 @@ __all__ = ["Source", "ChunkRead", "whole_request", "local_path", "readable_objec
 
 
 class ChunkRead(NamedTuple):
-    """Read ``req.chunk_slices`` of ``chunk`` into ``out[req.target_slices]``.
+    """Read `req.chunk_slices` of `chunk` into `out[req.target_slices]`.
 
-    ``req is None``: the chunk is the whole tensor and ``out`` the whole tensor.
+    `req is None`: the chunk is the whole tensor and `out` the whole tensor.
     """
 
     name: str
@@ -102,7 +102,7 @@ def group_bytes(group: Sequence[ChunkRead]) -> int:
 
 
 def whole_request(chunk: Chunk) -> ReadRequest:
-    """The request that reads all of ``chunk`` into an output of its shape."""
+    """The request that reads all of `chunk` into an output of its shape."""
     full = tuple(slice(0, s) for s in chunk.shape)
     return ReadRequest(0, chunk.box, full, full)
 
@@ -110,16 +110,16 @@ def whole_request(chunk: Chunk) -> ReadRequest:
 class Source:
     """One opened checkpoint of any format; see the module docstring for the contract.
 
-    Subclasses set :attr:`format`, :attr:`path` and ``_entries`` (or override
-    :meth:`names`, :meth:`info` and ``in``) and implement :meth:`_read_chunks`;
-    a format with objects lists them (:meth:`object_names`, and
-    :meth:`pickled_objects` / :meth:`per_rank_objects` where they apply) and
-    implements :meth:`_object_value` (and :meth:`_per_rank_values`), leaving
-    :meth:`objects` to the base. Metadata and ``verify`` have defaults that fit
+    Subclasses set `format`, `path` and `_entries` (or override
+    `names`, `info` and `in`) and implement `_read_chunks`;
+    a format with objects lists them (`object_names`, and
+    `pickled_objects` / `per_rank_objects` where they apply) and
+    implements `_object_value` (and `_per_rank_values`), leaving
+    `objects` to the base. Metadata and `verify` have defaults that fit
     formats without objects.
     """
 
-    #: The format's name: ``xckpt``, ``torch-dcp``, ``orbax``, ``safetensors``, ``torch``.
+    #: The format's name: `xckpt`, `torch-dcp`, `orbax`, `safetensors`, `torch`.
     format: str = ""
     #: The location as given (a string; a kvstore spec is shown as JSON).
     path: str = ""
@@ -138,7 +138,7 @@ class Source:
 
     @property
     def metadata(self) -> Mapping[str, Any]:
-        """Free-form metadata the format records (safetensors' ``__metadata__``, ...).
+        """Free-form metadata the format records (safetensors' `__metadata__`, ...).
 
         A source that leaves part of a checkpoint unread (optimizer state it cannot map to
         parameters, files it does not know) says so under `notes`: a list of sentences, each
@@ -148,7 +148,7 @@ class Source:
         return {}
 
     #: Every tensor's entry by name, for formats that build them all at open (most
-    #: do); the default :meth:`names`, :meth:`info` and ``in`` read it. A source
+    #: do); the default `names`, `info` and `in` read it. A source
     #: that computes entries otherwise overrides those three instead.
     _entries: Mapping[str, TensorEntry] = {}
 
@@ -157,7 +157,7 @@ class Source:
         return list(self._entries)
 
     def info(self, name: str) -> TensorEntry:
-        """dtype, global shape and chunk boxes of tensor ``name`` (MissingEntryError if absent)."""
+        """dtype, global shape and chunk boxes of tensor `name` (MissingEntryError if absent)."""
         e = self._entries.get(name)
         if e is None:
             raise self._missing(name)
@@ -177,7 +177,7 @@ class Source:
     # -- tensors --------------------------------------------------------------
 
     def read(self, name: str, index: Any = None) -> np.ndarray:
-        """The whole tensor, or the box selected by ``index`` (ints and unit-step slices)."""
+        """The whole tensor, or the box selected by `index` (ints and unit-step slices)."""
         t = self.info(name)
         box = box_from_index(t.shape, index)
         out = np.empty(box.shape, dtype=t.np_dtype)
@@ -191,14 +191,14 @@ class Source:
         *,
         show_progress: bool | None = None,
     ) -> None:
-        """Fill each ``out`` with box ``box`` of tensor ``name``; reads may run concurrently.
+        """Fill each `out` with box `box` of tensor `name`; reads may run concurrently.
 
-        Only chunks that overlap a box are read. ``out`` must have the box's shape
+        Only chunks that overlap a box are read. `out` must have the box's shape
         and the saved dtype.
 
         Raises:
             MissingEntryError: a name is not a tensor of the checkpoint.
-            DtypeMismatchError, ShapeMismatchError: ``out`` does not fit.
+            DtypeMismatchError, ShapeMismatchError: `out` does not fit.
             CorruptChunkError: stored bytes fail their checksum or cannot be decoded.
         """
         jobs: list[ChunkRead] = []
@@ -208,7 +208,7 @@ class Source:
         self._run(jobs, total, show_progress)
 
     def _plan(self, name: str, t: TensorEntry, box: Box, out: np.ndarray, jobs: list[ChunkRead]) -> int:
-        """Check ``out`` against tensor ``t`` and append the reads of ``box`` to ``jobs``;
+        """Check `out` against tensor `t` and append the reads of `box` to `jobs`;
         the bytes they fill."""
         if out.dtype != t.np_dtype:
             raise DtypeMismatchError(
@@ -243,9 +243,9 @@ class Source:
         raise NotImplementedError
 
     def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
-        """The storage reads that loading ``box`` (inside ``chunk``) makes: unit -> stored bytes.
+        """The storage reads that loading `box` (inside `chunk`) makes: unit -> stored bytes.
 
-        Used by :func:`xckpt.plan_load`, which counts each distinct unit once per
+        Used by [`xckpt.plan_load`][xckpt.plan_load], which counts each distinct unit once per
         rank. The default is one read of exactly the box's bytes; a format that
         reads whole pieces (zarr chunks, packed byte runs) says so by overriding.
         """
@@ -277,7 +277,7 @@ class Source:
             chunks = t.chunks
             if len(chunks) == 1 and chunks[0].shape == t.shape:
                 # A whole tensor stored as one chunk into a fresh array: no box, no checks
-                # of ``out``, no planning.
+                # of `out`, no planning.
                 c = chunks[0]
                 jobs.append(new(ChunkRead, (n, c, None, out)))
                 total += c.nbytes
@@ -288,7 +288,7 @@ class Source:
 
     # -- objects --------------------------------------------------------------
 
-    #: Whether pickled objects may be read (the ``allow_pickle=`` the source was opened with).
+    #: Whether pickled objects may be read (the `allow_pickle=` the source was opened with).
     allow_pickle: bool = False
 
     def object_names(self) -> list[str]:
@@ -303,23 +303,23 @@ class Source:
         world_size: int | None = None,
         per_rank: str = "error",
     ) -> dict[str, Any]:
-        """Non-tensor values by name (all, or ``names``).
+        """Non-tensor values by name (all, or `names`).
 
         Replicated objects come back as saved. A per-rank object comes back as
-        ``rank``'s value when ``world_size`` (default: the saved one) equals the
-        saved world size; otherwise ``per_rank="list"`` returns every rank's
-        value in rank order and the default raises :class:`~xckpt.errors.ObjectError`.
+        `rank`'s value when `world_size` (default: the saved one) equals the
+        saved world size; otherwise `per_rank="list"` returns every rank's
+        value in rank order and the default raises [`ObjectError`][xckpt.errors.ObjectError].
 
         This policy is the same for every format; a format implements only
-        :meth:`_object_value` (and :meth:`_per_rank_values` where it has per-rank
-        objects), and lists its objects with :meth:`object_names`,
-        :meth:`pickled_objects` and :meth:`per_rank_objects`.
+        `_object_value` (and `_per_rank_values` where it has per-rank
+        objects), and lists its objects with `object_names`,
+        `pickled_objects` and `per_rank_objects`.
 
         Raises:
-            ValueError: ``per_rank`` is neither ``"error"`` nor ``"list"``.
+            ValueError: `per_rank` is neither `"error"` nor `"list"`.
             MissingEntryError: a name is not an object of the checkpoint (checked
                 for every name before anything is read).
-            ObjectError: a pickled object asked for without ``allow_pickle=True``
+            ObjectError: a pickled object asked for without `allow_pickle=True`
                 (checked before anything is read), a per-rank object at another
                 world size, or a rank that saved no value.
         """
@@ -351,7 +351,7 @@ class Source:
         return out
 
     def pickled_objects(self) -> set[str]:
-        """Names of objects stored as pickles: read only with ``allow_pickle=True``."""
+        """Names of objects stored as pickles: read only with `allow_pickle=True`."""
         return set()
 
     def per_rank_objects(self) -> set[str]:
@@ -361,25 +361,25 @@ class Source:
     def nesting(self) -> Mapping[str, tuple[Any, ...]] | None:
         """Where each tensor and object sits in the nested state dict the format's own loader
         rebuilds (a key path of dict keys and list positions), or None when names are the
-        whole story. torch DCP says (its ``planner_data``: what ``dcp_to_torch_save`` nests
-        by); ``xckpt.convert`` to torch.save writes that nested dict."""
+        whole story. torch DCP says (its `planner_data`: what `dcp_to_torch_save` nests
+        by); `xckpt.convert` to torch.save writes that nested dict."""
         return None
 
     def _has_object(self, name: str) -> bool:
-        """Whether ``name`` is an object; a format holding its objects by name looks it up."""
+        """Whether `name` is an object; a format holding its objects by name looks it up."""
         return name in self.object_names()
 
     def _object_value(self, name: str, rank: int | None) -> Any:
-        """The value of object ``name``, known to exist and allowed to be read.
+        """The value of object `name`, known to exist and allowed to be read.
 
-        ``rank`` is None for a replicated object, else the rank whose value of a
-        per-rank object is wanted (an :class:`~xckpt.errors.ObjectError` if that
-        rank saved none). Called by :meth:`objects` only.
+        `rank` is None for a replicated object, else the rank whose value of a
+        per-rank object is wanted (an [`ObjectError`][xckpt.errors.ObjectError] if that
+        rank saved none). Called by `objects` only.
         """
         raise NotImplementedError
 
     def _per_rank_values(self, name: str) -> list[Any]:
-        """Every saved rank's value of per-rank object ``name``, in rank order."""
+        """Every saved rank's value of per-rank object `name`, in rank order."""
         raise NotImplementedError
 
     def _missing_object(self, name: str) -> MissingEntryError:
@@ -462,11 +462,11 @@ class Source:
         return {"text/plain": inspect.text_table(self), "text/html": inspect.html_table(self)}
 
     def plot_layout(self, name: str, ax: Any = None, **kwargs: Any) -> Any:
-        """Chunk boxes of ``name`` coloured by writer (matplotlib Axes)."""
+        """Chunk boxes of `name` coloured by writer (matplotlib Axes)."""
         return inspect.plot_layout(self, name, ax, **kwargs)
 
     def plot_value_ranges(self, name: str, ax: Any = None, **kwargs: Any) -> Any:
-        """Key value ranges of ``name``'s chunks, for value-group tensors (matplotlib Axes)."""
+        """Key value ranges of `name`'s chunks, for value-group tensors (matplotlib Axes)."""
         return inspect.plot_value_ranges(self, name, ax, **kwargs)
 
     def __repr__(self) -> str:
@@ -477,8 +477,8 @@ class Source:
 
 
 def readable_objects(src: Source, allow_pickle: bool) -> list[str]:
-    """``src``'s object names, less its pickled ones (with a warning naming them) unless
-    ``allow_pickle``: what a load of "everything" reads without running a pickle."""
+    """`src`'s object names, less its pickled ones (with a warning naming them) unless
+    `allow_pickle`: what a load of "everything" reads without running a pickle."""
     names = src.object_names()
     if allow_pickle:
         return names
@@ -495,7 +495,7 @@ def readable_objects(src: Source, allow_pickle: bool) -> list[str]:
 
 
 def local_path(path: Any) -> str | None:
-    """``path`` as a local filesystem path, or None for URLs other than file:// and specs."""
+    """`path` as a local filesystem path, or None for URLs other than file:// and specs."""
     if isinstance(path, os.PathLike):
         return os.fspath(path)
     if isinstance(path, str):

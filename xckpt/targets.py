@@ -1,13 +1,13 @@
 """Target layouts as boxes: what each rank or JAX device of a target would hold.
 
 A load target is either a torch-style description, a dict from tensor names (or
-glob patterns) to ``(mesh_shape, placements)``, planned per rank (the flattened
+glob patterns) to `(mesh_shape, placements)`, planned per rank (the flattened
 mesh coordinate), or a JAX pytree (or flat dict) of shardings or
-``ShapeDtypeStruct``s, planned per device. This module turns either into boxes,
-from the saved shapes alone; :func:`xckpt.plan_load` and the notebook's
-``plot_layout(..., target=...)`` are built on it.
+`ShapeDtypeStruct`s, planned per device. This module turns either into boxes,
+from the saved shapes alone; [`xckpt.plan_load`][xckpt.plan_load] and the notebook's
+`plot_layout(..., target=...)` are built on it.
 
-JAX pytrees are flattened with ``jax.tree_util`` (imported when one is given);
+JAX pytrees are flattened with `jax.tree_util` (imported when one is given);
 nothing here imports a framework at module level.
 """
 
@@ -57,7 +57,7 @@ class Entries(Protocol):
 
 
 def is_torch_target(target: Any) -> bool:
-    """A non-empty dict whose values are ``(mesh_shape, placements)`` pairs."""
+    """A non-empty dict whose values are `(mesh_shape, placements)` pairs."""
     return isinstance(target, Mapping) and bool(target) and all(isinstance(v, (tuple, list)) for v in target.values())
 
 
@@ -111,7 +111,7 @@ def torch_target_boxes(src: Entries, target: Mapping[str, Any]) -> RankBoxes:
 
 
 def key_name(path: Sequence[Any]) -> str:
-    """A jax key path as a dotted name (``params.layers.0.kernel``)."""
+    """A jax key path as a dotted name (`params.layers.0.kernel`)."""
     import jax
 
     tu = jax.tree_util
@@ -131,10 +131,10 @@ def key_name(path: Sequence[Any]) -> str:
 
 
 def flatten_tree(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """``[(name, leaf)]`` of a JAX pytree in tree order, and the treedef to rebuild it.
+    """`[(name, leaf)]` of a JAX pytree in tree order, and the treedef to rebuild it.
 
     Shardings and ShapeDtypeStructs are leaves. A bare leaf (not a container)
-    gets the name ``""``.
+    gets the name `""`.
 
     Raises:
         UnsupportedPlacementError: two leaves have the same dotted name.
@@ -159,10 +159,10 @@ def flatten_tree(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 
 def device_boxes(sharding: Any, shape: tuple[int, ...], name: str, *, addressable: bool) -> dict[Any, Box]:
-    """The box each device (all, or this process's) of a JAX ``sharding`` holds of ``shape``.
+    """The box each device (all, or this process's) of a JAX `sharding` holds of `shape`.
 
     Raises:
-        UnsupportedPlacementError: the sharding cannot hold ``shape`` (e.g. a dim
+        UnsupportedPlacementError: the sharding cannot hold `shape` (e.g. a dim
             not divisible by the mesh axes that split it).
     """
     try:
@@ -180,7 +180,7 @@ def device_boxes(sharding: Any, shape: tuple[int, ...], name: str, *, addressabl
 
 
 def jax_target_boxes(src: Entries, target: Any) -> RankBoxes:
-    """name -> device id -> boxes, for a JAX pytree of shardings or ``ShapeDtypeStruct``s."""
+    """name -> device id -> boxes, for a JAX pytree of shardings or `ShapeDtypeStruct`s."""
     import jax
 
     named, _ = flatten_tree(target)
@@ -201,7 +201,7 @@ def jax_target_boxes(src: Entries, target: Any) -> RankBoxes:
 
 
 def target_boxes(src: Entries, target: Any) -> tuple[str, RankBoxes]:
-    """``("torch", boxes by rank)`` or ``("jax", boxes by device)`` for any target."""
+    """`("torch", boxes by rank)` or `("jax", boxes by device)` for any target."""
     if is_torch_target(target):
         return "torch", torch_target_boxes(src, target)
     return "jax", jax_target_boxes(src, target)

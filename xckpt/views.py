@@ -1,11 +1,11 @@
 """Views over another source: one base that delegates everything.
 
-A view presents a wrapped :class:`~xckpt.source.Source` differently (renamed,
-reshaped, filtered) without copying a byte. :class:`SourceView` forwards every
-call of the read protocol to :attr:`SourceView.source` and maps object names
+A view presents a wrapped [`Source`][xckpt.source.Source] differently (renamed,
+reshaped, filtered) without copying a byte. `SourceView` forwards every
+call of the read protocol to `SourceView.source` and maps object names
 through one table, so a view overrides only what it changes (as zarr's
-``WrapperStore`` does for stores): the rules view (:mod:`xckpt.rules`) its
-tensors, :class:`Selected` the names it keeps. Closing a view closes the source
+`WrapperStore` does for stores): the rules view (`xckpt.rules`) its
+tensors, `Selected` the names it keeps. Closing a view closes the source
 it wraps.
 """
 
@@ -22,9 +22,9 @@ __all__ = ["SourceView", "Selected"]
 
 
 class SourceView(Source):
-    """``source`` unchanged; subclasses override what their view changes.
+    """`source` unchanged; subclasses override what their view changes.
 
-    ``_objects`` maps each object name of the view to the wrapped source's name for
+    `_objects` maps each object name of the view to the wrapped source's name for
     it; a subclass that renames or drops objects rewrites that table.
     """
 
@@ -118,7 +118,7 @@ class SourceView(Source):
 
 
 class Selected(SourceView):
-    """``source`` holding only the tensors ``names`` and the objects ``objects``."""
+    """`source` holding only the tensors `names` and the objects `objects`."""
 
     def __init__(self, source: Source, names: Sequence[str], objects: Sequence[str]) -> None:
         super().__init__(source)

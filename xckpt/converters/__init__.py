@@ -1,1 +1,1 @@
-"""Converters between xckpt and foreign checkpoint formats (installed as ``xckpt.converters``)."""
+"""Converters between xckpt and foreign checkpoint formats (installed as `xckpt.converters`)."""

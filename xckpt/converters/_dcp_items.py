@@ -1,8 +1,8 @@
 """Reading DCP items: tensor chunks (torch.save or safetensors bytes) and pickled objects.
 
-Helpers of :mod:`.torch_dcp` (see its docstring for the layout). A
-:class:`ChunkReader` parses each chunk's archive once (central directory and
-``data.pkl``; a chunk of at most 64 KiB is read whole in one call and served
+Helpers of `torch_dcp` (see its docstring for the layout). A
+`ChunkReader` parses each chunk's archive once (central directory and
+`data.pkl`; a chunk of at most 64 KiB is read whole in one call and served
 from memory until its reads are done) and keeps only the parsed description.
 """
 
@@ -51,7 +51,7 @@ def transform_error(where: str, transforms: tuple[str, ...]) -> XckptError:
 
 
 class _Raw:
-    """Plain bytes of a file (the safetensors variant): what :func:`read_box` reads from."""
+    """Plain bytes of a file (the safetensors variant): what `read_box` reads from."""
 
     big_endian = False
 
@@ -61,7 +61,7 @@ class _Raw:
 
 
 class ChunkReader:
-    """Parses and reads DCP items for one :class:`~.torch_dcp.DcpSource`."""
+    """Parses and reads DCP items for one `DcpSource`."""
 
     def __init__(self, src: DcpSource) -> None:
         self.src = src
@@ -76,7 +76,7 @@ class ChunkReader:
     # -- tensors --------------------------------------------------------------
 
     def read(self, name: str, chunk: Chunk, items: list[tuple[tuple[slice, ...], np.ndarray]]) -> None:
-        """``out[...] = chunk[slices]`` for each item, reading only the bytes needed."""
+        """`out[...] = chunk[slices]` for each item, reading only the bytes needed."""
         key = (name, chunk.offset)  # not the byte offset: safetensors items share one
         got = self._parsed.get(key)
         if got is None:
@@ -233,7 +233,7 @@ def _read_tensor(a: Archive, v: TensorRef) -> np.ndarray:
 
 
 def path_of(fqn: str, paths: Mapping[str, tuple[Any, ...]]) -> tuple[Any, ...]:
-    """The key path of DCP key ``fqn`` in the state dict that was saved (from ``planner_data``;
+    """The key path of DCP key `fqn` in the state dict that was saved (from `planner_data`;
     a key without one, or whose path does not join to it, is its own one-element path)."""
     p = paths.get(fqn)
     return p if p is not None and ".".join(map(str, p)) == fqn else (fqn,)
@@ -245,7 +245,7 @@ def group_objects(
     tensors: set[str],
     where: str,
 ) -> dict[str, list[Member]]:
-    """Objects by the name :mod:`xckpt.torch` gives them: the shortest key path holding no tensor."""
+    """Objects by the name `xckpt.torch` gives them: the shortest key path holding no tensor."""
     leaves = {fqn: path_of(fqn, paths) for fqn in objects}
     grouped = group_by_prefix(leaves, [path_of(t, paths) for t in tensors], f"torch DCP checkpoint {where!r}")
     return {

@@ -1,10 +1,10 @@
 """The files of a DeepSpeed checkpoint and how a presented tensor is read from them (helpers of
-:mod:`.deepspeed`).
+`deepspeed`).
 
-A :class:`File` is one torch.save file, its ``data.pkl`` read by the restricted unpickler
-(classes outside the allow-list as inert placeholders); a :class:`Stored` tensor is read by byte
-range as ``data.pkl`` describes it (:func:`read_stored`, casting where the presented dtype
-differs); a parameter whose pieces are not boxes of its shape is read by :func:`assemble`, which
+A `File` is one torch.save file, its `data.pkl` read by the restricted unpickler
+(classes outside the allow-list as inert placeholders); a `Stored` tensor is read by byte
+range as `data.pkl` describes it (`read_stored`, casting where the presented dtype
+differs); a parameter whose pieces are not boxes of its shape is read by `assemble`, which
 reads from each piece only the elements between the first and the last one a box needs.
 """
 
@@ -32,7 +32,7 @@ __all__ += ["assembled_units", "read_object", "state_kind"]
 
 @dataclass(frozen=True)
 class File:
-    """One torch.save file of the checkpoint: its archive and unpickled ``data.pkl``."""
+    """One torch.save file of the checkpoint: its archive and unpickled `data.pkl`."""
 
     rel: str
     bytes: Blob
@@ -43,7 +43,7 @@ class File:
 
 @dataclass(frozen=True)
 class Stored:
-    """A tensor of a file (or a row-major view of one), read as ``data.pkl`` describes it."""
+    """A tensor of a file (or a row-major view of one), read as `data.pkl` describes it."""
 
     file: File
     ref: TensorRef
@@ -52,7 +52,7 @@ class Stored:
 
 @dataclass(frozen=True)
 class Span:
-    """Elements ``[at, at + length)`` of a parameter are ``flat[start : start + length]``."""
+    """Elements `[at, at + length)` of a parameter are `flat[start : start + length]`."""
 
     rank: int
     flat: Stored
@@ -100,7 +100,7 @@ def state_kind(v: Any, numel: int, padding: int) -> str:
 
 
 def open_file(place: Place, rel: str, where: str, allowed: dict[tuple[str, str], Any]) -> File:
-    """Open torch.save file ``rel`` of ``place`` and read its ``data.pkl`` restricted to ``allowed``."""
+    """Open torch.save file `rel` of `place` and read its `data.pkl` restricted to `allowed`."""
     fb = place.open(rel, where)
     try:
         archive = Archive.of_file(fb, where, unpickle=False)
@@ -113,7 +113,7 @@ def open_file(place: Place, rel: str, where: str, allowed: dict[tuple[str, str],
 
 
 def stored(f: File, ref: Any, what: str) -> Stored:
-    """``ref`` (found at ``what`` in ``f``'s pickle) as a stored tensor, checked against its storage."""
+    """`ref` (found at `what` in `f`'s pickle) as a stored tensor, checked against its storage."""
     if not isinstance(ref, TensorRef):
         raise XckptError(f"{f.where}: {what} is a {type(ref).__name__}, not a tensor")
     if ref.dtype.xckpt is None:
@@ -122,7 +122,7 @@ def stored(f: File, ref: Any, what: str) -> Stored:
 
 
 def read_stored(spec: Spec, s: Stored, items: list[tuple[tuple[slice, ...], np.ndarray]]) -> None:
-    """``out[...] = tensor[slices]`` for each item, cast to the presented dtype."""
+    """`out[...] = tensor[slices]` for each item, cast to the presented dtype."""
     if spec.stored == spec.dtype:
         read_boxes(s.file.archive, s.ref, s.start, items)
         return
@@ -141,7 +141,7 @@ def _span_range(spec: Spec, slices: tuple[slice, ...]) -> tuple[int, int]:
 
 
 def assemble(spec: Spec, slices: tuple[slice, ...], out: np.ndarray) -> None:
-    """``out[...] = param[slices]`` from the pieces holding its elements (only those read)."""
+    """`out[...] = param[slices]` from the pieces holding its elements (only those read)."""
     if not out.size:
         return
     dtype = numpy_dtype(spec.stored)
@@ -166,8 +166,8 @@ def assemble(spec: Spec, slices: tuple[slice, ...], out: np.ndarray) -> None:
 
 
 def assembled_units(name: str, spec: Spec, box: Box) -> dict[Hashable, int]:
-    """The reads :func:`assemble` makes for ``box``: from each piece, the elements between the
-    box's first and last (``plan_load``'s byte counts)."""
+    """The reads `assemble` makes for `box`: from each piece, the elements between the
+    box's first and last (`plan_load`'s byte counts)."""
     first, end = _span_range(spec, box.slices())
     units: dict[Hashable, int] = {}
     isz = numpy_dtype(spec.stored).itemsize

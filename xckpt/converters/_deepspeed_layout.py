@@ -1,21 +1,21 @@
 """Where each parameter of a DeepSpeed ZeRO checkpoint lies in the ranks' flat partitions.
 
 Pure arithmetic over element counts (no I/O), following DeepSpeed's own recovery script
-``zero_to_fp32.py`` (DeepSpeed 0.19) exactly, so the weights presented are the ones it
+`zero_to_fp32.py` (DeepSpeed 0.19) exactly, so the weights presented are the ones it
 recovers and every check it makes is made here too:
 
-* stages 1 and 2: group ``g``'s flat fp32 buffer is the ranks' partitions
-  ``single_partition_of_fp32_groups[g]`` concatenated in rank order; its parameters lie
-  one after another in ``param_shapes[g]`` order (plus ``param_alignment_paddings``
+* stages 1 and 2: group `g`'s flat fp32 buffer is the ranks' partitions
+  `single_partition_of_fp32_groups[g]` concatenated in rank order; its parameters lie
+  one after another in `param_shapes[g]` order (plus `param_alignment_paddings`
   after each, when recorded), the rest is padding: after rounding both up to a multiple
-  of ``2 * world_size``, the elements used must equal the elements held;
-* stage 3: each parameter is partitioned on its own, ``ceil(numel / world)`` elements
+  of `2 * world_size`, the elements used must equal the elements held;
+* stage 3: each parameter is partitioned on its own, `ceil(numel / world)` elements
   per rank (the last rank padded), at the same offset of every rank's flat groups
-  (``fp32_flat_groups``, concatenated over groups; a piece may cross a group boundary);
-  ``offset * world`` must equal the elements held.
+  (`fp32_flat_groups`, concatenated over groups; a piece may cross a group boundary);
+  `offset * world` must equal the elements held.
 
-A :class:`FlatRange` is one contiguous run of a parameter's flattened elements inside one
-rank's flat tensor of one group. :func:`range_box` says whether a run is a box of the
+A `FlatRange` is one contiguous run of a parameter's flattened elements inside one
+rank's flat tensor of one group. `range_box` says whether a run is a box of the
 parameter's shape (rows of a matrix, a part of one row), which decides whether a
 parameter is presented as one chunk per piece or as one chunk assembled from its pieces.
 """
@@ -33,8 +33,8 @@ __all__ = ["FlatRange", "range_box", "zero12_pieces", "zero3_pieces", "run_piece
 
 
 class FlatRange(NamedTuple):
-    """Elements ``[at, at + length)`` of a parameter, flattened, are elements
-    ``[start, start + length)`` of rank ``rank``'s flat tensor of group ``group``."""
+    """Elements `[at, at + length)` of a parameter, flattened, are elements
+    `[start, start + length)` of rank `rank`'s flat tensor of group `group`."""
 
     rank: int
     group: int
@@ -44,7 +44,7 @@ class FlatRange(NamedTuple):
 
 
 def range_box(shape: tuple[int, ...], a: int, b: int) -> Box | None:
-    """The box of ``shape`` whose elements are the flattened range ``[a, b)``, or None when
+    """The box of `shape` whose elements are the flattened range `[a, b)`, or None when
     the range is not a box (it starts or ends inside a row and spans more than that row)."""
     if not 0 <= a < b <= math.prod(shape):
         return None
@@ -67,9 +67,9 @@ def range_box(shape: tuple[int, ...], a: int, b: int) -> Box | None:
 
 
 def run_pieces(runs: Sequence[tuple[int, int, int]], begin: int, numel: int, rank: int) -> list[FlatRange]:
-    """Rank ``rank``'s pieces of ``[begin, begin + numel)`` of a flat space made of consecutive
-    tensors ``runs`` (``(space_start, space_end, group)``), cut where it crosses from one to the
-    next; ``at`` counts from ``begin``."""
+    """Rank `rank`'s pieces of `[begin, begin + numel)` of a flat space made of consecutive
+    tensors `runs` (`(space_start, space_end, group)`), cut where it crosses from one to the
+    next; `at` counts from `begin`."""
     out = []
     for lo, hi, group in runs:
         a, b = max(lo, begin), min(hi, begin + numel)
@@ -86,7 +86,7 @@ def zero12_pieces(
 ) -> dict[str, list[FlatRange]]:
     """Stages 1/2: each parameter's pieces, by name (see the module docstring).
 
-    ``partition_numels[r][g]`` is the element count of rank ``r``'s partition of group ``g``.
+    `partition_numels[r][g]` is the element count of rank `r`'s partition of group `g`.
 
     Raises:
         LayoutError: the parameters do not fit the partitions as zero_to_fp32 checks it.
@@ -143,7 +143,7 @@ def zero3_pieces(
 ) -> dict[str, list[FlatRange]]:
     """Stage 3: each parameter's pieces, by name (see the module docstring).
 
-    ``group_numels[r][g]`` is the element count of rank ``r``'s flat tensor of group ``g``;
+    `group_numels[r][g]` is the element count of rank `r`'s flat tensor of group `g`;
     the ranks' flat groups must have the same sizes.
 
     Raises:

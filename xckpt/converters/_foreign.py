@@ -1,31 +1,31 @@
 """Inert placeholders for pickled classes outside the allow-list, and their opt-in rebuild.
 
-A torch.save file's ``data.pkl`` may hold values of classes that are not on xckpt's
-allow-list: an ``argparse.Namespace`` of training arguments, numpy scalars and RNG
-states, ``torch.device``, a user's own class (Lightning ``.ckpt`` files hold several).
+A torch.save file's `data.pkl` may hold values of classes that are not on xckpt's
+allow-list: an `argparse.Namespace` of training arguments, numpy scalars and RNG
+states, `torch.device`, a user's own class (Lightning `.ckpt` files hold several).
 Refusing the file would hide its tensors; running those classes' code would run
-whatever the file names. So the restricted unpickler, asked with ``foreign=True``,
+whatever the file names. So the restricted unpickler, asked with `foreign=True`,
 answers every global outside the allow-list with a *placeholder class*
-(:func:`placeholder`): a class of this module, named after the global, that
+(`placeholder`): a class of this module, named after the global, that
 records what the pickle does with it and calls nothing:
 
-* calling it (``REDUCE``: a constructor, a function such as
-  ``numpy._core.multiarray.scalar``), creating an instance of it (``NEWOBJ``), or
-  calling such a result, makes a :class:`Foreign` instance holding the arguments;
-* ``BUILD`` (``__setstate__``), ``SETITEM(S)``, ``APPEND(S)`` and ``ADDITEMS`` on an
+* calling it (`REDUCE`: a constructor, a function such as
+  `numpy._core.multiarray.scalar`), creating an instance of it (`NEWOBJ`), or
+  calling such a result, makes a `Foreign` instance holding the arguments;
+* `BUILD` (`__setstate__`), `SETITEM(S)`, `APPEND(S)` and `ADDITEMS` on an
   instance are recorded in order.
 
-Nothing of the foreign class runs: its module is not imported, no ``__reduce__``
-callable, constructor or ``__setstate__`` of it is called. The records are plain
+Nothing of the foreign class runs: its module is not imported, no `__reduce__`
+callable, constructor or `__setstate__` of it is called. The records are plain
 data, bounded by the pickle's size.
 
-:func:`holds_foreign` says whether a value holds a placeholder (the source lists
-such objects as pickled). :func:`rebuild` turns a value holding placeholders into
+`holds_foreign` says whether a value holds a placeholder (the source lists
+such objects as pickled). `rebuild` turns a value holding placeholders into
 the real objects by replaying the records with the real classes, exactly as
-:mod:`pickle` would have (``find_class`` with protocol 2's name fixes, the callable
-with its arguments, ``cls.__new__``, ``__setstate__`` or the instance dict,
+`pickle` would have (`find_class` with protocol 2's name fixes, the callable
+with its arguments, `cls.__new__`, `__setstate__` or the instance dict,
 items and appends): **this runs the code the file names**, and is called only for
-the objects a caller asked for on a source opened with ``allow_pickle=True``.
+the objects a caller asked for on a source opened with `allow_pickle=True`.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ __all__ = ["Foreign", "placeholder", "holds_foreign", "find_foreign", "rebuild",
 class Foreign:
     """An instance the pickle made from a placeholder: how it was made, and what was done to it.
 
-    ``_how`` is ``("new", cls, args, kwargs)`` (``NEWOBJ``), ``("call", cls, args, kwargs)``
-    (``REDUCE`` of a placeholder class) or ``("call", obj, args, kwargs)`` (a call of another
-    instance); ``_ops`` lists ``("build", state)``, ``("setitem", key, value)``,
-    ``("append", x)``, ``("extend", items)`` and ``("add", x)`` in the order the pickle did them.
+    `_how` is `("new", cls, args, kwargs)` (`NEWOBJ`), `("call", cls, args, kwargs)`
+    (`REDUCE` of a placeholder class) or `("call", obj, args, kwargs)` (a call of another
+    instance); `_ops` lists `("build", state)`, `("setitem", key, value)`,
+    `("append", x)`, `("extend", items)` and `("add", x)` in the order the pickle did them.
     """
 
     #: The global a placeholder class stands for (set on each placeholder class).
@@ -95,7 +95,7 @@ class Foreign:
 
 
 def placeholder(module: str, name: str) -> type[Foreign]:
-    """A fresh placeholder class for the global ``module.name`` (what ``find_class`` returns)."""
+    """A fresh placeholder class for the global `module.name` (what `find_class` returns)."""
     safe = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "foreign"
     return type(safe, (Foreign,), {"_global": (module, name), "__module__": __name__, "__slots__": ()})
 
@@ -105,7 +105,7 @@ def _is_placeholder_class(v: Any) -> bool:
 
 
 def describe(v: Any) -> str:
-    """The foreign class a placeholder stands for, as ``module.name`` (for messages)."""
+    """The foreign class a placeholder stands for, as `module.name` (for messages)."""
     if _is_placeholder_class(v):
         return ".".join(v._global)
     if isinstance(v, Foreign):
@@ -117,12 +117,12 @@ def describe(v: Any) -> str:
 
 
 def holds_foreign(value: Any) -> bool:
-    """Whether ``value`` holds a placeholder anywhere (containers walked, keys included)."""
+    """Whether `value` holds a placeholder anywhere (containers walked, keys included)."""
     return find_foreign(value) is not None
 
 
 def find_foreign(value: Any) -> Any:
-    """The first placeholder found in ``value`` (containers walked, keys included), or None."""
+    """The first placeholder found in `value` (containers walked, keys included), or None."""
     seen: set[int] = set()
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
@@ -144,8 +144,8 @@ def find_foreign(value: Any) -> Any:
 
 
 def _find_class(module: str, name: str, where: str) -> Any:
-    """The real global, as :meth:`pickle.Unpickler.find_class` finds it (protocol 2 names
-    fixed, dotted names followed). Imports ``module``: this runs its code."""
+    """The real global, as `pickle.Unpickler.find_class` finds it (protocol 2 names
+    fixed, dotted names followed). Imports `module`: this runs its code."""
     if (module, name) in _compat_pickle.NAME_MAPPING:
         module, name = _compat_pickle.NAME_MAPPING[(module, name)]
     elif module in _compat_pickle.IMPORT_MAPPING:
@@ -163,7 +163,7 @@ def _find_class(module: str, name: str, where: str) -> Any:
 
 
 def _build(inst: Any, state: Any) -> None:
-    """``BUILD``, as pickle does it: ``__setstate__``, else the instance dict and slots."""
+    """`BUILD`, as pickle does it: `__setstate__`, else the instance dict and slots."""
     setstate = getattr(inst, "__setstate__", None)
     if setstate is not None:
         setstate(state)
@@ -181,13 +181,13 @@ def _build(inst: Any, state: Any) -> None:
 
 
 def rebuild(value: Any, where: str, leaf: Callable[[Any], Any] = lambda v: v) -> Any:
-    """``value`` with every placeholder replaced by the real object, made as pickle would
-    make it; ``leaf`` maps other leaves (tensor references to arrays). Shared and
+    """`value` with every placeholder replaced by the real object, made as pickle would
+    make it; `leaf` maps other leaves (tensor references to arrays). Shared and
     self-referencing objects stay shared.
 
     THIS RUNS CODE: it imports the foreign classes' modules and calls their constructors,
-    reduce callables and ``__setstate__``. Call it only for a caller who opened the
-    checkpoint with ``allow_pickle=True``.
+    reduce callables and `__setstate__`. Call it only for a caller who opened the
+    checkpoint with `allow_pickle=True`.
 
     Raises:
         XckptError: a class cannot be imported, or rebuilding an object fails (the

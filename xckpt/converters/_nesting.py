@@ -1,11 +1,11 @@
 """Objects of foreign formats keep the shape their users see (DESIGN.md section 6).
 
-A format that flattens a state dict into leaves (DCP's ``optim.param_groups.0.lr``,
-orbax's ``cfg.lr``) presents every tensor-free subtree as one object under its
-parent's name, as ``dcp_to_torch_save`` rebuilds it: :func:`group_by_prefix` groups
-object leaves by the shortest key path that holds no tensor, and :func:`nest` builds
-the subtree back from its leaves (integer keys ``0..n-1`` become a list, as
-``torch.distributed.checkpoint``'s ``set_element`` makes them).
+A format that flattens a state dict into leaves (DCP's `optim.param_groups.0.lr`,
+orbax's `cfg.lr`) presents every tensor-free subtree as one object under its
+parent's name, as `dcp_to_torch_save` rebuilds it: `group_by_prefix` groups
+object leaves by the shortest key path that holds no tensor, and `nest` builds
+the subtree back from its leaves (integer keys `0..n-1` become a list, as
+`torch.distributed.checkpoint`'s `set_element` makes them).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ KeyPath = tuple[Any, ...]
 def group_by_prefix(
     leaves: Mapping[str, KeyPath], tensors: Iterable[KeyPath], where: str
 ) -> dict[str, list[tuple[KeyPath, str]]]:
-    """Object leaves grouped by object: ``{object name: [(path below the object, leaf), ...]}``
-    (``where`` names the checkpoint in messages).
+    """Object leaves grouped by object: `{object name: [(path below the object, leaf), ...]}`
+    (`where` names the checkpoint in messages).
 
     An object is named by the shortest prefix of a leaf's key path that is no prefix of a
     tensor's path (joined with "."), so a subtree holding no tensor is one object.
@@ -49,8 +49,8 @@ def group_by_prefix(
 
 
 def nest(values: list[tuple[KeyPath, Any]], name: str, where: str) -> Any:
-    """One object from its leaves' ``(path below it, value)``: a bare leaf, or nested
-    dicts and lists (integer keys ``0..n-1`` make a list)."""
+    """One object from its leaves' `(path below it, value)`: a bare leaf, or nested
+    dicts and lists (integer keys `0..n-1` make a list)."""
     if len(values) == 1 and values[0][0] == ():
         return values[0][1]
     if any(sub == () for sub, _ in values):
@@ -65,7 +65,7 @@ def nest(values: list[tuple[KeyPath, Any]], name: str, where: str) -> Any:
 
 
 def nest_paths(items: Iterable[tuple[KeyPath, Any]], where: str) -> dict[Any, Any]:
-    """A nested state dict with each value at its key path, as torch's ``set_element`` builds
+    """A nested state dict with each value at its key path, as torch's `set_element` builds
     it (a str key makes a dict, an int key a list padded with None).
 
     Raises:

@@ -1,21 +1,21 @@
 """torch.save zip archives read by byte range, without torch.
 
-A torch.save file (and each tensor item of a DCP ``.distcp`` file, which is a
+A torch.save file (and each tensor item of a DCP `.distcp` file, which is a
 complete torch.save archive at a byte range of the file) is a zip of
-ZIP_STORED records ``<archive>/data.pkl``, ``<archive>/data/<key>`` (one per
-storage), ``<archive>/byteorder`` and a few small ones. The archive name
-varies (``archive`` for streams, the file's stem otherwise), so records are
-located by the one ``*/data.pkl``.
+ZIP_STORED records `<archive>/data.pkl`, `<archive>/data/<key>` (one per
+storage), `<archive>/byteorder` and a few small ones. The archive name
+varies (`archive` for streams, the file's stem otherwise), so records are
+located by the one `*/data.pkl`.
 
-:class:`Archive` parses the end-of-central-directory record (zip64 too), the
-central directory, ``data.pkl`` (with the restricted unpickler of
-:mod:`._unpickle`) and ``byteorder``; offsets are relative to the archive's
+`Archive` parses the end-of-central-directory record (zip64 too), the
+central directory, `data.pkl` (with the restricted unpickler of
+`_unpickle`) and `byteorder`; offsets are relative to the archive's
 start, as torch writes them. Storage records are found lazily from their
-local headers. :func:`read_box` copies a box of a tensor (size, stride and
-storage offset as ``data.pkl`` describes it) into a numpy array, reading only
+local headers. `read_box` copies a box of a tensor (size, stride and
+storage offset as `data.pkl` describes it) into a numpy array, reading only
 the byte span the box touches, straight into the target when the box is one
 contiguous run. Every header, offset and size is checked against the archive's
-range before it is used; anything inconsistent is an :class:`XckptError`.
+range before it is used; anything inconsistent is an [`XckptError`][xckpt._parts.XckptError].
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ _EXPAND_LIMIT = 1 << 30
 _SLAB = 64 << 20  # bytes of a tensor held at once when several boxes are cut from it
 
 
-#: A local file read by ``os.pread`` (kept under its old name: other readers import it).
+#: A local file read by `os.pread` (kept under its old name: other readers import it).
 FileBytes = LocalBlob
 
 
@@ -80,14 +80,14 @@ def first_record_name(head: bytes) -> str | None:
 
 
 class Archive:
-    """One torch.save archive at ``[base, base + length)`` of a file (any :class:`~xckpt.storage.Blob`).
+    """One torch.save archive at `[base, base + length)` of a file (any `Blob`).
 
     Attributes:
-        prefix: the archive name (``archive`` for streams).
-        big_endian: the ``byteorder`` record says ``big``.
-        root: ``data.pkl`` unpickled with the restricted unpickler; with ``foreign=True``
+        prefix: the archive name (`archive` for streams).
+        big_endian: the `byteorder` record says `big`.
+        root: `data.pkl` unpickled with the restricted unpickler; with `foreign=True`
             classes outside the allow-list become inert placeholders
-            (:mod:`._foreign`) instead of refusing the file.
+            (`_foreign`) instead of refusing the file.
     """
 
     def __init__(
@@ -129,7 +129,7 @@ class Archive:
 
     @classmethod
     def of_file(cls, file: Blob, where: str, **options: Any) -> Archive:
-        """The archive that is the whole of ``file`` (a torch.save file).
+        """The archive that is the whole of `file` (a torch.save file).
 
         A file whose size is unknown (a kvstore key) is sized from its zip end records,
         read with one suffix read that also serves as the central directory's first look.
@@ -238,7 +238,7 @@ class Archive:
                     return pos
 
     def data_range(self, name: str) -> tuple[int, int]:
-        """(absolute file offset, size) of record ``name``'s data."""
+        """(absolute file offset, size) of record `name`'s data."""
         got = self._data.get(name)
         if got is not None:
             return got
@@ -266,14 +266,14 @@ class Archive:
         self._blob = None
 
     def pread(self, offset: int, n: int) -> bytes:
-        """``n`` bytes at absolute file ``offset``, from memory for a small archive."""
+        """`n` bytes at absolute file `offset`, from memory for a small archive."""
         blob = self._blob
         if blob is not None and self.base <= offset and offset + n <= self.base + self.length:
             return blob[offset - self.base : offset - self.base + n]
         return self.file.pread(offset, n)
 
     def readinto(self, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` from absolute file ``offset``, from memory for a small archive."""
+        """Fill `buf` from absolute file `offset`, from memory for a small archive."""
         n = buf.nbytes
         blob = self._blob
         if blob is not None and self.base <= offset and offset + n <= self.base + self.length:
@@ -284,7 +284,7 @@ class Archive:
     # -- tensors ------------------------------------------------------------------
 
     def storage_range(self, t: TensorRef, name: str) -> tuple[int, int]:
-        """(file offset, size) of ``t``'s storage, checked to hold ``t``'s elements."""
+        """(file offset, size) of `t`'s storage, checked to hold `t`'s elements."""
         s: StorageRef = t.storage
         itemsize = t.dtype.itemsize
         if itemsize is None:
@@ -314,7 +314,7 @@ class Archive:
 
 
 def zip_length(tail: bytes) -> int | None:
-    """The length of the zip whose last bytes are ``tail``, from its end records (None if they
+    """The length of the zip whose last bytes are `tail`, from its end records (None if they
     are not there). The end-of-central-directory record ends the file (after its comment), and
     sits right after the central directory, or after the zip64 end record and its locator."""
     pos = Archive._find_eocd(tail)
@@ -367,7 +367,7 @@ def _swap(raw: np.ndarray, itemsize: int, complex_: bool) -> np.ndarray:
 
 
 class StoredBytes(Protocol):
-    """What :func:`read_box` reads a storage from by absolute offset: an :class:`Archive`, a
+    """What `read_box` reads a storage from by absolute offset: an `Archive`, a
     plain file's bytes (DCP's safetensors items) or a span held in memory."""
 
     @property
@@ -385,11 +385,11 @@ def read_box(
     slices: tuple[slice, ...],
     out: np.ndarray,
 ) -> int:
-    """Copy ``tensor[slices]`` into ``out`` (its shape); returns the bytes read from the file.
+    """Copy `tensor[slices]` into `out` (its shape); returns the bytes read from the file.
 
-    ``start`` is the storage's file offset (:meth:`Archive.storage_range`). Only
+    `start` is the storage's file offset (`Archive.storage_range`). Only
     the byte span between the box's first and last elements is read; a box that
-    is one contiguous run lands straight in ``out`` when ``out`` is contiguous.
+    is one contiguous run lands straight in `out` when `out` is contiguous.
     """
     dtype = out.dtype
     itemsize = dtype.itemsize
@@ -457,7 +457,7 @@ class _Mem:
 
 
 def _span(t: TensorRef, slices: tuple[slice, ...], itemsize: int) -> tuple[int, int]:
-    """(first element, bytes) of the storage span the box ``slices`` of ``t`` touches."""
+    """(first element, bytes) of the storage span the box `slices` of `t` touches."""
     lo = [s.start for s in slices]
     first = t.offset + sum(a * st for a, st in zip(lo, t.stride))
     last = t.offset + sum((s.stop - 1) * st for s, st in zip(slices, t.stride))
@@ -467,11 +467,11 @@ def _span(t: TensorRef, slices: tuple[slice, ...], itemsize: int) -> tuple[int, 
 def read_boxes(
     reader: StoredBytes, t: TensorRef, start: int, items: list[tuple[tuple[slice, ...], np.ndarray]]
 ) -> None:
-    """Several boxes of one tensor, each ``out[...] = tensor[slices]``.
+    """Several boxes of one tensor, each `out[...] = tensor[slices]`.
 
     When the boxes' byte spans add up to more than the tensor's whole span (column
     slices of row-major storage, as 8 devices sharding dim 1 ask), the tensor is read
-    once, in slabs of rows of about :data:`_SLAB` bytes, and every box is cut from
+    once, in slabs of rows of about `_SLAB` bytes, and every box is cut from
     memory; otherwise each box is read alone.
     """
     items = [(sl, out) for sl, out in items if out.size]

@@ -1,32 +1,32 @@
 """A restricted unpickler for torch's pickles, working without torch.
 
-torch DCP's ``.metadata`` and every torch.save archive's ``data.pkl`` are
+torch DCP's `.metadata` and every torch.save archive's `data.pkl` are
 pickles. Reading them with the standard unpickler runs whatever callables the
 file names. Here every global the pickle asks for is looked up in an
-allow-list of exact ``(module, name)`` pairs (protocol 4 resolves dotted names,
-so ``("torch", "os.mkdir")`` is not "something in torch"), and what comes back
+allow-list of exact `(module, name)` pairs (protocol 4 resolves dotted names,
+so `("torch", "os.mkdir")` is not "something in torch"), and what comes back
 is a small local stand-in built from the pickle's arguments, never the real
 torch object: torch is never imported. Anything not on the list is refused
-with an :class:`~xckpt.errors.XckptError` in ``find_class``, before anything
+with an [`XckptError`][xckpt.errors.XckptError] in `find_class`, before anything
 is called.
 
 Stand-ins:
 
-* dtypes -> :class:`TorchDtype` (its ``xckpt`` attribute is the manifest name,
-  or None for dtypes xckpt cannot hold); ``torch.Size`` -> a tuple of ints;
-  layouts and memory formats -> :class:`TorchEnum`;
-* DCP's metadata dataclasses -> :class:`Record` subclasses carrying the
+* dtypes -> `TorchDtype` (its `xckpt` attribute is the manifest name,
+  or None for dtypes xckpt cannot hold); `torch.Size` -> a tuple of ints;
+  layouts and memory formats -> `TorchEnum`;
+* DCP's metadata dataclasses -> `Record` subclasses carrying the
   pickled fields as attributes;
-* storages (``persistent_id`` tuples) -> :class:`StorageRef`; tensor rebuild
-  functions -> :class:`TensorRef` (storage, storage offset, size, stride,
+* storages (`persistent_id` tuples) -> `StorageRef`; tensor rebuild
+  functions -> `TensorRef` (storage, storage offset, size, stride,
   dtype): the bytes stay in the archive;
-* ``collections.OrderedDict``, ``set``, ``frozenset``, ``complex``,
-  ``bytearray``, ``slice``, ``_codecs.encode`` (latin-1 only, how protocol 2
-  writes bytes) and ``pathlib`` paths (as pure paths) are the real, inert types.
+* `collections.OrderedDict`, `set`, `frozenset`, `complex`,
+  `bytearray`, `slice`, `_codecs.encode` (latin-1 only, how protocol 2
+  writes bytes) and `pathlib` paths (as pure paths) are the real, inert types.
 
 The one place that unpickles *without* the allow-list is
-:func:`unrestricted_load`, used only for DCP's pickled objects when the caller
-opened the checkpoint with ``allow_pickle=True``.
+`unrestricted_load`, used only for DCP's pickled objects when the caller
+opened the checkpoint with `allow_pickle=True`.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class _Frozen:
 
 
 class TorchDtype(_Frozen):
-    """A torch dtype named in a pickle (``torch.float32`` -> ``TorchDtype("float32")``)."""
+    """A torch dtype named in a pickle (`torch.float32` -> `TorchDtype("float32")`)."""
 
     __slots__ = ("name",)
     name: str
@@ -194,7 +194,7 @@ class TorchEnum(_Frozen):
 
 
 class _StorageType(_Frozen):
-    """A storage class named in a persistent id (``torch.FloatStorage``, ``UntypedStorage``)."""
+    """A storage class named in a persistent id (`torch.FloatStorage`, `UntypedStorage`)."""
 
     __slots__ = ("dtype",)
     dtype: str | None
@@ -208,9 +208,9 @@ class _StorageType(_Frozen):
 
 @dataclass(frozen=True)
 class StorageRef:
-    """A storage of a torch.save archive: record ``data/<key>``, ``numel`` elements of ``dtype``.
+    """A storage of a torch.save archive: record `data/<key>`, `numel` elements of `dtype`.
 
-    ``dtype`` is None for an untyped storage (numel then counts bytes).
+    `dtype` is None for an untyped storage (numel then counts bytes).
     """
 
     key: str
@@ -287,7 +287,7 @@ class _MetadataIndex(Record):
 
 
 def field(rec: Any, key: str) -> Any:
-    """Field ``key`` of a :class:`Record` (None when absent or ``rec`` is not a record).
+    """Field `key` of a `Record` (None when absent or `rec` is not a record).
 
     Read from the instance dict, so a pickled field can never shadow a method.
     """
@@ -398,7 +398,7 @@ _COMMON: dict[tuple[str, str], Any] = {
 _DCP = "torch.distributed.checkpoint"
 _SHARD = "torch.distributed._shard.sharded_tensor.metadata"
 
-#: What DCP's ``.metadata`` may name (DCP's metadata classes, sizes, dtypes, layouts, paths).
+#: What DCP's `.metadata` may name (DCP's metadata classes, sizes, dtypes, layouts, paths).
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **_COMMON,
     **_PATHS,
@@ -418,7 +418,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **{("torch", n): TorchEnum(n) for n in ("contiguous_format", "channels_last", "preserve_format")},
 }
 
-#: What a torch.save ``data.pkl`` may name (tensor rebuild functions, storages, plain containers).
+#: What a torch.save `data.pkl` may name (tensor rebuild functions, storages, plain containers).
 TORCH_SAVE_GLOBALS: dict[tuple[str, str], Any] = {
     **_COMMON,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
@@ -436,7 +436,7 @@ TORCH_SAVE_GLOBALS: dict[tuple[str, str], Any] = {
 
 
 class _TensorType(_Frozen):
-    """``torch.Tensor`` / ``torch.nn.Parameter`` named as the type of a tensor subclass rebuild."""
+    """`torch.Tensor` / `torch.nn.Parameter` named as the type of a tensor subclass rebuild."""
 
     __slots__ = ("name",)
     name: str
@@ -453,7 +453,7 @@ _TENSOR_REBUILDS = (_rebuild_v2, _rebuild_v3, _rebuild_parameter)
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
     # torch._tensor._rebuild_from_type_v2(func, type, args, state): DeepSpeed's ZeRO-3 flat groups
-    # (a tensor with a ``ds_id`` attribute). Only our own rebuild stand-ins are ever called.
+    # (a tensor with a `ds_id` attribute). Only our own rebuild stand-ins are ever called.
     if func not in _TENSOR_REBUILDS or not isinstance(new_type, _TensorType) or not isinstance(args, tuple):
         raise XckptError(f"_rebuild_from_type_v2 with {func!r} / {new_type!r} is not allowed")
     t = func(*args)
@@ -479,7 +479,7 @@ def _write_item_type(value: Any) -> TorchEnum:
 _DS = "deepspeed"
 _PLANNER = f"{_DCP}.planner"
 
-#: What DeepSpeed's ``*_optim_states.pt`` ``data.pkl`` may name: torch.save's list, DeepSpeed's loss
+#: What DeepSpeed's `*_optim_states.pt` `data.pkl` may name: torch.save's list, DeepSpeed's loss
 #: scaler, ZeRO stage enum and fragment addresses (records of their pickled fields, nothing called),
 #: and the tensor-subclass rebuild of ZeRO-3's flat groups.
 DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
@@ -493,7 +493,7 @@ DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.nn.parameter", "Parameter"): _TensorType("torch.nn.Parameter"),
 }
 
-# Megatron-Core's torch_dist ``.metadata`` also pickles the save plans (``all_local_plans``).
+# Megatron-Core's torch_dist `.metadata` also pickles the save plans (`all_local_plans`).
 METADATA_GLOBALS.update(
     {
         (_PLANNER, "SavePlan"): _record("SavePlan"),
@@ -558,20 +558,20 @@ def restricted_load(
     storages: bool = False,
     foreign: bool = False,
 ) -> Any:
-    """Unpickle ``data`` allowing only the globals in ``allowed`` (exact pairs).
+    """Unpickle `data` allowing only the globals in `allowed` (exact pairs).
 
     Args:
         data: the pickle's bytes.
-        allowed: :data:`METADATA_GLOBALS` or :data:`TORCH_SAVE_GLOBALS`.
+        allowed: `METADATA_GLOBALS` or `TORCH_SAVE_GLOBALS`.
         where: names the file in messages.
-        storages: accept torch storage persistent ids (torch.save's ``data.pkl``).
-        foreign: answer a global outside ``allowed`` with an inert placeholder class
-            (:func:`._foreign.placeholder`, which records and calls nothing) instead
+        storages: accept torch storage persistent ids (torch.save's `data.pkl`).
+        foreign: answer a global outside `allowed` with an inert placeholder class
+            (`_foreign.placeholder`, which records and calls nothing) instead
             of refusing the pickle.
 
     Raises:
         XckptError: a refused global, or bytes that are not a valid pickle. Nothing
-            outside ``allowed`` is ever called.
+            outside `allowed` is ever called.
     """
     try:
         return _Restricted(io.BytesIO(data), allowed, storages, where, foreign).load()
@@ -600,14 +600,14 @@ class _OptIn(pickle.Unpickler):
 
 
 def unrestricted_load(data: bytes, where: str, *, storages: bool = True) -> Any:
-    """Unpickle ``data`` with the standard unpickler: this CAN RUN ARBITRARY CODE.
+    """Unpickle `data` with the standard unpickler: this CAN RUN ARBITRARY CODE.
 
     The single place xckpt unpickles without its allow-list. It is called only
-    for DCP's pickled objects (``BYTE_IO`` items such as ``step``) and only when
-    the caller opened the checkpoint with ``allow_pickle=True``, declaring the
+    for DCP's pickled objects (`BYTE_IO` items such as `step`) and only when
+    the caller opened the checkpoint with `allow_pickle=True`, declaring the
     file trusted. torch's tensor rebuild functions still map to
-    :class:`TensorRef` (no torch needed); any other global is imported as
-    :mod:`pickle` would.
+    `TensorRef` (no torch needed); any other global is imported as
+    `pickle` would.
 
     Raises:
         XckptError: the bytes are not a valid pickle.

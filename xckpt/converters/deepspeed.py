@@ -1,51 +1,51 @@
-"""DeepSpeed ZeRO and universal checkpoints as an xckpt source (format ``deepspeed``), read without
+"""DeepSpeed ZeRO and universal checkpoints as an xckpt source (format `deepspeed`), read without
 torch or DeepSpeed.
 
-What is opened (REFERENCE section 9; fixtures in ``tests/fixtures_foreign/deepspeed``):
+What is opened (REFERENCE section 9; fixtures in `tests/fixtures_foreign/deepspeed`):
 
-* a ZeRO stage 1, 2 or 3 checkpoint, fp32 or bf16: the directory holding ``latest`` (its
-  tag names the ``global_step*`` directory), or that directory itself, which holds the
-  model states (``mp_rank_00_model_states.pt``; stage 3: ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``)
-  and one ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank;
-* a universal checkpoint (``ds_to_universal``'s output): the directory holding
-  ``latest_universal``, or its tag directory, which holds ``zero/<name>/{fp32,exp_avg,
-  exp_avg_sq,step}.pt`` per parameter beside the model states.
+* a ZeRO stage 1, 2 or 3 checkpoint, fp32 or bf16: the directory holding `latest` (its
+  tag names the `global_step*` directory), or that directory itself, which holds the
+  model states (`mp_rank_00_model_states.pt`; stage 3: `zero_pp_rank_<r>_mp_rank_00_model_states.pt`)
+  and one `[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt` per data-parallel rank;
+* a universal checkpoint (`ds_to_universal`'s output): the directory holding
+  `latest_universal`, or its tag directory, which holds `zero/<name>/{fp32,exp_avg,
+  exp_avg_sq,step}.pt` per parameter beside the model states.
 
-A directory holding both ``latest`` and ``latest_universal`` opens the ZeRO checkpoint
+A directory holding both `latest` and `latest_universal` opens the ZeRO checkpoint
 (open the tag directory to read the other).
 
 Names and values:
 
-* the weights are the fp32 master weights exactly as DeepSpeed's ``zero_to_fp32`` recovers
-  them (:mod:`._deepspeed_layout`), under the model's parameter names, in its order:
+* the weights are the fp32 master weights exactly as DeepSpeed's `zero_to_fp32` recovers
+  them (`_deepspeed_layout`), under the model's parameter names, in its order:
   buffers first (floating buffers as float32, as zero_to_fp32 casts them), frozen
-  parameters, trainable parameters, then tied aliases (``shared_params``) under their own
+  parameters, trainable parameters, then tied aliases (`shared_params`) under their own
   names, reading the bytes of the parameter they alias;
 * each flat per-group optimizer state of the ranks' files that has the partition's shape
-  (Adam's ``exp_avg`` / ``exp_avg_sq``) is presented per parameter as
-  ``optimizer.state.<name>.<key>``, unflattened and unpadded, the values ``ds_to_universal``
+  (Adam's `exp_avg` / `exp_avg_sq`) is presented per parameter as
+  `optimizer.state.<name>.<key>`, unflattened and unpadded, the values `ds_to_universal`
   writes (the last rank's state may hold the group's alignment padding that its saved fp32
   partition lacks: ZeRO 1/2's optimizer strips it from the partition only); scalar state
-  (Adam's ``step``) is an object ``optimizer.state.<name>.<key>`` (a Python number) for every
+  (Adam's `step`) is an object `optimizer.state.<name>.<key>` (a Python number) for every
   parameter of the group; state that is neither is named in a warning at open and in
   `metadata["notes"]`, as are a universal checkpoint's files that are not read;
-* objects: the model states' own entries (``global_steps``, ``ds_config``, ``ds_version``,
-  client state such as ``my_epoch``, ...; not the structural ``module``, ``param_shapes``,
-  ``buffer_names``, ``shared_params``, ``frozen_param_*``, ``optimizer``), and
-  ``optimizer.param_groups`` (the base optimizer's groups, ``params`` as parameter names).
-  An entry holding a class outside the allow-list (e.g. an ``argparse.Namespace`` of
-  Megatron-DeepSpeed) is a pickled object: read only with ``allow_pickle=True``.
+* objects: the model states' own entries (`global_steps`, `ds_config`, `ds_version`,
+  client state such as `my_epoch`, ...; not the structural `module`, `param_shapes`,
+  `buffer_names`, `shared_params`, `frozen_param_*`, `optimizer`), and
+  `optimizer.param_groups` (the base optimizer's groups, `params` as parameter names).
+  An entry holding a class outside the allow-list (e.g. an `argparse.Namespace` of
+  Megatron-DeepSpeed) is a pickled object: read only with `allow_pickle=True`.
 
 Reading: every pickle goes through the restricted unpickler (torch.save's list plus
-DeepSpeed's ``LossScaler``, ``ZeroStageEnum`` and ``fragment_address`` as inert records:
-:data:`._unpickle.DEEPSPEED_GLOBALS`); tensor bytes are read by byte range from the
-torch.save zips (:mod:`._torchzip`), never whole files. A parameter split across ranks'
-flat partitions is one chunk per rank piece (its writer ``rank``) when every piece is a
+DeepSpeed's `LossScaler`, `ZeroStageEnum` and `fragment_address` as inert records:
+`_unpickle.DEEPSPEED_GLOBALS`); tensor bytes are read by byte range from the
+torch.save zips (`_torchzip`), never whole files. A parameter split across ranks'
+flat partitions is one chunk per rank piece (its writer `rank`) when every piece is a
 box of its shape (whole rows, a part of one row); otherwise it is one chunk whose reads
 assemble the pieces, reading only the elements between the first and last one a box needs.
-Only model-parallel rank 0 (``mp_rank_00``) files exist in the checkpoints this reads;
+Only model-parallel rank 0 (`mp_rank_00`) files exist in the checkpoints this reads;
 others are refused with a message. Every location that can be listed opens (a local path, a
-kvstore URL or spec: :class:`~xckpt.storage.Place`); an ``http(s)://`` one cannot be listed.
+kvstore URL or spec: `Place`); an `http(s)://` one cannot be listed.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ _UNIVERSAL_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
 
 
 def detect(path: str | Place) -> bool:
-    """A directory with ``latest`` / ``latest_universal`` naming a tag directory, or a tag
-    directory holding DeepSpeed model states beside ZeRO optimizer files or ``zero/``."""
+    """A directory with `latest` / `latest_universal` naming a tag directory, or a tag
+    directory holding DeepSpeed model states beside ZeRO optimizer files or `zero/`."""
     try:
         place = as_place(path)
         if not place.listable or place.kind() != "dir":

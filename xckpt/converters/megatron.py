@@ -1,38 +1,38 @@
-"""Megatron-Core dist checkpoints (torch_dist backend) as an xckpt source (format ``megatron``),
+"""Megatron-Core dist checkpoints (torch_dist backend) as an xckpt source (format `megatron`),
 read without torch or Megatron, from every location a DCP checkpoint opens from (a local path,
 a kvstore URL or spec).
 
-A Megatron-Core dist checkpoint is a torch DCP directory plus ``metadata.json``
-(``{"sharded_backend": "torch_dist", ...}``). It is read as :mod:`.torch_dcp` reads DCP
-(this source *is* a :class:`~.torch_dcp.DcpSource`: same metadata parsing, byte-range chunk
+A Megatron-Core dist checkpoint is a torch DCP directory plus `metadata.json`
+(`{"sharded_backend": "torch_dist", ...}`). It is read as `torch_dcp` reads DCP
+(this source *is* a `DcpSource`: same metadata parsing, byte-range chunk
 reads, merging of duplicate replicas), and adds what Megatron puts around the tensors:
 
-* tensors keep their ShardedTensor keys (``decoder.layers.self_attention.linear_qkv.weight``,
-  layers stacked on a leading axis; no ``model.`` prefix); TP- and DP-split tensors are
-  assembled by their chunk offsets, as DCP records them. The ``fully_reshardable``
+* tensors keep their ShardedTensor keys (`decoder.layers.self_attention.linear_qkv.weight`,
+  layers stacked on a leading axis; no `model.` prefix); TP- and DP-split tensors are
+  assembled by their chunk offsets, as DCP records them. The `fully_reshardable`
   distributed-optimizer state is per parameter already:
-  ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``.
-* ``dp_reshardable`` optimizer buckets (``optimizer.distributed.*``) are flat buffers of a
+  `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`.
+* `dp_reshardable` optimizer buckets (`optimizer.distributed.*`) are flat buffers of a
   gradient bucket's parameters laid end to end; the checkpoint does not record which
   parameter sits where (Megatron rebuilds that from the live model), so they are listed
   as the flat tensors they are, and opening warns once saying so (also in
-  ``metadata["notes"]``).
-* common state: megatron-core 0.16 writes ``common.pt`` (a torch.save file); 0.19 writes the
-  DCP bytes item ``common_state/shard_0_1``. Either way its entries are objects by name
-  (``iteration``, ``checkpoint_version``, ``args``, ``opt_param_scheduler``, ...); an entry
-  whose name is also a prefix of tensor names (``optimizer``, beside the
-  ``optimizer.state.*`` tensors) is split into its children (``optimizer.optimizer``,
-  ``optimizer.param_state_sharding_type``), so no object shadows a tensor subtree.
-* ShardedObjects (DCP bytes items ``<key>/shard_<offsets>_<global shape>``, e.g.
-  ``rng_state/shard_0.1_1.2``) are one object per key whose value maps each shard's offsets,
-  joined by ",", to its value: ``{"0,0": ..., "0,1": ...}`` (Megatron stores each as a
+  `metadata["notes"]`).
+* common state: megatron-core 0.16 writes `common.pt` (a torch.save file); 0.19 writes the
+  DCP bytes item `common_state/shard_0_1`. Either way its entries are objects by name
+  (`iteration`, `checkpoint_version`, `args`, `opt_param_scheduler`, ...); an entry
+  whose name is also a prefix of tensor names (`optimizer`, beside the
+  `optimizer.state.*` tensors) is split into its children (`optimizer.optimizer`,
+  `optimizer.param_state_sharding_type`), so no object shadows a tensor subtree.
+* ShardedObjects (DCP bytes items `<key>/shard_<offsets>_<global shape>`, e.g.
+  `rng_state/shard_0.1_1.2`) are one object per key whose value maps each shard's offsets,
+  joined by ",", to its value: `{"0,0": ..., "0,1": ...}` (Megatron stores each as a
   one-element list; the element is the value).
 
-Every pickle is read by the restricted unpickler with placeholders (:mod:`._foreign`:
+Every pickle is read by the restricted unpickler with placeholders (`_foreign`:
 classes outside torch.save's allow-list are recorded, nothing runs). An object whose value
-holds such a class (``args``, an ``argparse.Namespace``; ``rng_state``, numpy RNG states) is
-listed by :meth:`pickled_objects` and read only with ``allow_pickle=True`` (then its classes
-are made for real, :func:`._foreign.rebuild`); plain ones (``iteration``, a dict of numbers)
+holds such a class (`args`, an `argparse.Namespace`; `rng_state`, numpy RNG states) is
+listed by `pickled_objects` and read only with `allow_pickle=True` (then its classes
+are made for real, `_foreign.rebuild`); plain ones (`iteration`, a dict of numbers)
 read without it.
 """
 
@@ -66,7 +66,7 @@ _DP_BUCKETS = re.compile(r"(^|\.)optimizer\.distributed\.")
 
 
 def detect(path: str | Place) -> bool:
-    """A torch DCP directory with Megatron-Core's ``metadata.json`` (a ``sharded_backend`` key)."""
+    """A torch DCP directory with Megatron-Core's `metadata.json` (a `sharded_backend` key)."""
     try:
         place = as_place(path)
         md = _metadata_json(place) if place.kind() == "dir" else None
@@ -88,7 +88,7 @@ def _metadata_json(place: Place) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class _Payload:
-    """One pickle: ``common.pt`` or a DCP bytes item (a torch.save archive), read inert."""
+    """One pickle: `common.pt` or a DCP bytes item (a torch.save archive), read inert."""
 
     archive: Archive
     root: Any  # restricted, foreign classes as placeholders
@@ -97,7 +97,7 @@ class _Payload:
 
 @dataclass(frozen=True)
 class _ObjectSite:
-    """Where an object's value (or one shard of it) is: ``payload``'s root, at ``path``."""
+    """Where an object's value (or one shard of it) is: `payload`'s root, at `path`."""
 
     payload: _Payload
     path: tuple[Any, ...]

@@ -1,47 +1,47 @@
-"""orbax checkpoints as an xckpt source (format ``orbax``), read with tensorstore alone.
+"""orbax checkpoints as an xckpt source (format `orbax`), read with tensorstore alone.
 
 Neither jax nor orbax is imported: the layout is read from what is on disk
 (REFERENCE.md sections 3 and 9). What is read:
 
-* one pytree item (``StandardCheckpointer``, ``PyTreeCheckpointer``): arrays in
-  an OCDBT database (``manifest.ocdbt`` + ``d/``, per-process databases
-  ``ocdbt.process_<i>/`` merged into the root) or one zarr directory per leaf
-  (``use_ocdbt=False``); zarr v2 (``.zarray``) and zarr3 (``zarr.json``) alike;
-* a composite checkpoint (a ``CheckpointManager`` step: items in subdirectories):
-  each item's names are prefixed by the item's name (``state.b.c``). An item's
-  directory opened alone has bare names (``b.c``), and so has a step holding
-  only the ``default`` item (a manager saving one unnamed item), as orbax's
-  ``restore`` returns that tree bare.
+* one pytree item (`StandardCheckpointer`, `PyTreeCheckpointer`): arrays in
+  an OCDBT database (`manifest.ocdbt` + `d/`, per-process databases
+  `ocdbt.process_<i>/` merged into the root) or one zarr directory per leaf
+  (`use_ocdbt=False`); zarr v2 (`.zarray`) and zarr3 (`zarr.json`) alike;
+* a composite checkpoint (a `CheckpointManager` step: items in subdirectories):
+  each item's names are prefixed by the item's name (`state.b.c`). An item's
+  directory opened alone has bare names (`b.c`), and so has a step holding
+  only the `default` item (a manager saving one unnamed item), as orbax's
+  `restore` returns that tree bare.
 
 Decisions (where the design is silent, what an orbax user would expect):
 
-* Names are orbax's parameter names: the key path joined with ``"."``. Each
+* Names are orbax's parameter names: the key path joined with `"."`. Each
   zarr chunk of an array is one box, so a reader of a slice opens only the zarr
-  chunks it touches. A chunk's ``rank`` is the process whose OCDBT database
-  lists its key (several ``ocdbt.process_<i>``), else 0.
+  chunks it touches. A chunk's `rank` is the process whose OCDBT database
+  lists its key (several `ocdbt.process_<i>`), else 0.
 * orbax's metadata files are helpers, not the truth: the tensors are the
   arrays the OCDBT database lists (or the zarr directories present);
-  ``_METADATA`` tells python scalars, strings and empty containers (objects)
+  `_METADATA` tells python scalars, strings and empty containers (objects)
   from arrays. Without it a python scalar reads as a 0-d tensor. A
-  ``_METADATA`` entry whose array is absent, a missing ``manifest.ocdbt`` or
-  ``d/``, or a missing zarr chunk is an
-  :class:`~xckpt.errors.IncompleteCheckpointError` at open (chunks are checked
+  `_METADATA` entry whose array is absent, a missing `manifest.ocdbt` or
+  `d/`, or a missing zarr chunk is an
+  [`IncompleteCheckpointError`][xckpt.errors.IncompleteCheckpointError] at open (chunks are checked
   against the keys stored, so nothing reads as zeros); bytes that do not
-  decode are a :class:`~xckpt.errors.CorruptChunkError` at read. Only an item
-  whose ``_METADATA`` says ``store_array_data_equal_to_fill_value: false``
+  decode are a [`CorruptChunkError`][xckpt.errors.CorruptChunkError] at read. Only an item
+  whose `_METADATA` says `store_array_data_equal_to_fill_value: false`
   (an older orbax, which skipped chunks equal to the fill value) reads missing
   chunks as the fill value, as orbax itself does.
-* ``_sharding`` becomes :attr:`TensorEntry.placement` (``framework="jax"``) for
-  a ``NamedSharding``; other shardings go to ``metadata["shardings"]``.
+* `_sharding` becomes `TensorEntry.placement` (`framework="jax"`) for
+  a `NamedSharding`; other shardings go to `metadata["shardings"]`.
 * Objects: python scalars (stored by orbax as 0-d zarr arrays) as python
-  ``int``/``float``/``bool``; strings from ``_strings.json``; empty containers
-  and ``None`` as saved; a JSON item (``JsonCheckpointHandler``'s ``metadata``
-  file) flattened into one object per leaf (``extra.x``). Items of other
-  handlers are skipped with a warning and listed in ``metadata["skipped_items"]``.
-* A dtype outside :data:`xckpt.manifest.DTYPES` (int4, strings, structured) is
-  an :class:`~xckpt.errors.XckptError` at open naming the tensor.
-* A directory of numbered steps (a ``CheckpointManager`` root) is an
-  :class:`~xckpt.errors.XckptError` that lists the steps: open one of them.
+  `int`/`float`/`bool`; strings from `_strings.json`; empty containers
+  and `None` as saved; a JSON item (`JsonCheckpointHandler`'s `metadata`
+  file) flattened into one object per leaf (`extra.x`). Items of other
+  handlers are skipped with a warning and listed in `metadata["skipped_items"]`.
+* A dtype outside `xckpt.manifest.DTYPES` (int4, strings, structured) is
+  an [`XckptError`][xckpt.errors.XckptError] at open naming the tensor.
+* A directory of numbered steps (a `CheckpointManager` root) is an
+  [`XckptError`][xckpt.errors.XckptError] that lists the steps: open one of them.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ _OCDBT_DATA_DIRS = ("d", "ocdbt_data", "ocdbt_meta")
 
 
 def _process_dirs(d: Place, entries: Sequence[str]) -> dict[int, str]:
-    """``ocdbt.process_<i>`` directories by process index."""
+    """`ocdbt.process_<i>` directories by process index."""
     out = {}
     for e in entries:
         m = re.fullmatch(r"ocdbt\.process_(\d+)", e)
@@ -112,7 +112,7 @@ def _zarr_meta_file(d: Place, rel: str = "") -> str | None:
 
 
 def _json_item_file(d: Place) -> str | None:
-    """The file of a JSON item in ``d`` (the v0 handler's ``metadata``, the v1 one's ``data.json``)."""
+    """The file of a JSON item in `d` (the v0 handler's `metadata`, the v1 one's `data.json`)."""
     return next((f for f in _JSON_ITEM_FILES if d.isfile(f)), None)
 
 
@@ -134,7 +134,7 @@ def _manager_steps(d: Place) -> list[str]:
 
 
 def detect(path: str | Place) -> bool:
-    """``_METADATA`` / ``_CHECKPOINT_METADATA`` (or orbax's other files) here or in item
+    """`_METADATA` / `_CHECKPOINT_METADATA` (or orbax's other files) here or in item
     subdirectories, or a manager root of such steps (so that opening it says what to do),
     at any location that can be listed."""
     d = as_place(path)
@@ -151,16 +151,16 @@ def detect(path: str | Place) -> bool:
 
 
 def open(path: str | Place, *, allow_pickle: bool = False) -> OrbaxCheckpoint:  # noqa: A001
-    """Open the orbax checkpoint (a step, or one item) at ``path``: a local directory, a kvstore
-    URL or spec (an S3-compatible endpoint, ``gs://``, ``memory://``).
+    """Open the orbax checkpoint (a step, or one item) at `path`: a local directory, a kvstore
+    URL or spec (an S3-compatible endpoint, `gs://`, `memory://`).
 
-    ``allow_pickle`` is accepted for the common signature; orbax stores no pickles.
+    `allow_pickle` is accepted for the common signature; orbax stores no pickles.
     """
     return OrbaxCheckpoint(path)
 
 
 def _read_json(d: Place, rel: str, what: str) -> Any:
-    """The parsed JSON file ``rel`` in ``d``, or None when it does not exist."""
+    """The parsed JSON file `rel` in `d`, or None when it does not exist."""
     try:
         data = d.read(rel)
     except XckptError as e:
@@ -208,7 +208,7 @@ def _grid(meta: Mapping[str, Any], driver: str, shape: tuple[int, ...], where: s
 
 
 def _key_scheme(meta: Mapping[str, Any], driver: str, where: str) -> tuple[str, str]:
-    """How chunk keys are spelled: (``"v2"`` ("0.1"; "0" when 0-d) or ``"default"`` ("c/0/1"), separator)."""
+    """How chunk keys are spelled: (`"v2"` ("0.1"; "0" when 0-d) or `"default"` ("c/0/1"), separator)."""
     kind: object
     sep: object
     if driver == "zarr":
@@ -226,7 +226,7 @@ def _key_scheme(meta: Mapping[str, Any], driver: str, where: str) -> tuple[str, 
 
 
 def _chunk_key(kind: str, sep: str, idx: tuple[int, ...]) -> str:
-    """The zarr key of chunk ``idx`` inside its array's directory."""
+    """The zarr key of chunk `idx` inside its array's directory."""
     if kind == "v2":
         return sep.join(map(str, idx)) if idx else "0"
     return "c" + "".join(sep + str(i) for i in idx)
@@ -320,7 +320,7 @@ class OrbaxCheckpoint(Source):
     def _load_items(self, subs: list[str], ckpt_meta: Any) -> None:
         """The items of a composite step (one subdirectory each).
 
-        An item ``_CHECKPOINT_METADATA`` does not register (its ``item_handlers``) whose metadata
+        An item `_CHECKPOINT_METADATA` does not register (its `item_handlers`) whose metadata
         cannot be read is skipped with a warning naming it; a registered one is an error.
         """
         d = self._place
@@ -383,8 +383,8 @@ class OrbaxCheckpoint(Source):
         self._leaves[name] = (path, value)
 
     def _load_item(self, d: Place, prefix: str, rel: str, item: KeyPath) -> None:
-        """The pytree item in ``d`` (``rel`` below the checkpoint), its names prefixed by
-        ``prefix`` and its key paths by ``item``."""
+        """The pytree item in `d` (`rel` below the checkpoint), its names prefixed by
+        `prefix` and its key paths by `item`."""
         where = f"orbax checkpoint {self.path!r}" + (f", item {prefix[:-1]!r}" if prefix else "")
         meta = _read_json(d, "_METADATA", "_METADATA")
         meta = meta if isinstance(meta, dict) else {}
@@ -461,7 +461,7 @@ class OrbaxCheckpoint(Source):
         """Arrays the item's OCDBT database lists: param -> (kvstore spec, driver, zarr
         metadata, the zarr chunk keys stored).
 
-        Fills ``owners`` (chunk key -> writing process) when several processes wrote.
+        Fills `owners` (chunk key -> writing process) when several processes wrote.
         """
         for sub, label in [("", "root"), *((p, p) for p in procs.values())]:
             if not sub and "manifest.ocdbt" not in entries:
@@ -532,7 +532,7 @@ class OrbaxCheckpoint(Source):
             ) from None
 
     def _dir_arrays(self, d: Place, where: str) -> dict[str, tuple[Any, str, Any, set[str]]]:
-        """Arrays stored one zarr directory per leaf (``use_ocdbt=False``)."""
+        """Arrays stored one zarr directory per leaf (`use_ocdbt=False`)."""
         arrays = {}
         for e in _subdirs(d):
             top = d.child(e)
@@ -544,8 +544,8 @@ class OrbaxCheckpoint(Source):
         return arrays
 
     def _load_json_item(self, d: Place, item: str) -> None:
-        """A JSON item (JsonCheckpointHandler's, v0 or v1): one object ``item`` in a composite
-        step; opened alone (or as the one ``default`` item), one object per top-level key."""
+        """A JSON item (JsonCheckpointHandler's, v0 or v1): one object `item` in a composite
+        step; opened alone (or as the one `default` item), one object per top-level key."""
         f = _json_item_file(d) or _JSON_ITEM_FILES[0]
         value = _read_json(d, f, f"JSON item {item or d.name!r}")
         if item:
@@ -689,7 +689,7 @@ def _msg(e: Exception) -> str:
 
 
 def _param_path(key: str, leaf: Any) -> KeyPath:
-    """The key path of a ``_METADATA`` leaf: dict keys as strings, sequence positions as ints."""
+    """The key path of a `_METADATA` leaf: dict keys as strings, sequence positions as ints."""
     km = leaf.get("key_metadata") if isinstance(leaf, dict) else None
     if isinstance(km, list) and all(isinstance(k, dict) and "key" in k for k in km):
         out: list[Any] = []
@@ -702,7 +702,7 @@ def _param_path(key: str, leaf: Any) -> KeyPath:
 
 
 def _param_name(key: str, leaf: Any) -> str:
-    """orbax's parameter name of a ``_METADATA`` leaf: its key path joined with "."."""
+    """orbax's parameter name of a `_METADATA` leaf: its key path joined with "."."""
     km = leaf.get("key_metadata") if isinstance(leaf, dict) else None
     if isinstance(km, list) and all(isinstance(k, dict) and "key" in k for k in km):
         return ".".join(str(k["key"]) for k in km)

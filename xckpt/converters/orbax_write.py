@@ -1,62 +1,62 @@
-"""orbax output of ``xckpt.convert``: a pytree checkpoint written directly, chunk by chunk.
+"""orbax output of `xckpt.convert`: a pytree checkpoint written directly, chunk by chunk.
 
-orbax's own writer (``StandardCheckpointer().save``) needs every array in memory
-as a ``jax.Array``; this writer lays out what its restore reads (orbax 0.12.8,
+orbax's own writer (`StandardCheckpointer().save`) needs every array in memory
+as a `jax.Array`; this writer lays out what its restore reads (orbax 0.12.8,
 REFERENCE.md sections 3 and 9) with tensorstore and json alone, no jax or orbax:
 
-* one OCDBT database at the root (``manifest.ocdbt``, ``d/``), configured as
-  orbax configures its own (``max_inline_value_bytes`` 1024, single-file
+* one OCDBT database at the root (`manifest.ocdbt`, `d/`), configured as
+  orbax configures its own (`max_inline_value_bytes` 1024, single-file
   manifest); orbax writes per-process databases and merges them into the root,
   a converter writes from one process straight into the root;
-* a zarr v2 array per leaf at key ``<param name>/`` (``.zarray``, chunk keys
-  ``i.j``), zstd level 1 and ``fill_value: null``, as orbax's v0 handlers write
+* a zarr v2 array per leaf at key `<param name>/` (`.zarray`, chunk keys
+  `i.j`), zstd level 1 and `fill_value: null`, as orbax's v0 handlers write
   by default; every chunk is stored, equal to the fill value or not, as
-  ``_METADATA``'s ``store_array_data_equal_to_fill_value: true`` promises;
-* ``_METADATA`` (the tree: ``key_metadata`` per level, ``value_metadata`` with
-  ``jax.Array`` / ``scalar`` / ``string`` / ``np.ndarray`` / empty values),
-  ``_sharding``, ``array_metadatas/process_0``, ``_strings.json`` (string
-  leaves), ``_CHECKPOINT_METADATA``; ``commit_success.txt`` last (the marker
+  `_METADATA`'s `store_array_data_equal_to_fill_value: true` promises;
+* `_METADATA` (the tree: `key_metadata` per level, `value_metadata` with
+  `jax.Array` / `scalar` / `string` / `np.ndarray` / empty values),
+  `_sharding`, `array_metadatas/process_0`, `_strings.json` (string
+  leaves), `_CHECKPOINT_METADATA`; `commit_success.txt` last (the marker
   orbax checks on object stores).
 
 Decisions (where the design is silent):
 
-* Names become a nested tree: ``a.b`` -> ``{"a": {"b": ...}}`` (orbax's
-  parameter name is the key path joined with ``"."``, so the zarr keys keep the
-  flat name). A name that is both a leaf and a node (``a`` and ``a.b``), an
-  empty or ``/``-holding component, or two leaves with one parameter name, is an
-  :class:`~xckpt.errors.XckptError` before anything is written.
+* Names become a nested tree: `a.b` -> `{"a": {"b": ...}}` (orbax's
+  parameter name is the key path joined with `"."`, so the zarr keys keep the
+  flat name). A name that is both a leaf and a node (`a` and `a.b`), an
+  empty or `/`-holding component, or two leaves with one parameter name, is an
+  [`XckptError`][xckpt.errors.XckptError] before anything is written.
 * zarr chunk grid: zarr needs one regular grid per array, so per dimension the
   grid step is the gcd of the source boxes' non-zero starts (the whole extent
-  when the tensor is not split along it): the uneven ``Shard(0)`` boxes of torch
-  (multiples of ``ceil(n/W)``) and orbax's own shards map one to one onto zarr
+  when the tensor is not split along it): the uneven `Shard(0)` boxes of torch
+  (multiples of `ceil(n/W)`) and orbax's own shards map one to one onto zarr
   chunks, and each box is written as whole chunks. Where that step would be
   under 1/8 of the largest box's extent (irregular splits), the step is that
   largest extent instead and boxes share chunks (tensorstore merges them
-  within one transaction). Chunks larger than :data:`MAX_CHUNK_BYTES` (16 MiB,
+  within one transaction). Chunks larger than `MAX_CHUNK_BYTES` (16 MiB,
   xckpt's own inner chunk size) are split along their leading dimensions, by
   divisors of the step so boxes stay whole chunks (orbax likewise splits shards
-  by ``chunk_byte_size``): zstd holds about two copies of the chunk it is
+  by `chunk_byte_size`): zstd holds about two copies of the chunk it is
   compressing, so this bounds the writer's memory whatever the source's boxes.
-  ``write_shape`` in ``_METADATA`` is that grid.
-* ``_sharding``: every array on a one-device mesh of the device with id 0
-  (``NamedSharding``, replicated), so ``restore(path)`` without a target works
+  `write_shape` in `_METADATA` is that grid.
+* `_sharding`: every array on a one-device mesh of the device with id 0
+  (`NamedSharding`, replicated), so `restore(path)` without a target works
   on any machine, putting each array on the first device; restoring onto a
-  sharding takes a target (abstract ``ShapeDtypeStruct`` tree, or
-  ``ArrayRestoreArgs``), as orbax recommends in any case.
-* ``_CHECKPOINT_METADATA`` names ``StandardCheckpointHandler``; both
-  ``StandardCheckpointer`` and ``PyTreeCheckpointer`` restore it.
+  sharding takes a target (abstract `ShapeDtypeStruct` tree, or
+  `ArrayRestoreArgs`), as orbax recommends in any case.
+* `_CHECKPOINT_METADATA` names `StandardCheckpointHandler`; both
+  `StandardCheckpointer` and `PyTreeCheckpointer` restore it.
 * Objects: nested dicts (str keys) and lists/tuples become subtrees (tuples come
   back as lists, as orbax restores them without a target); python and numpy
-  scalars become ``scalar`` leaves (0-d arrays, restored as python scalars);
-  strings go to ``_strings.json``; numpy arrays become ``np.ndarray`` leaves;
-  ``None`` and empty containers are recorded as orbax records them. Anything
+  scalars become `scalar` leaves (0-d arrays, restored as python scalars);
+  strings go to `_strings.json`; numpy arrays become `np.ndarray` leaves;
+  `None` and empty containers are recorded as orbax records them. Anything
   else (bytes, ints outside 64 bits, custom classes) cannot be held: the object
   is dropped with a warning naming it.
 * An empty selection (no tensors, no objects) is an error: orbax cannot
   restore an empty tree.
 * Memory: the source is read in bands of whole grid rows of about
-  :data:`TXN_BYTES` (:meth:`WriteJob.bands`, recycled buffers), written into a
-  tensorstore transaction committed every :data:`TXN_BYTES`, so a large source
+  `TXN_BYTES` ([`WriteJob.bands`][xckpt.sink.WriteJob.bands], recycled buffers), written into a
+  tensorstore transaction committed every `TXN_BYTES`, so a large source
   chunk is never held whole: about two bands, two transactions and the zarr chunks
   being compressed (measured: 172-199 MiB of RSS growth for bench/convert.py's
   1 GiB HF directory, whose largest tensor is one 128 MiB chunk; 219-250 MiB when
@@ -132,12 +132,12 @@ class _Leaf:
 
 
 def choose_grid(shape: Sequence[int], boxes: Sequence[Any], itemsize: int, max_bytes: int = MAX_CHUNK_BYTES) -> list[int]:
-    """The zarr chunk shape for a tensor stored as ``boxes`` (see the module docstring).
+    """The zarr chunk shape for a tensor stored as `boxes` (see the module docstring).
 
     Per dimension: the gcd of the boxes' non-zero starts, so every box is a union
     of whole chunks; the largest extent where that gcd would make chunks tiny;
     then leading dimensions divided (by factors of the step when boxes constrain
-    it) until a chunk holds at most ``max_bytes``. zarr forbids 0: empty dims get 1.
+    it) until a chunk holds at most `max_bytes`. zarr forbids 0: empty dims get 1.
     """
     grid: list[int] = []
     aligned: list[bool] = []
@@ -236,7 +236,7 @@ def _object_leaves(keys: tuple[tuple[str, int], ...], value: Any, depth: int = 0
 
 def _plan(job: WriteJob, *, warn: bool) -> list[_Leaf]:
     """Every leaf, checked: no name both a leaf and a node, no parameter name twice, not
-    empty. With ``warn``, a warning names the objects orbax cannot hold (they are dropped)."""
+    empty. With `warn`, a warning names the objects orbax cannot hold (they are dropped)."""
     leaves = [_Leaf(_split(n, "tensor"), "jax.Array", tensor=n) for n in job.names]
     dropped = []
     for name, value in job.objects.items():
@@ -291,7 +291,7 @@ def _order(leaf: _Leaf) -> tuple:
 
 
 class _Txn:
-    """A tensorstore transaction committed every ``TXN_BYTES`` of writes.
+    """A tensorstore transaction committed every `TXN_BYTES` of writes.
 
     A full transaction is committed in the background while the next one fills;
     before committing that one, the previous commit is waited for. So two commits
@@ -400,7 +400,7 @@ def _value_metadata(leaf: _Leaf) -> dict[str, Any]:
 
 
 class OrbaxSink(Sink):
-    """An orbax pytree checkpoint (OCDBT, zarr v2 leaves), as ``StandardCheckpointer`` writes one."""
+    """An orbax pytree checkpoint (OCDBT, zarr v2 leaves), as `StandardCheckpointer` writes one."""
 
     format = FORMAT
 
@@ -415,7 +415,7 @@ class OrbaxSink(Sink):
 
     def write(self, job: WriteJob) -> None:
         """Arrays created, then filled band by band in transactions; the tree's metadata
-        files after the data, ``commit_success.txt`` last."""
+        files after the data, `commit_success.txt` last."""
         import tensorstore as ts  # imported when used, as the storage layer does (import time)
 
         leaves = _plan(job, warn=False)
@@ -525,7 +525,7 @@ def _write_tree_metadata(dst: str, leaves: list[_Leaf], strings: dict[str, str],
 
 
 def _write_tensor(job: WriteJob, name: str, leaf: _Leaf, base: Any, txn: _Txn) -> None:
-    """Write tensor ``name``'s chunks through ``base`` (its array, created in a committed transaction)."""
+    """Write tensor `name`'s chunks through `base` (its array, created in a committed transaction)."""
     if 0 in (leaf.shape or ()):
         # zarr stores nothing for an empty array; orbax restores it from .zarray alone.
         return

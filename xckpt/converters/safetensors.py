@@ -1,41 +1,41 @@
-"""safetensors files and Hugging Face safetensors directories as a :class:`~xckpt.source.Source`.
+"""safetensors files and Hugging Face safetensors directories as a [`Source`][xckpt.source.Source].
 
-A file is a little-endian u64 ``N``, ``N`` bytes of JSON ``{name: {"dtype", "shape",
-"data_offsets": [begin, end)}, "__metadata__": {str: str}}``, then the data (C order,
+A file is a little-endian u64 `N`, `N` bytes of JSON `{name: {"dtype", "shape",
+"data_offsets": [begin, end)}, "__metadata__": {str: str}}`, then the data (C order,
 little endian). The header is parsed here and checked before anything is allocated:
-``N`` within :data:`HEADER_CAP` and the file; a JSON object without duplicate keys;
+`N` within `HEADER_CAP` and the file; a JSON object without duplicate keys;
 known dtypes; shapes that agree with their byte ranges; ranges inside the data and
 disjoint. Bytes are read as byte ranges straight into the caller's buffer (a box of
 whole rows is one range); a box of many short runs (a column slice) is copied from a
 memory map of its span (a local file), or from its span read a window at a time
 (elsewhere), each window released once copied.
 
-Locations (:func:`open`), at any location (:class:`~xckpt.storage.Place`: a local path,
-a kvstore URL or spec, ``http(s)://``): one ``.safetensors`` file (any name, if its
-header parses); a directory with ``model.safetensors.index.json``, whose ``weight_map``
+Locations ([`open`][xckpt.open]), at any location (`Place`: a local path,
+a kvstore URL or spec, `http(s)://`): one `.safetensors` file (any name, if its
+header parses); a directory with `model.safetensors.index.json`, whose `weight_map`
 is the truth (files it does not name are ignored; a name in two of its shards is an
-error even where ``safe_open`` accepts it); a directory of ``*.safetensors`` without an
+error even where `safe_open` accepts it); a directory of `*.safetensors` without an
 index (all of them; a name in two files is an error); or the index file itself. An
-``http(s)://`` directory cannot be listed: it is found by probing
-``model.safetensors.index.json``, then ``model.safetensors``. Where a file's size is
+`http(s)://` directory cannot be listed: it is found by probing
+`model.safetensors.index.json`, then `model.safetensors`. Where a file's size is
 unknown until read (a kvstore), the header's claims are checked by reading the last
 byte they claim.
 
 Decisions where the design is silent:
 
-* Every tensor is one chunk (none if empty). Its writer (``Chunk.rank``) is 0 for a file
+* Every tensor is one chunk (none if empty). Its writer (`Chunk.rank`) is 0 for a file
   and the shard's position in sorted file-name order in a directory
-  (``model-00001-of-00004`` is writer 0), so ``plot_layout`` colours by shard and
-  ``world_size`` is the number of shards. ``Chunk.key`` is ``<file>[begin:end]``
-  (absolute byte offsets). ``names()`` are sorted, as ``safe_open(...).keys()``.
+  (`model-00001-of-00004` is writer 0), so `plot_layout` colours by shard and
+  `world_size` is the number of shards. `Chunk.key` is `<file>[begin:end]`
+  (absolute byte offsets). `names()` are sorted, as `safe_open(...).keys()`.
 * Gaps between tensors and bytes after the last one are accepted (never read);
   overlaps are not.
-* ``metadata``: the ``__metadata__`` of the file, or of the shards merged (the first
-  wins a clash) and then the index's ``metadata`` (non-strings as JSON text).
-* ``bytes_read`` counts tensor bytes taken from files (pread ranges, or bytes copied
-  from a mapping; the kernel fetches whole pages), not headers: what ``plan_load``
+* `metadata`: the `__metadata__` of the file, or of the shards merged (the first
+  wins a clash) and then the index's `metadata` (non-strings as JSON text).
+* `bytes_read` counts tensor bytes taken from files (pread ranges, or bytes copied
+  from a mapping; the kernel fetches whole pages), not headers: what `plan_load`
   predicts for a load.
-* No checksums: :meth:`SafetensorsSource.verify` checks file sizes against headers and
+* No checksums: `SafetensorsSource.verify` checks file sizes against headers and
   reads every tensor.
 """
 
@@ -92,7 +92,7 @@ DTYPES: dict[str, tuple[str, int]] = {
 
 
 class TensorInfo(NamedTuple):
-    """One header entry: xckpt dtype name, shape, absolute byte range ``[begin, end)`` in the file."""
+    """One header entry: xckpt dtype name, shape, absolute byte range `[begin, end)` in the file."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -101,7 +101,7 @@ class TensorInfo(NamedTuple):
 
 
 class Header(NamedTuple):
-    """A parsed header: tensors in header order, ``__metadata__``, and where the data starts."""
+    """A parsed header: tensors in header order, `__metadata__`, and where the data starts."""
 
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
@@ -134,7 +134,7 @@ def _json(raw: bytes, where: str, what: str) -> Any:
 
 
 def header_length(first: bytes, file_size: int | None, where: str) -> int:
-    """The header length ``N`` from a file's first 8 bytes, checked against the cap and the file
+    """The header length `N` from a file's first 8 bytes, checked against the cap and the file
     size (where it is known)."""
     if file_size is None:
         file_size = len(first) if len(first) < 8 else 1 << 62
@@ -162,11 +162,11 @@ def _is_int(x: Any) -> bool:
 
 
 def parse_header(body: bytes, file_size: int | None, where: str) -> Header:
-    """Parse and check ``body``, the ``N`` header bytes of a file of ``file_size`` bytes (None:
+    """Parse and check `body`, the `N` header bytes of a file of `file_size` bytes (None:
     unknown; the caller then checks the claimed extent against the file).
 
     Raises:
-        ManifestError: anything wrong with the header, naming ``where`` and the tensor.
+        ManifestError: anything wrong with the header, naming `where` and the tensor.
     """
     data_start = 8 + len(body)
     buffer = file_size - data_start if file_size is not None else 1 << 62
@@ -229,8 +229,8 @@ def parse_header(body: bytes, file_size: int | None, where: str) -> Header:
 
 
 class _File:
-    """One safetensors file: its parsed header and its open :class:`~xckpt.storage.Blob`
-    (until the source closes). ``rel`` is its name below the directory opened."""
+    """One safetensors file: its parsed header and its open `Blob`
+    (until the source closes). `rel` is its name below the directory opened."""
 
     def __init__(self, place: Place, rel: str, rank: int) -> None:
         self.path = place.child(rel).name if rel else place.name
@@ -264,7 +264,7 @@ class _File:
         self.blob = blob
 
     def reader(self, source: str, name: str) -> Blob:
-        """The open file, for reading tensor ``name``; XckptError once ``source`` is closed."""
+        """The open file, for reading tensor `name`; XckptError once `source` is closed."""
         if self.blob is None:
             raise XckptError(f"checkpoint {source!r} is closed; open it again to read {name!r}")
         return self.blob
@@ -363,12 +363,12 @@ class SafetensorsSource(Source):
         box: tuple[int, ...],
         buf: np.ndarray,
     ) -> None:
-        """Read box ``start``/``box`` of tensor ``t`` into the C-contiguous ``buf``.
+        """Read box `start`/`box` of tensor `t` into the C-contiguous `buf`.
 
-        The box is ``R`` runs of contiguous bytes (dims from the innermost partial
-        one outwards). One run, or runs of at least :data:`PREAD_RUN` bytes: one
-        byte-range read each, straight into ``buf``. Many small runs (a column slice):
-        the byte span is taken in windows of at most :data:`MAP_WINDOW` bytes (memory-
+        The box is `R` runs of contiguous bytes (dims from the innermost partial
+        one outwards). One run, or runs of at least `PREAD_RUN` bytes: one
+        byte-range read each, straight into `buf`. Many small runs (a column slice):
+        the byte span is taken in windows of at most `MAP_WINDOW` bytes (memory-
         mapped for a local file, so only the pages holding the runs are touched; read
         elsewhere) and copied with numpy strides; each window is released at once.
         """
@@ -465,8 +465,8 @@ class SafetensorsSource(Source):
 
 
 def detect(path: str | Place) -> bool:
-    """A ``.safetensors`` file (or one whose first bytes parse as a header), an index, or a
-    directory holding an index or ``*.safetensors`` files (over http: the probed names)."""
+    """A `.safetensors` file (or one whose first bytes parse as a header), an index, or a
+    directory holding an index or `*.safetensors` files (over http: the probed names)."""
     place = as_place(path, probes=HTTP_PROBES)
     try:
         kind = place.kind()
@@ -503,7 +503,7 @@ def _shown(entries: list[str]) -> str:
 
 
 def _open(path: str, place: Place, rels: list[str], fix: str) -> tuple[list[_File], dict[str, tuple[_File, TensorInfo]]]:
-    """Open files ``rels`` below ``place`` (writer = position) and map every tensor name to its
+    """Open files `rels` below `place` (writer = position) and map every tensor name to its
     file; a name in two is an error."""
     files: list[_File] = []
     tensors: dict[str, tuple[_File, TensorInfo]] = {}
@@ -532,7 +532,7 @@ def _metadata(files: list[_File]) -> dict[str, str]:
 
 
 def _open_index(path: str, d: Place, rel: str) -> SafetensorsSource:
-    """The Hugging Face directory ``d`` whose index is file ``rel`` in it."""
+    """The Hugging Face directory `d` whose index is file `rel` in it."""
     index = d.child(rel).name
     raw = d.read(rel, limit=HEADER_CAP)
     if raw is None:
@@ -574,17 +574,17 @@ def _open_index(path: str, d: Place, rel: str) -> SafetensorsSource:
 
 def open(path: str | Place, *, allow_pickle: bool = False) -> SafetensorsSource:  # noqa: A001
     """Open a safetensors file, a Hugging Face directory, or an index file (headers only), at any
-    location (a local path, a kvstore URL or spec, an ``http(s)://`` URL).
+    location (a local path, a kvstore URL or spec, an `http(s)://` URL).
 
     Args:
-        path: a ``.safetensors`` file; a directory with ``model.safetensors.index.json`` (or one
-            other ``*.safetensors.index.json``) or with ``*.safetensors`` files; an index file.
-            Over http, a directory is found by probing ``model.safetensors.index.json``, then
-            ``model.safetensors`` (it cannot be listed).
+        path: a `.safetensors` file; a directory with `model.safetensors.index.json` (or one
+            other `*.safetensors.index.json`) or with `*.safetensors` files; an index file.
+            Over http, a directory is found by probing `model.safetensors.index.json`, then
+            `model.safetensors` (it cannot be listed).
         allow_pickle: unused (safetensors holds no pickles).
 
     Raises:
-        CheckpointNotFoundError: nothing safetensors at ``path``.
+        CheckpointNotFoundError: nothing safetensors at `path`.
         IncompleteCheckpointError: the index names a missing shard, or a tensor its shard lacks.
         ManifestError: a header or the index is damaged (each check names file and tensor).
     """

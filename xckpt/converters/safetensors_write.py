@@ -1,25 +1,25 @@
-"""safetensors output of ``xckpt.convert``: one file, or a Hugging Face directory.
+"""safetensors output of `xckpt.convert`: one file, or a Hugging Face directory.
 
-One file: ``job.max_shard_size is None``. A Hugging Face directory (index
-``model.safetensors.index.json`` and shards ``model-0000i-of-0000N.safetensors``,
-each at most ``max_shard_size`` bytes of tensor data unless one tensor alone is
-larger, split greedily in source order as ``huggingface_hub`` splits): otherwise.
+One file: `job.max_shard_size is None`. A Hugging Face directory (index
+`model.safetensors.index.json` and shards `model-0000i-of-0000N.safetensors`,
+each at most `max_shard_size` bytes of tensor data unless one tensor alone is
+larger, split greedily in source order as `huggingface_hub` splits): otherwise.
 
 The header is written first (every offset is known from the source's metadata),
 then each tensor's bytes stream in row-major order: a row-sharded tensor moves
-one chunk at a time (:meth:`WriteJob.rows`), so memory stays near the largest
+one chunk at a time ([`WriteJob.rows`][xckpt.sink.WriteJob.rows]), so memory stays near the largest
 chunk; a column-sharded one is assembled whole. A single file is complete only
 with its last byte (its header claims every byte). A directory's shards are
-written as ``<shard>.partial``; once they all are, the index goes in, then each
-shard takes its name: before the index there is no ``*.safetensors`` file, after
+written as `<shard>.partial`; once they all are, the index goes in, then each
+shard takes its name: before the index there is no `*.safetensors` file, after
 it the index names a missing shard until the last rename, so at no moment does a
-reader (xckpt's, ``safetensors``', ``from_pretrained``) take a part for the whole.
+reader (xckpt's, `safetensors`', `from_pretrained`) take a part for the whole.
 
-``__metadata__`` holds ``{"format": "pt"}`` (what ``save_pretrained`` writes and
-``from_pretrained`` checks), the metadata of a safetensors or xckpt source
-(strings as they are, other values as JSON text; an index's ``total_size`` and
-``total_parameters`` are not carried over; other formats' metadata is their own
-bookkeeping, e.g. orbax's timestamps, and stays behind) and every object as JSON text (:func:`xckpt.manifest.encode_value`,
+`__metadata__` holds `{"format": "pt"}` (what `save_pretrained` writes and
+`from_pretrained` checks), the metadata of a safetensors or xckpt source
+(strings as they are, other values as JSON text; an index's `total_size` and
+`total_parameters` are not carried over; other formats' metadata is their own
+bookkeeping, e.g. orbax's timestamps, and stays behind) and every object as JSON text (`xckpt.manifest.encode_value`,
 so bytes and tuples come back tagged); in a directory these go into the first
 shard. Dtypes safetensors has no name for are an error naming the tensor.
 """
@@ -101,7 +101,7 @@ def _header(job: WriteJob, names: list[str], metadata: dict[str, str] | None) ->
 
 
 def write_file(job: WriteJob, path: str, names: list[str], metadata: dict[str, str] | None) -> None:
-    """One safetensors file of ``names`` at ``path`` (created; fsynced): header, then each tensor's bytes."""
+    """One safetensors file of `names` at `path` (created; fsynced): header, then each tensor's bytes."""
     header = _header(job, names, metadata)
     with open(path, "xb") as f:
         f.write(header)
@@ -131,7 +131,7 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[
 
 
 class SafetensorsSink(Sink):
-    """One safetensors file, or a Hugging Face directory when ``job.max_shard_size`` is set."""
+    """One safetensors file, or a Hugging Face directory when `job.max_shard_size` is set."""
 
     format = FORMAT
 
@@ -141,7 +141,7 @@ class SafetensorsSink(Sink):
 
     def write(self, job: WriteJob) -> None:
         """Each file's header first, then its tensors' bytes; a directory's shards under
-        ``.partial`` names, then its index, then the shards' renames."""
+        `.partial` names, then its index, then the shards' renames."""
         names = list(job.names)
         meta = metadata_of(job)
         if job.max_shard_size is None:

@@ -1,41 +1,41 @@
-"""torch DCP checkpoints as an xckpt source (format ``torch-dcp``), read without torch.
+"""torch DCP checkpoints as an xckpt source (format `torch-dcp`), read without torch.
 
 Layouts (REFERENCE.md sections 2 and 9):
 
-* coordinated: one ``.metadata`` pickle for the whole save;
-* rank-local (``dcp.save(..., use_collectives=False)``): one ``__<r>.metadata``
+* coordinated: one `.metadata` pickle for the whole save;
+* rank-local (`dcp.save(..., use_collectives=False)`): one `__<r>.metadata`
   per rank listing only its own chunks. They are merged here: identical boxes
   (replicated tensors, written by every rank) are treated as one, the union must
   tile each tensor. torch's own loader cannot reshard these; xckpt can.
 
-The directory is read at any location (:class:`~xckpt.storage.Place`: a local path,
+The directory is read at any location (`Place`: a local path,
 a kvstore URL or spec; it is listed to find the metadata files), by byte ranges.
 
 Every metadata file goes through the restricted unpickler (DCP's metadata
 classes, sizes, dtypes, layouts, paths; nothing else is called). A tensor
-chunk is a complete torch.save archive at ``[offset, offset + length)`` of a
-``__<r>_<n>.distcp`` file: its central directory and ``data.pkl`` are parsed
+chunk is a complete torch.save archive at `[offset, offset + length)` of a
+`__<r>_<n>.distcp` file: its central directory and `data.pkl` are parsed
 and only the byte span of the rows (or box) asked is read, honouring the
 stored sizes, strides and storage offset. Zero-size chunks (empty shards) hold
 nothing and are dropped. Every range is checked against its file's size at
-open, so a truncated ``.distcp`` is an error before anything is read.
+open, so a truncated `.distcp` is an error before anything is read.
 
-Variants: ``serialization_format=SAFETENSORS`` files (a safetensors blob at the
+Variants: `serialization_format=SAFETENSORS` files (a safetensors blob at the
 item's offset, tensors named by fqn) are read by byte range too; stream
 transforms (the zstd extension) are refused on read with an error naming them.
 
-Objects (``BYTE_IO`` items: ``step``, ``param_groups`` entries) are pickles.
-``object_names()`` lists them, grouped back the way :mod:`xckpt.torch` flattens
-a state dict: DCP splits a list of dicts such as ``optim.param_groups`` into one
+Objects (`BYTE_IO` items: `step`, `param_groups` entries) are pickles.
+`object_names()` lists them, grouped back the way `xckpt.torch` flattens
+a state dict: DCP splits a list of dicts such as `optim.param_groups` into one
 pickle per leaf; here the subtree under the shortest key path that holds no
-tensor is one object (``optim.param_groups``), rebuilt from DCP's
-``planner_data`` key paths. Values are read only when the checkpoint was opened
-with ``allow_pickle=True`` (:func:`._unpickle.unrestricted_load`); otherwise
-``objects`` raises :class:`~xckpt.errors.ObjectError` naming the object and the
+tensor is one object (`optim.param_groups`), rebuilt from DCP's
+`planner_data` key paths. Values are read only when the checkpoint was opened
+with `allow_pickle=True` (`_unpickle.unrestricted_load`); otherwise
+`objects` raises [`ObjectError`][xckpt.errors.ObjectError] naming the object and the
 flag. In the rank-local layout an object written by several ranks with
 identical bytes is one value; differing values are per-rank objects.
 
-``bytes_read`` counts bytes read from ``.distcp`` files (metadata excluded).
+`bytes_read` counts bytes read from `.distcp` files (metadata excluded).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ _MAX_METADATA = 1 << 31
 
 
 def detect(path: str | Place) -> bool:
-    """A directory holding ``.metadata`` or ``__<r>.metadata`` beside ``*.distcp`` files."""
+    """A directory holding `.metadata` or `__<r>.metadata` beside `*.distcp` files."""
     place = as_place(path)
     try:
         if not place.listable or place.kind() != "dir":
@@ -350,13 +350,13 @@ class DcpSource(Source):
 
     @property
     def bytes_read(self) -> int:
-        """Bytes read from ``.distcp`` files so far."""
+        """Bytes read from `.distcp` files so far."""
         return sum(f.bytes_read for f in list(self._files.values()))
 
     # -- reading ----------------------------------------------------------------
 
     def file(self, rel: str) -> Blob:
-        """The open data file ``rel`` (opened once)."""
+        """The open data file `rel` (opened once)."""
         f = self._files.get(rel)
         if f is None:
             with self._files_lock:
@@ -392,7 +392,7 @@ class DcpSource(Source):
         return set(self._groups)
 
     def nesting(self) -> Mapping[str, tuple[Any, ...]]:
-        """Key paths from DCP's ``planner_data`` (what ``dcp_to_torch_save`` nests by): each
+        """Key paths from DCP's `planner_data` (what `dcp_to_torch_save` nests by): each
         tensor's, and each object's (the tensor-free subtree it is)."""
         paths = self._parsed.paths
         out = {n: items.path_of(n, paths) for n in self._entries}

@@ -1,37 +1,37 @@
-"""torch DCP output of ``xckpt.convert``: per-rank ``.distcp`` files and a ``.metadata``, chunk by chunk.
+"""torch DCP output of `xckpt.convert`: per-rank `.distcp` files and a `.metadata`, chunk by chunk.
 
-What ``torch.distributed.checkpoint.save`` writes with its defaults
-(``FileSystemWriter``, ``single_file_per_rank=True``, one thread, TORCH_SAVE
+What `torch.distributed.checkpoint.save` writes with its defaults
+(`FileSystemWriter`, `single_file_per_rank=True`, one thread, TORCH_SAVE
 serialization; REFERENCE.md sections 2 and 9), from one process:
 
-* ``__<r>_0.distcp`` for every source writer ``r`` holding a chunk
-  (``chunk.rank``): each chunk is a complete ``torch.save`` archive of that box,
-  appended to its rank's file as DCP's ``_write_item`` does, so
-  ``torch.distributed.checkpoint.load`` at any world size reads exactly the
+* `__<r>_0.distcp` for every source writer `r` holding a chunk
+  (`chunk.rank`): each chunk is a complete `torch.save` archive of that box,
+  appended to its rank's file as DCP's `_write_item` does, so
+  `torch.distributed.checkpoint.load` at any world size reads exactly the
   boxes the source stored (a DCP or xckpt checkpoint saved by 4 ranks comes out
   with the same 4 ranks' files and boxes);
-* ``.metadata``: a pickled ``Metadata`` built from torch's own classes:
-  ``TensorStorageMetadata(TensorProperties(dtype), size, [ChunkStorageMetadata(offsets, sizes)])``
-  per tensor, ``BytesStorageMetadata()`` per object,
-  ``storage_data = {MetadataIndex(fqn, offset, index): _StorageInfo(file, offset, length)}``,
-  ``planner_data`` (the flatten mapping), a ``StorageMeta`` with a fresh
-  ``save_id``, ``version`` = torch's ``CURRENT_DCP_VERSION``. It is written last
-  (through ``.metadata.tmp`` and a rename, as torch does), after every data file
+* `.metadata`: a pickled `Metadata` built from torch's own classes:
+  `TensorStorageMetadata(TensorProperties(dtype), size, [ChunkStorageMetadata(offsets, sizes)])`
+  per tensor, `BytesStorageMetadata()` per object,
+  `storage_data = {MetadataIndex(fqn, offset, index): _StorageInfo(file, offset, length)}`,
+  `planner_data` (the flatten mapping), a `StorageMeta` with a fresh
+  `save_id`, `version` = torch's `CURRENT_DCP_VERSION`. It is written last
+  (through `.metadata.tmp` and a rename, as torch does), after every data file
   is fsynced: until then no DCP reader takes the directory for a checkpoint.
 
 Decisions (where the design is silent):
 
-* Tensor names are DCP keys as they are (flat, dotted); ``planner_data`` maps
-  each to a one-element path, so ``dcp.load`` into a nested state dict (which
-  DCP flattens to the same dotted keys) and ``dcp_to_torch_save`` (a flat dict)
+* Tensor names are DCP keys as they are (flat, dotted); `planner_data` maps
+  each to a one-element path, so `dcp.load` into a nested state dict (which
+  DCP flattens to the same dotted keys) and `dcp_to_torch_save` (a flat dict)
   both work.
-* Objects are flattened exactly as ``dcp.save`` flattens a state dict (torch's
-  own ``flatten_state_dict``: a dict ``cfg`` becomes items ``cfg.lr`` ...), so
-  ``dcp.load`` fills the caller's nested structure; each item is
-  ``torch.save``'d into bytes (a ``BYTE_IO`` item, as DCP does) in rank 0's file.
+* Objects are flattened exactly as `dcp.save` flattens a state dict (torch's
+  own `flatten_state_dict`: a dict `cfg` becomes items `cfg.lr` ...), so
+  `dcp.load` fills the caller's nested structure; each item is
+  `torch.save`'d into bytes (a `BYTE_IO` item, as DCP does) in rank 0's file.
   A flattened object key that is also a tensor name, or a value that cannot be
   pickled, is an error naming it; nothing is left complete.
-* Memory: one chunk at a time (the ``torch.save`` archive is streamed into the
+* Memory: one chunk at a time (the `torch.save` archive is streamed into the
   open rank file; the numpy buffer is shared with the tensor, not copied).
 
 Needs torch (imported when writing). Nothing here unpickles.
@@ -62,7 +62,7 @@ _VIA = {"bfloat16": np.int16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8
 
 
 def torch_tensor(arr: np.ndarray, dtype: str) -> Any:
-    """A torch tensor sharing ``arr``'s memory, of xckpt dtype ``dtype`` (bf16/float8 by view)."""
+    """A torch tensor sharing `arr`'s memory, of xckpt dtype `dtype` (bf16/float8 by view)."""
     import torch
 
     tdt = getattr(torch, dtype)
@@ -79,7 +79,7 @@ def _fsync_close(f: Any) -> None:
 
 
 def flat_objects_of(job: WriteJob) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Objects flattened as ``dcp.save`` flattens a state dict, and their paths; a flattened
+    """Objects flattened as `dcp.save` flattens a state dict, and their paths; a flattened
     key that is also a tensor name is an error."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -95,7 +95,7 @@ def flat_objects_of(job: WriteJob) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def pickled(job: WriteJob, key: str, value: Any) -> io.BytesIO:
-    """``value`` as DCP stores a ``BYTE_IO`` item: ``torch.save``'d bytes."""
+    """`value` as DCP stores a `BYTE_IO` item: `torch.save`'d bytes."""
     import torch
 
     buf = io.BytesIO()
@@ -110,17 +110,17 @@ def pickled(job: WriteJob, key: str, value: Any) -> io.BytesIO:
 
 
 class DcpSink(Sink):
-    """A torch DCP checkpoint: one ``__<r>_0.distcp`` per source writer, ``.metadata`` last."""
+    """A torch DCP checkpoint: one `__<r>_0.distcp` per source writer, `.metadata` last."""
 
     format = FORMAT
 
     def check(self, job: WriteJob) -> None:
         """Every dtype is a torch dtype; no flattened object key is a tensor name; every
-        object pickles with ``torch.save``.
+        object pickles with `torch.save`.
 
         Raises:
             XckptError: a dtype torch lacks, or an object's flattened key is also a tensor name.
-            ObjectError: an object cannot be pickled by ``torch.save``.
+            ObjectError: an object cannot be pickled by `torch.save`.
         """
         import torch
 
@@ -136,12 +136,12 @@ class DcpSink(Sink):
             pickled(job, key, value)
 
     def write(self, job: WriteJob) -> None:
-        """Every chunk appended to its source writer's file as a ``torch.save`` archive,
-        then objects into rank 0's file; files fsynced, ``.metadata`` written last.
+        """Every chunk appended to its source writer's file as a `torch.save` archive,
+        then objects into rank 0's file; files fsynced, `.metadata` written last.
 
         Raises:
             XckptError: an object's flattened key is also a tensor name.
-            ObjectError: an object cannot be pickled by ``torch.save``.
+            ObjectError: an object cannot be pickled by `torch.save`.
         """
         flat_objects, object_paths = flat_objects_of(job)
         dst = os.path.abspath(job.dst)
@@ -188,8 +188,8 @@ StoredChunk = tuple[tuple[int, ...], tuple[int, ...], str, int, int]
 
 
 def append_tensor(f: Any, data: np.ndarray, dtype: str) -> tuple[int, int]:
-    """``data`` (xckpt dtype ``dtype``) appended to the open file ``f`` as DCP's ``_write_item``
-    writes a chunk (a ``torch.save`` archive): its (byte offset, byte length)."""
+    """`data` (xckpt dtype `dtype`) appended to the open file `f` as DCP's `_write_item`
+    writes a chunk (a `torch.save` archive): its (byte offset, byte length)."""
     import torch
 
     start = f.tell()
@@ -205,9 +205,9 @@ def write_metadata(
     object_paths: Mapping[str, Any],
     save_id: str,
 ) -> None:
-    """``.metadata`` (through ``.metadata.tmp`` and a rename, fsynced) for ``tensors`` (in
-    ``job.names`` order, each its stored chunks in order) and ``objects`` ((key, file,
-    offset, length), flattened as ``flat_objects_of`` flattens them)."""
+    """`.metadata` (through `.metadata.tmp` and a rename, fsynced) for `tensors` (in
+    `job.names` order, each its stored chunks in order) and `objects` ((key, file,
+    offset, length), flattened as `flat_objects_of` flattens them)."""
     import torch
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (

@@ -1,31 +1,31 @@
-"""torch.save zip files as an xckpt source (format ``torch``), read without torch.
+"""torch.save zip files as an xckpt source (format `torch`), read without torch.
 
-The file's ``data.pkl`` is read with the restricted unpickler (tensor rebuild
+The file's `data.pkl` is read with the restricted unpickler (tensor rebuild
 functions, storages, plain containers and scalars; nothing else is called) and
-flattened as ``xckpt.torch`` flattens a state dict (``xckpt/torch/_state_dict.py``): dicts,
+flattened as `xckpt.torch` flattens a state dict (`xckpt/torch/_state_dict.py`): dicts,
 lists and tuples that hold a tensor somewhere inside are walked and their keys
-joined with "."; anything else (an int ``step``, a list of floats, a tensor-free
-``meta`` dict) is one object under its parent's name, returned as it was saved. Each
+joined with "."; anything else (an int `step`, a list of floats, a tensor-free
+`meta` dict) is one object under its parent's name, returned as it was saved. Each
 tensor is one chunk (the whole tensor, written by rank 0); tensors sharing a storage
-(tied weights) and views with a storage offset or non-row-major strides (``t.t()``,
-``t[2:]``, channels_last) are read from their storage as ``data.pkl`` describes them.
+(tied weights) and views with a storage offset or non-row-major strides (`t.t()`,
+`t[2:]`, channels_last) are read from their storage as `data.pkl` describes them.
 Reads are byte ranges of only the span a box touches, from any location
-(:class:`~xckpt.storage.Place`: a local path, a kvstore URL or spec, ``http(s)://``).
+(`Place`: a local path, a kvstore URL or spec, `http(s)://`).
 
-Classes outside the allow-list (an ``argparse.Namespace`` of training arguments, numpy
-scalars and RNG states, ``torch.device``, a user's class; Lightning ``.ckpt`` files) do
-not make the file unreadable: while ``data.pkl`` is read they become inert placeholders
-(:mod:`._foreign`: nothing of theirs is imported or called). Every tensor still lists
-and reads. An object holding a placeholder is listed by :meth:`~TorchSaveSource.pickled_objects`
-and read only when the file was opened with ``allow_pickle=True``: then it is rebuilt
-from what the pickle recorded, with the real classes, exactly as ``torch.load`` would
+Classes outside the allow-list (an `argparse.Namespace` of training arguments, numpy
+scalars and RNG states, `torch.device`, a user's class; Lightning `.ckpt` files) do
+not make the file unreadable: while `data.pkl` is read they become inert placeholders
+(`_foreign`: nothing of theirs is imported or called). Every tensor still lists
+and reads. An object holding a placeholder is listed by `pickled_objects`
+and read only when the file was opened with `allow_pickle=True`: then it is rebuilt
+from what the pickle recorded, with the real classes, exactly as `torch.load` would
 build it (this runs the code the file names, for the objects asked for only; tensors
 inside it come back as numpy arrays). Objects of allow-listed plain types read without
-the flag, as before. A tensor inside a foreign object (``Namespace(w=tensor)``) is part
+the flag, as before. A tensor inside a foreign object (`Namespace(w=tensor)`) is part
 of that object, as the flattening rule has it.
 
 Decisions where torch is silent: a file holding one bare tensor presents it as
-the tensor ``"tensor"``; one bare non-tensor value as the object ``"value"``.
+the tensor `"tensor"`; one bare non-tensor value as the object `"value"`.
 The legacy (pre-1.6, non-zip) format is refused with an error that says how to
 re-save it; a compressed or otherwise non-torch zip is refused too.
 """
@@ -56,7 +56,7 @@ FORMAT = "torch"
 
 
 def detect(path: str | Place) -> bool:
-    """A zip file with an ``<archive>/data.pkl`` record (torch writes it first), or a legacy
+    """A zip file with an `<archive>/data.pkl` record (torch writes it first), or a legacy
     torch.save pickle, at any location."""
     place = as_place(path)
     try:
@@ -96,7 +96,7 @@ def _holds_tensor(v: Any, depth: int = 0) -> bool:
 
 
 def flatten_refs(root: Any, where: str) -> tuple[dict[str, TensorRef], dict[str, Any]]:
-    """Tensors and objects of an unpickled ``data.pkl``, by flat name (xckpt's flatten rule)."""
+    """Tensors and objects of an unpickled `data.pkl`, by flat name (xckpt's flatten rule)."""
     tensors: dict[str, TensorRef] = {}
     objects: dict[str, Any] = {}
 
@@ -134,7 +134,7 @@ def flatten_refs(root: Any, where: str) -> tuple[dict[str, TensorRef], dict[str,
 
 
 def entry_for(name: str, t: TensorRef, key: str, rank: int, where: str) -> TensorEntry:
-    """The one-chunk entry of a whole tensor ``t`` stored at ``key``."""
+    """The one-chunk entry of a whole tensor `t` stored at `key`."""
     dtype = t.dtype.xckpt
     if dtype is None:
         raise XckptError(
@@ -149,7 +149,7 @@ def entry_for(name: str, t: TensorRef, key: str, rank: int, where: str) -> Tenso
 
 
 def run_jobs(fn: Any, jobs: Sequence[Any], bar: Any, nbytes: Any, threads: int = 8) -> None:
-    """``fn(job)`` for every job, concurrently for several; ``bar.update`` in this thread."""
+    """`fn(job)` for every job, concurrently for several; `bar.update` in this thread."""
     if len(jobs) <= 1:
         for job in jobs:
             fn(job)
@@ -162,7 +162,7 @@ def run_jobs(fn: Any, jobs: Sequence[Any], bar: Any, nbytes: Any, threads: int =
 
 
 class TorchSaveSource(Source):
-    """A torch.save zip file opened for reading (``data.pkl`` parsed; no tensor bytes read)."""
+    """A torch.save zip file opened for reading (`data.pkl` parsed; no tensor bytes read)."""
 
     format = FORMAT
 
@@ -209,7 +209,7 @@ class TorchSaveSource(Source):
 
     @property
     def bytes_read(self) -> int:
-        """Bytes read from the file so far (headers and ``data.pkl`` included)."""
+        """Bytes read from the file so far (headers and `data.pkl` included)."""
         return self._file.bytes_read
 
     def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
@@ -228,7 +228,7 @@ class TorchSaveSource(Source):
         return list(self._objects)
 
     def pickled_objects(self) -> set[str]:
-        """Objects holding classes outside the allow-list: read only with ``allow_pickle=True``."""
+        """Objects holding classes outside the allow-list: read only with `allow_pickle=True`."""
         return set(self._foreign)
 
     def _has_object(self, name: str) -> bool:
@@ -270,7 +270,7 @@ class TorchSaveSource(Source):
 def open(path: str | Place, *, allow_pickle: bool = False) -> TorchSaveSource:  # noqa: A001
     """Open a torch.save zip file at any location.
 
-    ``data.pkl`` is always read restricted (classes outside the allow-list become inert
-    placeholders); ``allow_pickle=True`` lets the objects holding them be rebuilt.
+    `data.pkl` is always read restricted (classes outside the allow-list become inert
+    placeholders); `allow_pickle=True` lets the objects holding them be rebuilt.
     """
     return TorchSaveSource(path, allow_pickle=allow_pickle)

@@ -1,24 +1,24 @@
-"""torch.save output of ``xckpt.convert``: the zip layout written directly, no torch needed.
+"""torch.save output of `xckpt.convert`: the zip layout written directly, no torch needed.
 
-The file is what ``torch.save(flat_dict, f)`` writes and torch's
-``weights_only=True`` loader reads (``mmap=True`` too): a stored (not
-compressed) zip whose records live under ``archive/``: ``data.pkl`` (pickle
-protocol 2), ``.format_version``, ``.storage_alignment``, ``byteorder``, one
-``data/<k>`` record per tensor, each 64-byte aligned as torch aligns them, and
-``version``. The pickle is written here opcode by opcode: a flat dict from name
-to tensor (``torch._utils._rebuild_tensor_v2`` over a typed storage, or
-``_rebuild_tensor_v3`` with the dtype for uint16/32/64 and float8, as torch
+The file is what `torch.save(flat_dict, f)` writes and torch's
+`weights_only=True` loader reads (`mmap=True` too): a stored (not
+compressed) zip whose records live under `archive/`: `data.pkl` (pickle
+protocol 2), `.format_version`, `.storage_alignment`, `byteorder`, one
+`data/<k>` record per tensor, each 64-byte aligned as torch aligns them, and
+`version`. The pickle is written here opcode by opcode: a flat dict from name
+to tensor (`torch._utils._rebuild_tensor_v2` over a typed storage, or
+`_rebuild_tensor_v3` with the dtype for uint16/32/64 and float8, as torch
 itself pickles them) or object (None, bool, int, float, str, bytes, list, tuple,
 dict, as the weights-only unpickler accepts them).
 
 A source that says where its names sit in a nested state dict
-(:meth:`~xckpt.source.Source.nesting`: torch DCP's ``planner_data``) is written as that
-nested dict, as ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` writes
-it (``torch.load(f)["model"]["layer.weight"]``; integer keys make lists); any other
+([`nesting`][xckpt.source.Source.nesting]: torch DCP's `planner_data`) is written as that
+nested dict, as `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` writes
+it (`torch.load(f)["model"]["layer.weight"]`; integer keys make lists); any other
 source, or one whose names a rules view renamed, as the flat dict.
 
 Each tensor's bytes stream into its record in row-major order
-(:meth:`WriteJob.rows`): a row-sharded tensor moves one chunk at a time. The
+([`WriteJob.rows`][xckpt.sink.WriteJob.rows]): a row-sharded tensor moves one chunk at a time. The
 zip's central directory is written last, so an interrupted write is not a zip
 any reader opens.
 """
@@ -159,7 +159,7 @@ class _Tensor(tuple[int, str, tuple[int, ...]]):
 
 
 def _nested(v: Any, name: str) -> bytes:
-    """A nested state dict (dicts and lists from :func:`._nesting.nest_paths`) by opcode."""
+    """A nested state dict (dicts and lists from `_nesting.nest_paths`) by opcode."""
     if isinstance(v, _Tensor):
         return _tensor(str(v[0]), v[1], v[2])
     if type(v) is dict:
@@ -176,8 +176,8 @@ def pickle_nested(
     paths: Mapping[str, tuple[Any, ...]],
     where: str,
 ) -> bytes:
-    """``data.pkl`` of the nested state dict with every tensor (storages "0", "1", ... in order)
-    and object at its key path in ``paths``."""
+    """`data.pkl` of the nested state dict with every tensor (storages "0", "1", ... in order)
+    and object at its key path in `paths`."""
     leaves: list[tuple[tuple[Any, ...], Any]] = [
         (paths[n], _Tensor((i, dtype, shape))) for i, (n, dtype, shape) in enumerate(tensors)
     ]
@@ -186,8 +186,8 @@ def pickle_nested(
 
 
 def pickle_state(tensors: list[tuple[str, str, tuple[int, ...]]], objects: dict[str, Any]) -> bytes:
-    """``data.pkl`` of a flat dict: ``tensors`` as (name, dtype, shape) on storages "0", "1", ...
-    in order, then ``objects``."""
+    """`data.pkl` of a flat dict: `tensors` as (name, dtype, shape) on storages "0", "1", ...
+    in order, then `objects`."""
     items = [_str(name) + _tensor(str(i), dtype, shape) for i, (name, dtype, shape) in enumerate(tensors)]
     items += [_str(name) + _value(v, name) for name, v in objects.items()]
     return b"\x80\x02}" + (b"(" + b"".join(items) + b"u" if items else b"") + b"."
@@ -209,7 +209,7 @@ def _open_record(zf: zipfile.ZipFile, name: str, size: int) -> Any:
 
 
 def _data_pkl(job: WriteJob) -> bytes:
-    """``data.pkl`` of the job's flat dict; raises for what torch's weights-only loader cannot read."""
+    """`data.pkl` of the job's flat dict; raises for what torch's weights-only loader cannot read."""
     for name in job.names:
         t = job.src.info(name)
         if t.dtype not in _TYPED and t.dtype not in _UNTYPED:
@@ -239,7 +239,7 @@ class TorchSaveSink(Sink):
         _data_pkl(job)
 
     def write(self, job: WriteJob) -> None:
-        """``data.pkl`` first, then each tensor's record streamed in row-major order; the
+        """`data.pkl` first, then each tensor's record streamed in row-major order; the
         zip's central directory last."""
         data_pkl = _data_pkl(job)
         with open(job.dst, "xb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:

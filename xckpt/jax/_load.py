@@ -1,24 +1,24 @@
 """Load a checkpoint into jax.Arrays of any sharding, or into numpy on the host.
 
 Tensors of a value group (DESIGN.md section 4) are loaded by value instead,
-each device getting the rows a torch rank would (see ``_value_groups``).
+each device getting the rows a torch rank would (see `_value_groups`).
 
 For every target array, each addressable device's box is computed from its
 sharding; identical boxes (replicas) are read once; all boxes of a batch are
-read concurrently with :meth:`xckpt.source.Source.read_into`, which opens only the
+read concurrently with [`xckpt.source.Source.read_into`][xckpt.source.Source.read_into], which opens only the
 saved chunks that overlap a box and, inside a chunk, only the zarr chunks the
-box touches. The arrays are then built with ``jax.make_array_from_callback``
-from those host buffers. Host memory is bounded by ``host_budget`` per batch
+box touches. The arrays are then built with `jax.make_array_from_callback`
+from those host buffers. Host memory is bounded by `host_budget` per batch
 (a single array larger than the budget is read alone).
 
 Host buffers are what the devices keep: on the CPU backend jax adopts a 64-byte
 aligned numpy buffer without a copy, so the bytes read are the bytes restored
 (peak memory about 1x the arrays). The boxes of one array share one anonymous
 mapping (page-aligned, the system's default huge-page policy: an explicit
-``MADV_HUGEPAGE``, as numpy asks for large arrays, made first-touch faults dearer
+`MADV_HUGEPAGE`, as numpy asks for large arrays, made first-touch faults dearer
 on the benchmark VM), freed once all of that array's shards are. While the reads
 run, a helper thread pre-faults those mappings in read order
-(``MADV_POPULATE_WRITE``, Linux 5.14+; elsewhere the reads fault pages in
+(`MADV_POPULATE_WRITE`, Linux 5.14+; elsewhere the reads fault pages in
 themselves): one call per 2 MiB instead of a page fault per 4 KiB page in the
 read threads. On bench/jax_load.py's W1 (1.06 GB, 8 devices, busy 2-core VM) that
 took 0.17-0.21 s of CPU off a ~1.3-1.7 s restore, cold and warm.
@@ -127,7 +127,7 @@ def _build(job: _ArrayJob, bufs: dict[Box, np.ndarray]) -> jax.Array:
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data is 64-byte aligned.
 
-    jax's CPU client adopts such a buffer without copying (``device_put`` is
+    jax's CPU client adopts such a buffer without copying (`device_put` is
     zero-copy); numpy's own large allocations are only 16-byte aligned, which
     costs a second copy of every byte loaded.
     """
@@ -147,7 +147,7 @@ _madvise: Any = None
 
 
 def _box_buffers(job: _ArrayJob) -> tuple[dict[Box, np.ndarray], np.ndarray | None]:
-    """One uninitialised, 64-byte aligned buffer per box of ``job``, and the mapping
+    """One uninitialised, 64-byte aligned buffer per box of `job`, and the mapping
     that holds them all (None when numpy allocated them)."""
     itemsize = job.dtype.itemsize
     sizes = [-(-b.volume * itemsize // _ALIGN) * _ALIGN for b in job.boxes]
@@ -173,7 +173,7 @@ def _libc_madvise() -> Any:
 
 
 def _populate(arenas: list[np.ndarray], stop: threading.Event) -> None:
-    """Pre-fault ``arenas`` in order (an optimisation only: on a kernel without
+    """Pre-fault `arenas` in order (an optimisation only: on a kernel without
     MADV_POPULATE_WRITE the first failure ends it and the reads fault pages in)."""
     madvise = _libc_madvise()  # ctypes releases the GIL for the call
     for a in arenas:
@@ -221,36 +221,36 @@ def load(
     allow_pickle: bool = False,
     rules: Rules = None,
 ) -> Any:
-    """Load a checkpoint into jax.Arrays laid out as ``target`` says.
+    """Load a checkpoint into jax.Arrays laid out as `target` says.
 
     Args:
         path: the checkpoint: a directory, kvstore URL or spec dict of any format
-            :func:`xckpt.open` reads, or an open :class:`xckpt.source.Source`
+            [`xckpt.open`][xckpt.open] reads, or an open [`xckpt.source.Source`][xckpt.source.Source]
             (which stays open; a source opened here is closed on return).
         target: a pytree, or a flat dict by name, whose leaves are
-            ``jax.ShapeDtypeStruct`` with a sharding (shape and dtype are
-            checked against the checkpoint), a ``jax.sharding.Sharding`` alone
-            (shape and dtype from the checkpoint), or a ``jax.Array`` (its
+            `jax.ShapeDtypeStruct` with a sharding (shape and dtype are
+            checked against the checkpoint), a `jax.sharding.Sharding` alone
+            (shape and dtype from the checkpoint), or a `jax.Array` (its
             sharding, shape and dtype). A numpy array leaf is filled on the host
             (shape and dtype checked); any other leaf (e.g. a scalar placeholder)
             gets the saved object of that name, or the tensor as numpy. With no
             target, every tensor comes back as numpy and every object as saved,
             in a flat dict by name.
         per_rank: with no target, how per-rank objects come back (see
-            :meth:`xckpt.source.Source.objects`).
+            [`xckpt.source.Source.objects`][xckpt.source.Source.objects]).
         host_budget: host bytes read per batch before arrays are built.
         show_progress: progress bar (default: when stderr is a TTY).
         strict_capacity: for value groups (DESIGN.md section 4), raise
             ValueRangeError instead of evicting entries that do not fit.
         context: tensorstore context (default: xckpt's process-wide one).
-        format, allow_pickle, rules: as for :func:`xckpt.open`.
+        format, allow_pickle, rules: as for [`xckpt.open`][xckpt.open].
 
     Returns:
-        The same structure as ``target`` filled with jax.Arrays (numpy or
-        objects for non-jax leaves), or a flat dict when ``target`` is None.
+        The same structure as `target` filled with jax.Arrays (numpy or
+        objects for non-jax leaves), or a flat dict when `target` is None.
 
     Raises:
-        MissingEntryError: ``target`` names something the checkpoint lacks.
+        MissingEntryError: `target` names something the checkpoint lacks.
         ShapeMismatchError, DtypeMismatchError: a target disagrees with the
             saved shape or dtype.
         UnsupportedPlacementError: a sharding cannot lay out the saved shape.

@@ -1,7 +1,7 @@
 """Save a pytree of jax.Arrays (any sharding), numpy arrays and scalars.
 
-Call protocol (every process of a multi-process JAX job calls :func:`save`
-with the same tree structure)::
+Call protocol (every process of a multi-process JAX job calls [`save`][xckpt.jax._save.save]
+with the same tree structure):
 
     1. agree on a save_id (the caller's, or process 0's random id broadcast
        with jax.experimental.multihost_utils);
@@ -9,22 +9,22 @@ with the same tree structure)::
        world_size = jax.process_count()); a barrier follows, so an overwritten
        save is withdrawn everywhere before anyone writes;
     3. each process writes the boxes it is the writer of: for every distinct
-       box of an array, ``xckpt.layout.choose_writer`` picks one process among
+       box of an array, `xckpt.layout.choose_writer` picks one process among
        those whose devices hold it (spread by a hash, not all on process 0),
        and within a process each distinct box is written once;
     4. each process commits (data durable, then ranks/<rank>.json);
-    5. after a barrier, process 0 writes xckpt.json (``xckpt.finalize``), and a
+    5. after a barrier, process 0 writes xckpt.json (`xckpt.finalize`), and a
        last barrier makes every process return only once the save is complete.
 
-With ``async_save=True`` steps 1-2 and the device-to-host copies of step 3
-run before ``save`` returns (the host copies are owned by the save: a later
+With `async_save=True` steps 1-2 and the device-to-host copies of step 3
+run before `save` returns (the host copies are owned by the save: a later
 donation or deletion of the arrays cannot change the checkpoint); the writes,
-the commit and step 5 run on the save thread (:mod:`xckpt._async`), and the
+the commit and step 5 run on the save thread (`xckpt._async`), and the
 returned future resolves once the checkpoint is complete. The save thread's
 barriers go through the JAX distributed client's key-value barrier (as orbax's
 async checkpointer does), not a device collective that could interleave with
 the training step's; a process that fails there makes the others raise after
-:data:`BARRIER_TIMEOUT_S`.
+`BARRIER_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _check_dtype(name: str, dtype: Any) -> None:
 
 
 def _plan_jax_array(w: Writer, name: str, arr: jax.Array, me: int) -> list[tuple[Box, Any]]:
-    """Declare ``name`` and return the (box, shard) pairs this process writes."""
+    """Declare `name` and return the (box, shard) pairs this process writes."""
     shape = tuple(int(s) for s in arr.shape)
     _check_dtype(name, arr.dtype)
     w.declare(name, np.dtype(arr.dtype), shape, placement=placement_info(arr.sharding, len(shape)))
@@ -185,7 +185,7 @@ def save(
     compression: str | None = None,
     dedup: Dedup | None = None,
 ) -> Manifest | cf.Future[Manifest]:
-    """Save a pytree of jax.Arrays, numpy arrays and scalars to ``path``.
+    """Save a pytree of jax.Arrays, numpy arrays and scalars to `path`.
 
     Every process of a multi-process job must call this with the same tree
     structure. Each process writes only its addressable shards, and of a box
@@ -194,32 +194,32 @@ def save(
     Args:
         tree: nested dicts, lists and tuples whose leaves are jax.Arrays (any
             sharding), numpy arrays or numpy scalars (stored as tensors), or
-            Python ``bool``/``int``/``float``/``str``/``bytes`` (stored as
-            objects). Names are key paths joined with ``"."``.
+            Python `bool`/`int`/`float`/`str`/`bytes` (stored as
+            objects). Names are key paths joined with `"."`.
         path: directory or kvstore URL.
         save_id: shared id of this save; default: process 0's random id,
             broadcast (one process: derived from the location).
-        overwrite: replace an existing checkpoint at ``path``.
-        storage: ``"files"``, ``"ocdbt"`` or ``"plain"``; default files for a local directory,
-            else ocdbt (see :class:`xckpt.Writer`).
+        overwrite: replace an existing checkpoint at `path`.
+        storage: `"files"`, `"ocdbt"` or `"plain"`; default files for a local directory,
+            else ocdbt (see [`xckpt.Writer`][xckpt.Writer]).
         metadata: JSON-able user metadata stored in the manifest.
         show_progress: progress bar (default: when stderr is a TTY).
         async_save: return a future once every shard this process writes is
             copied to host; the write runs on the save thread.
-        staging: host buffers reused across saves (:class:`xckpt.manager.HostBuffers`,
-            what :class:`xckpt.CheckpointManager` passes): each box is copied into
-            its buffer instead of a fresh host copy (see :mod:`xckpt.jax._staging`).
+        staging: host buffers reused across saves (`xckpt.manager.HostBuffers`,
+            what [`xckpt.CheckpointManager`][xckpt.CheckpointManager] passes): each box is copied into
+            its buffer instead of a fresh host copy (see `xckpt.jax._staging`).
         compression, dedup: as for [Writer][xckpt.Writer] (array chunks' codec: None,
-            ``"zstd"`` or ``"shuffle-zstd"``; a manager's previous step to reference).
+            `"zstd"` or `"shuffle-zstd"`; a manager's previous step to reference).
 
     Returns:
         This process's manifest (the whole checkpoint's when single-process),
-        or with ``async_save`` a :class:`concurrent.futures.Future` that
+        or with `async_save` a `concurrent.futures.Future` that
         resolves to it once the checkpoint is complete.
 
     Raises:
         ObjectError: a leaf has an unsupported type or dtype.
-        CheckpointExistsError: ``path`` holds a save and ``overwrite`` is False.
+        CheckpointExistsError: `path` holds a save and `overwrite` is False.
     """
     named = _named_leaves(tree)
     wait_pending()

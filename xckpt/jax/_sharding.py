@@ -1,13 +1,13 @@
 """Propose a NamedSharding equivalent to a saved placement (torch or JAX).
 
 The mapping follows REFERENCE.md section 4: a mesh axis a placement does not
-shard is replicated; ``Shard(d)`` on several mesh dims nests left to right, so
-it becomes a tuple of axes in mesh order on dim ``d``; FSDP2's
-``(_StridedShard(d, sf), ..., Shard(d))`` (TP first, then FSDP) becomes the
+shard is replicated; `Shard(d)` on several mesh dims nests left to right, so
+it becomes a tuple of axes in mesh order on dim `d`; FSDP2's
+`(_StridedShard(d, sf), ..., Shard(d))` (TP first, then FSDP) becomes the
 reversed tuple. There is no equivalent for uneven splits (JAX has no uneven
 or empty shards), for strided shards outside the FSDP2 pattern (a device would
-hold several disjoint boxes) and for ``Partial``. Then
-:class:`~xckpt.errors.UnsupportedPlacementError` says why; loading with a
+hold several disjoint boxes) and for `Partial`. Then
+[`UnsupportedPlacementError`][xckpt.errors.UnsupportedPlacementError] says why; loading with a
 replicated or any other sharding still works, because loading follows the
 saved chunks, never the placement.
 """
@@ -146,24 +146,24 @@ def sharding_for(
     axis_names: Sequence[str | None] | Mapping[Any, str | None] | None = None,
     shape: Sequence[int] | None = None,
 ) -> NamedSharding:
-    """A NamedSharding on ``mesh`` equivalent to a tensor's saved placement.
+    """A NamedSharding on `mesh` equivalent to a tensor's saved placement.
 
     Args:
-        info: ``checkpoint.info(name)`` (a TensorEntry), or its PlacementInfo.
+        info: `checkpoint.info(name)` (a TensorEntry), or its PlacementInfo.
             A tensor saved without placement (a plain tensor or numpy array)
             maps to a replicated sharding.
         mesh: the target mesh.
-        axis_names: where each saved mesh dim goes on ``mesh``: a list with a
+        axis_names: where each saved mesh dim goes on `mesh`: a list with a
             target axis name (or None: not sharded) per saved mesh dim, or a
             mapping from saved axis name (or index) to target axis. Default:
-            the saved axis names when ``mesh`` has them all, else position
-            when ``mesh`` has as many axes as the saved mesh.
+            the saved axis names when `mesh` has them all, else position
+            when `mesh` has as many axes as the saved mesh.
         shape: the global shape, to check divisibility (taken from a TensorEntry).
 
     Returns:
-        ``NamedSharding(mesh, PartitionSpec(...))`` with one entry per dim, e.g.
-        ``Shard(0)`` on mesh dim "tp" -> ``P("tp", None)``; ``(Shard(0),
-        Shard(0))`` on ("dp", "tp") -> ``P(("dp", "tp"), None)``.
+        `NamedSharding(mesh, PartitionSpec(...))` with one entry per dim, e.g.
+        `Shard(0)` on mesh dim "tp" -> `P("tp", None)`; `(Shard(0),
+        Shard(0))` on ("dp", "tp") -> `P(("dp", "tp"), None)`.
 
     Raises:
         UnsupportedPlacementError: no NamedSharding holds the same layout

@@ -1,10 +1,10 @@
 """Pytree names, device boxes and placement provenance for the JAX adapter.
 
-Names and device boxes are the framework-free :mod:`xckpt.targets` functions
-(``plan_load`` lays JAX targets out with the same code); provenance is here.
+Names and device boxes are the framework-free `xckpt.targets` functions
+(`plan_load` lays JAX targets out with the same code); provenance is here.
 
-Names are key paths joined with ``"."``: ``{"params": {"layers": [{"kernel": x}]}}``
-names ``x`` ``params.layers.0.kernel``, the same string a torch FQN would be, so
+Names are key paths joined with `"."`: `{"params": {"layers": [{"kernel": x}]}}`
+names `x` `params.layers.0.kernel`, the same string a torch FQN would be, so
 checkpoints line up across frameworks.
 """
 
@@ -22,7 +22,7 @@ __all__ = ["key_name", "flatten", "device_boxes", "placement_info", "spec_entrie
 
 
 def spec_entries(spec: Any, ndim: int) -> tuple[Any, ...]:
-    """A PartitionSpec padded to ``ndim`` entries, each None, a str, or a tuple of str."""
+    """A PartitionSpec padded to `ndim` entries, each None, a str, or a tuple of str."""
     out: list[Any] = []
     for e in tuple(spec):
         if e is None or isinstance(e, str):

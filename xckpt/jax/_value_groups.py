@@ -4,12 +4,12 @@ A target leaf naming a row tensor of a value group (the key, its row-aligned
 columns, the weight and row-aligned optimizer state) is not sliced by
 position. Its sharding's distinct dim-0 ranges are the new ranks' row ranges
 (they must tile the rows: W' = their number), and device d holding rows
-``[lo, hi)`` gets exactly what torch rank r' (the index of that range) loads:
-:func:`xckpt.values.ranges.plan_rank_read` plans and
-:func:`xckpt.values.load.load_rank` reads both. Trailing dims may be sharded
+`[lo, hi)` gets exactly what torch rank r' (the index of that range) loads:
+`xckpt.values.ranges.plan_rank_read` plans and
+`xckpt.values.load.load_rank` reads both. Trailing dims may be sharded
 too; they are sliced after the rows are assembled.
 
-The group's other tensors (``_output_segments_tensor``, ``_current_iter_tensor``)
+The group's other tensors (`_output_segments_tensor`, `_current_iter_tensor`)
 are ordinary saved tensors and load by position.
 """
 
@@ -73,7 +73,7 @@ def load_group_arrays(
 ) -> dict[str, int]:
     """Build the jax.Arrays of value-group row tensors; returns {group: entries evicted}.
 
-    ``jobs`` are (output index, tensor name, sharding). Each (group, new rank) is
+    `jobs` are (output index, tensor name, sharding). Each (group, new rank) is
     read once, whichever of its tensors and devices need it.
     """
     cache: dict[tuple[str, tuple[int, ...], int], RankArrays] = {}

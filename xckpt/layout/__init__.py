@@ -1,18 +1,18 @@
 """Pure box and placement arithmetic; no framework imports, no I/O.
 
-A *box* is an axis-aligned region of a tensor: an ``offset`` and a ``shape``
+A *box* is an axis-aligned region of a tensor: an `offset` and a `shape`
 per dimension. Everything else in xckpt is built on three questions answered
 here:
 
 * which boxes does each mesh coordinate hold for given placements
-  (:func:`mesh_boxes`, matching torch's DTensor semantics exactly);
-* do a tensor's chunks cover it exactly (:func:`check_coverage`);
-* which parts of which saved chunks does a target box need (:func:`plan_reads`,
-  found through a :class:`ChunkIndex`: grid arithmetic or sorted intervals, no scan).
+  ([`mesh_boxes`][xckpt.layout.mesh_boxes], matching torch's DTensor semantics exactly);
+* do a tensor's chunks cover it exactly ([`check_coverage`][xckpt.layout.check_coverage]);
+* which parts of which saved chunks does a target box need ([`plan_reads`][xckpt.layout.plan_reads],
+  found through a [`ChunkIndex`][xckpt.layout.ChunkIndex]: grid arithmetic or sorted intervals, no scan).
 
-Placements are plain descriptors (:class:`Shard`, :class:`StridedShard`,
-:class:`Replicate`, :class:`Partial`) so this package never imports torch. The
-family: ``_boxes`` (boxes, placements, coverage) and ``_index`` (chunk indexes, read plans).
+Placements are plain descriptors ([`Shard`][xckpt.layout.Shard], [`StridedShard`][xckpt.layout.StridedShard],
+[`Replicate`][xckpt.layout.Replicate], [`Partial`][xckpt.layout.Partial]) so this package never imports torch. The
+family: `_boxes` (boxes, placements, coverage) and `_index` (chunk indexes, read plans).
 """
 
 from __future__ import annotations

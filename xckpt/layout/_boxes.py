@@ -1,6 +1,6 @@
 """Boxes and placements: DTensor boxes of every mesh coordinate, coverage, writer choice.
 
-Pure integer arithmetic, no framework imports, no I/O; re-exported by :mod:`xckpt.layout`.
+Pure integer arithmetic, no framework imports, no I/O; re-exported by `xckpt.layout`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from xckpt.errors import LayoutError, UnsupportedPlacementError
 
 @dataclass(frozen=True)
 class Box:
-    """An axis-aligned box: ``offset[d] <= i < offset[d] + shape[d]`` in every dim."""
+    """An axis-aligned box: `offset[d] <= i < offset[d] + shape[d]` in every dim."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
@@ -87,7 +87,7 @@ class Box:
         )
 
     def slices(self, relative_to: Box | None = None) -> tuple[slice, ...]:
-        """Index this box as slices, in global coordinates or relative to ``relative_to``."""
+        """Index this box as slices, in global coordinates or relative to `relative_to`."""
         base = relative_to.offset if relative_to is not None else (0,) * self.ndim
         return tuple(slice(o - b, o - b + s) for o, b, s in zip(self.offset, base, self.shape))
 
@@ -101,14 +101,14 @@ class Box:
 
 @dataclass(frozen=True)
 class Shard:
-    """Split tensor dim ``dim`` over a mesh axis like ``torch.chunk``."""
+    """Split tensor dim `dim` over a mesh axis like `torch.chunk`."""
 
     dim: int
 
 
 @dataclass(frozen=True)
 class StridedShard:
-    """torch's ``_StridedShard(dim, split_factor)``: chunk into ``split_factor``
+    """torch's `_StridedShard(dim, split_factor)`: chunk into `split_factor`
     parts, chunk each part over the mesh axis, and give coordinate i the i-th
     sub-part of every part (possibly several disjoint runs)."""
 
@@ -132,7 +132,7 @@ Placement = Shard | StridedShard | Replicate | Partial
 
 
 def format_placement(p: Placement) -> str:
-    """The provenance string recorded in manifests, e.g. ``Shard(0)``."""
+    """The provenance string recorded in manifests, e.g. `Shard(0)`."""
     if isinstance(p, Shard):
         return f"Shard({p.dim})"
     if isinstance(p, StridedShard):
@@ -145,7 +145,7 @@ def format_placement(p: Placement) -> str:
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of :func:`format_placement`."""
+    """Inverse of [`format_placement`][xckpt.layout._boxes.format_placement]."""
     t = text.replace(" ", "")
     try:
         if t == "Replicate()":
@@ -166,7 +166,7 @@ def parse_placement(text: str) -> Placement:
 
 
 def parse_placements(text: str) -> tuple[Placement, ...]:
-    """``"Shard(0), Replicate()"`` -> placements (also ``_StridedShard(0, sf=2)``)."""
+    """`"Shard(0), Replicate()"` -> placements (also `_StridedShard(0, sf=2)`)."""
     parts, depth, cur = [], 0, ""
     for ch in text:
         depth += (ch == "(") - (ch == ")")
@@ -199,10 +199,10 @@ def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def chunk_sizes(length: int, n: int) -> list[tuple[int, int]]:
-    """``torch.chunk`` split of ``length`` into ``n`` pieces: (start, size) each.
+    """`torch.chunk` split of `length` into `n` pieces: (start, size) each.
 
-    Chunk size is ``ceil(length / n)``; trailing pieces may be empty (their start
-    is clamped to ``length``).
+    Chunk size is `ceil(length / n)`; trailing pieces may be empty (their start
+    is clamped to `length`).
     """
     if n <= 0:
         raise LayoutError(f"cannot split into {n} pieces")
@@ -215,7 +215,7 @@ def chunk_sizes(length: int, n: int) -> list[tuple[int, int]]:
 
 
 def _piece(length: int, n: int, i: int) -> tuple[int, int]:
-    """``chunk_sizes(length, n)[i]`` in O(1): a 3,000-rank mesh needs no 3,000-piece list per rank."""
+    """`chunk_sizes(length, n)[i]` in O(1): a 3,000-rank mesh needs no 3,000-piece list per rank."""
     cs = -(-length // n) if length else 0
     return min(length, cs * i), max(0, min(length, cs * (i + 1)) - cs * i)
 
@@ -242,7 +242,7 @@ def dim_indices(
 ) -> list[list[int]]:
     """For one mesh coordinate, the sorted global indices held along every dim.
 
-    Placements are applied in mesh-dim order (or ``order``), each re-splitting
+    Placements are applied in mesh-dim order (or `order`), each re-splitting
     the current local piece, exactly as torch's DTensor does.
     """
     if len(mesh_shape) != len(placements) or len(coord) != len(mesh_shape):
@@ -292,7 +292,7 @@ def indices_to_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _take(runs: list[range], start: int, size: int) -> list[range]:
-    """Elements ``[start, start + size)`` of the concatenated ranges ``runs`` (as ranges)."""
+    """Elements `[start, start + size)` of the concatenated ranges `runs` (as ranges)."""
     out, pos, stop = [], 0, start + size
     for r in runs:
         n = len(r)
@@ -313,10 +313,10 @@ def dim_runs(
     order: Sequence[int] | None = None,
     name: str = "<tensor>",
 ) -> list[list[tuple[int, int]]]:
-    """:func:`dim_indices` as sorted maximal runs ``(start, length)`` per dim.
+    """[`dim_indices`][xckpt.layout._boxes.dim_indices] as sorted maximal runs `(start, length)` per dim.
 
     The same splits on ranges instead of index lists: the cost is per run, not
-    per row (``dim_indices`` + ``indices_to_runs`` over a 32000-row embedding
+    per row (`dim_indices` + `indices_to_runs` over a 32000-row embedding
     and 180 tensors took ~0.1-0.3 s of a 2-rank W1 load on 2 cores).
     """
     # dim_indices' checks (and their errors) on empty index sets: no per-row work.
@@ -385,8 +385,8 @@ def boxes_for_coordinate(
 
     A strided shard can give several disjoint boxes; they are returned in
     row-major order of the local tensor, so concatenating local slices in that
-    order reproduces the local shard. Costs O(mesh dims) for plain ``Shard`` and
-    ``Replicate`` placements and O(runs) otherwise, never O(rows).
+    order reproduces the local shard. Costs O(mesh dims) for plain `Shard` and
+    `Replicate` placements and O(runs) otherwise, never O(rows).
     """
     if (
         len(mesh_shape) == len(placements) == len(coord)
@@ -444,8 +444,8 @@ def _pieces(length: int, n: int) -> list[tuple[int, int]]:
 def fsdp_order(placements: Sequence[Placement]) -> list[int] | None:
     """Application order of FSDP2 + TP's real storage, or None when not that pattern.
 
-    FSDP2 labels its dp shard of an already TP-sharded dim ``_StridedShard(d, sf)``
-    but stores ``chunk(chunk(rows, tp)[t], dp)[d]``: the later ``Shard(d)`` axes are
+    FSDP2 labels its dp shard of an already TP-sharded dim `_StridedShard(d, sf)`
+    but stores `chunk(chunk(rows, tp)[t], dp)[d]`: the later `Shard(d)` axes are
     applied first, then the strided one as a plain shard (REFERENCE.md section 7).
     """
     strided = [m for m, p in enumerate(placements) if isinstance(p, StridedShard)]
@@ -472,7 +472,7 @@ def fsdp_boxes_for_coordinate(
     placements: Sequence[Placement],
     name: str = "<tensor>",
 ) -> tuple[Box, ...] | None:
-    """Boxes under FSDP2's storage rule (see :func:`fsdp_order`), or None if not FSDP2-like."""
+    """Boxes under FSDP2's storage rule (see [`fsdp_order`][xckpt.layout._boxes.fsdp_order]), or None if not FSDP2-like."""
     order = fsdp_order(placements)
     if order is None:
         return None
@@ -523,13 +523,13 @@ def box_from_index(shape: Sequence[int], index: object) -> Box:
 def check_coverage(
     shape: Sequence[int], boxes: Sequence[Box], name: str = "<tensor>", where: str | None = None
 ) -> None:
-    """Raise :class:`LayoutError` unless ``boxes`` tile ``shape`` exactly.
+    """Raise [`LayoutError`][xckpt.errors.LayoutError] unless `boxes` tile `shape` exactly.
 
     Checks rank, bounds and empty boxes, then exactness by signed corner counting
-    (:func:`_tiles_exactly`): O(n 2^k) for n boxes split along k dimensions, so a
+    (`_tiles_exactly`): O(n 2^k) for n boxes split along k dimensions, so a
     [1, 4000] tensor in 4,000 column chunks checks in milliseconds. Only a layout
     that fails is searched for a pair of overlapping chunks to name (a bounded
-    search). ``where`` names the checkpoint in messages.
+    search). `where` names the checkpoint in messages.
     """
     try:
         _check_coverage(shape, boxes, name)
@@ -547,11 +547,11 @@ _OVERLAP_BUDGET = 1_000_000
 
 
 def _tiles_exactly(full: Box, boxes: Sequence[Box]) -> bool | None:
-    """Whether in-bounds, non-empty ``boxes`` tile ``full`` exactly (None: too many split dims).
+    """Whether in-bounds, non-empty `boxes` tile `full` exactly (None: too many split dims).
 
     The mixed difference of a box's indicator function is +-1 at its 2^d corners
     (sign: parity of the upper coordinates taken). Summed over the boxes, it equals
-    that of ``full`` if and only if every element is covered exactly once, since a
+    that of `full` if and only if every element is covered exactly once, since a
     function of bounded support is the running sum of its mixed difference.
     Dimensions that no box splits are left out (each contributes the same factor).
     """
@@ -643,7 +643,7 @@ def _check_coverage(shape: Sequence[int], boxes: Sequence[Box], name: str) -> No
 
 
 def choose_writer(name: str, box_index: int, holders: Sequence[int]) -> int:
-    """The one rank among ``holders`` that writes a replicated box.
+    """The one rank among `holders` that writes a replicated box.
 
     Deterministic and local (every rank computes the same answer), and spread
     over holders by a stable hash of the tensor name and box index, so not all
@@ -662,7 +662,7 @@ def holders_by_box(
     placements: Sequence[Placement],
     ranks: Mapping[tuple[int, ...], int],
 ) -> dict[Box, list[int]]:
-    """Every distinct box and the ranks (via ``ranks[coord]``) that hold it."""
+    """Every distinct box and the ranks (via `ranks[coord]`) that hold it."""
     out: dict[Box, list[int]] = {}
     for coord, boxes in mesh_boxes(global_shape, mesh_shape, placements).items():
         for b in boxes:

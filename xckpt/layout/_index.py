@@ -1,9 +1,9 @@
 """Chunk indexes and read plans: which stored boxes a target box needs, found by lookup.
 
-A :class:`ChunkIndex` numbers a tensor's stored boxes and finds those a target box
-meets by grid arithmetic (:class:`GridIndex`: bisect on each dimension's split points)
-or sorted intervals (:class:`BoxIndex`), never by testing every box; :func:`plan_reads`
-turns the boxes found into :class:`ReadRequest` s. Re-exported by :mod:`xckpt.layout`.
+A [`ChunkIndex`][xckpt.layout._index.ChunkIndex] numbers a tensor's stored boxes and finds those a target box
+meets by grid arithmetic ([`GridIndex`][xckpt.layout._index.GridIndex]: bisect on each dimension's split points)
+or sorted intervals ([`BoxIndex`][xckpt.layout._index.BoxIndex]), never by testing every box; [`plan_reads`][xckpt.layout._index.plan_reads]
+turns the boxes found into [`ReadRequest`][xckpt.layout._index.ReadRequest] s. Re-exported by `xckpt.layout`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from xckpt.layout._boxes import Box
 
 
 class ChunkIndex:
-    """A tensor's stored boxes, numbered ``0..len-1``, with a lookup of those a box meets.
+    """A tensor's stored boxes, numbered `0..len-1`, with a lookup of those a box meets.
 
-    :meth:`find` answers by grid arithmetic (:class:`GridIndex`) or sorted intervals
-    (:class:`BoxIndex`), never by testing every box: O(log chunks + answer). An index is
+    `find` answers by grid arithmetic ([`GridIndex`][xckpt.layout._index.GridIndex]) or sorted intervals
+    ([`BoxIndex`][xckpt.layout._index.BoxIndex]), never by testing every box: O(log chunks + answer). An index is
     built once per tensor and serves every lookup (every rank of a plan).
     """
 
@@ -29,15 +29,15 @@ class ChunkIndex:
         raise NotImplementedError
 
     def box(self, i: int) -> Box:
-        """Box ``i``."""
+        """Box `i`."""
         raise NotImplementedError
 
     def find(self, target: Box) -> list[int]:
-        """The ids of the boxes sharing an element with ``target``, ascending."""
+        """The ids of the boxes sharing an element with `target`, ascending."""
         raise NotImplementedError
 
     def overlaps(self, target: Box) -> list[tuple[int, Box, Box]]:
-        """``(id, box, common region)`` for each box meeting ``target``, by id."""
+        """`(id, box, common region)` for each box meeting `target`, by id."""
         out = []
         for i in self.find(target):
             b = self.box(i)
@@ -49,11 +49,11 @@ class ChunkIndex:
 
 @dataclass(frozen=True)
 class GridAxis:
-    """One dimension of a grid: cells ``[p[i], p[i + 1])`` of split points ``p``.
+    """One dimension of a grid: cells `[p[i], p[i + 1])` of split points `p`.
 
-    With ``step`` the split is regular: points ``0, step, 2 step, ...`` and the extent
-    (the last cell may be shorter). Otherwise ``points`` lists them, strictly increasing
-    from 0 to ``extent``. :meth:`check` validates either in O(points).
+    With `step` the split is regular: points `0, step, 2 step, ...` and the extent
+    (the last cell may be shorter). Otherwise `points` lists them, strictly increasing
+    from 0 to `extent`. `check` validates either in O(points).
     """
 
     extent: int
@@ -62,7 +62,7 @@ class GridAxis:
 
     @classmethod
     def of(cls, extent: int, points: Sequence[int]) -> GridAxis:
-        """The axis of split ``points`` (0 .. extent), regular when they are."""
+        """The axis of split `points` (0 .. extent), regular when they are."""
         n, s = len(points) - 1, points[1] if len(points) > 1 else 0
         if n >= 1 and s > 0 and points[-1] == extent and 0 < extent - (n - 1) * s <= s:
             if all(p == i * s for i, p in enumerate(points[:-1])):
@@ -70,7 +70,7 @@ class GridAxis:
         return cls(extent, points=tuple(points))
 
     def check(self, what: str) -> None:
-        """Raise :class:`LayoutError` unless the split points run strictly from 0 to the extent."""
+        """Raise [`LayoutError`][xckpt.errors.LayoutError] unless the split points run strictly from 0 to the extent."""
         if self.step:
             if not 0 < self.step <= self.extent:
                 raise LayoutError(f"{what}: step {self.step} does not split an extent of {self.extent}")
@@ -105,7 +105,7 @@ class GridAxis:
         return {b - a for a, b in zip(p, p[1:])}
 
     def span(self, lo: int, hi: int) -> range:
-        """The cells meeting ``[lo, hi)``."""
+        """The cells meeting `[lo, hi)`."""
         if hi <= lo:
             return range(0)
         if self.step:
@@ -133,7 +133,7 @@ class GridIndex(ChunkIndex):
         return self.n
 
     def cell(self, i: int) -> tuple[int, ...]:
-        """The per-dimension cell index of cell ``i``."""
+        """The per-dimension cell index of cell `i`."""
         if not 0 <= i < self.n:
             raise IndexError(f"cell {i} of {self.n}")
         if len(self.counts) == 1:
@@ -141,7 +141,7 @@ class GridIndex(ChunkIndex):
         return tuple((i // s) % c for s, c in zip(self.strides, self.counts))
 
     def cell_box(self, idx: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(offset, shape) of the cell at per-dimension index ``idx``."""
+        """(offset, shape) of the cell at per-dimension index `idx`."""
         off, shp = [], []
         for a, j in zip(self.axes, idx):
             if a.step:
@@ -157,7 +157,7 @@ class GridIndex(ChunkIndex):
         return Box.trusted(*self.cell_box(self.cell(i)))
 
     def overlaps(self, target: Box) -> list[tuple[int, Box, Box]]:
-        """As :meth:`ChunkIndex.overlaps`, by arithmetic per dimension (no box intersections)."""
+        """As [`ChunkIndex.overlaps`][xckpt.layout._index.ChunkIndex.overlaps], by arithmetic per dimension (no box intersections)."""
         if target.ndim != len(self.axes):
             raise LayoutError(f"a box of rank {target.ndim} looked up in a grid of rank {len(self.axes)}")
         if 0 in target.shape:
@@ -216,8 +216,8 @@ class BoxIndex(ChunkIndex):
     Boxes that form a rectilinear grid (in any order) are found by grid arithmetic;
     others by sorted intervals along the dimension with the most distinct offsets:
     boxes are grouped by the bit length of their extent along it and sorted by start,
-    so a lookup bisects each group (a box of length < 2^k meeting ``[lo, hi)`` starts
-    in ``(lo - 2^k, hi)``) and tests only those candidates.
+    so a lookup bisects each group (a box of length < 2^k meeting `[lo, hi)` starts
+    in `(lo - 2^k, hi)`) and tests only those candidates.
     """
 
     #: Up to this many boxes a lookup tests them all (cheaper than any index).
@@ -308,7 +308,7 @@ class BoxIndex(ChunkIndex):
 
 @dataclass(frozen=True)
 class ReadRequest:
-    """Read ``chunk_slices`` of chunk ``chunk`` into ``target_slices`` of the target."""
+    """Read `chunk_slices` of chunk `chunk` into `target_slices` of the target."""
 
     chunk: int
     box: Box
@@ -317,9 +317,9 @@ class ReadRequest:
 
 
 def plan_reads(chunks: Sequence[Box] | ChunkIndex, target: Box) -> tuple[ReadRequest, ...]:
-    """For each saved chunk overlapping ``target``: what to read and where it goes.
+    """For each saved chunk overlapping `target`: what to read and where it goes.
 
-    ``chunks`` are the saved boxes (indexed by position), or a :class:`ChunkIndex` of
+    `chunks` are the saved boxes (indexed by position), or a [`ChunkIndex`][xckpt.layout._index.ChunkIndex] of
     them (what loads use: the chunks are found by lookup, not by a scan); the result
     lists only overlapping chunks, in chunk order, so a load reads nothing else.
     """
@@ -354,7 +354,7 @@ def plan_reads(chunks: Sequence[Box] | ChunkIndex, target: Box) -> tuple[ReadReq
 
 
 def covers(boxes: Iterable[Box], target: Box) -> bool:
-    """True when the union of disjoint ``boxes`` covers ``target`` entirely."""
+    """True when the union of disjoint `boxes` covers `target` entirely."""
     got = 0
     for b in boxes:
         common = b.intersect(target)

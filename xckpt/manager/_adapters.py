@@ -1,12 +1,12 @@
 """Which adapter saves and restores a state, and the calls the manager makes of it.
 
 The adapter is chosen from the state (DESIGN.md section 8): torch tensors, DTensors
-and ShardedTensors go through :mod:`xckpt.torch`, jax.Arrays (and, for a restore,
-``ShapeDtypeStruct``s and shardings) through :mod:`xckpt.jax`, and a mapping of numpy
-arrays and plain values through :func:`xckpt.save` / :func:`xckpt.load`. A numpy
+and ShardedTensors go through `xckpt.torch`, jax.Arrays (and, for a restore,
+`ShapeDtypeStruct`s and shardings) through `xckpt.jax`, and a mapping of numpy
+arrays and plain values through [`xckpt.save`][xckpt.save] / [`xckpt.load`][xckpt.load]. A numpy
 mapping in a multi-rank job goes through the job's framework (its save writes each
-array once, from one rank). Frameworks are recognised through ``sys.modules``: a
-state cannot hold a torch tensor unless torch is imported, so ``import xckpt`` never
+array once, from one rank). Frameworks are recognised through `sys.modules`: a
+state cannot hold a torch tensor unless torch is imported, so `import xckpt` never
 imports torch or jax; the adapters are imported inside the functions that use them.
 """
 
@@ -46,7 +46,7 @@ def _walk(state: Any, depth: int = 0) -> Iterator[Any]:
 
 
 def framework_of(state: Any, what: str = "state") -> str:
-    """``"torch"``, ``"jax"`` or ``"numpy"``: who saves or restores ``state``.
+    """`"torch"`, `"jax"` or `"numpy"`: who saves or restores `state`.
 
     Raises:
         XckptError: the state mixes torch and JAX values.
@@ -88,14 +88,14 @@ def start_save(
     rank_local: bool,
     writer_options: Mapping[str, Any] | None = None,
 ) -> Callable[[], Any]:
-    """Start saving ``state`` with adapter ``kind``; returns what finishes the write.
+    """Start saving `state` with adapter `kind`; returns what finishes the write.
 
-    With ``async_save`` everything the caller may change afterwards is copied into
-    ``staging`` before this returns (the adapters' foreground part); the returned
+    With `async_save` everything the caller may change afterwards is copied into
+    `staging` before this returns (the adapters' foreground part); the returned
     callable runs the rest (the write, the commit, and in coordinated saves the
     exchange with the other ranks) on the manager's save thread. Without it the save
-    is complete when this returns and the callable does nothing. ``writer_options``
-    (``compression``, ``dedup``) go to the adapter's save and on to its writers.
+    is complete when this returns and the callable does nothing. `writer_options`
+    (`compression`, `dedup`) go to the adapter's save and on to its writers.
     """
     options: dict[str, Any] = {
         "save_id": save_id,
@@ -150,10 +150,10 @@ def _nothing() -> None:
 def restore_state(
     kind: str, location: Location, target: Any, *, process_group: Any, options: Mapping[str, Any]
 ) -> Any:
-    """Load the checkpoint at ``location`` into ``target`` through adapter ``kind``.
+    """Load the checkpoint at `location` into `target` through adapter `kind`.
 
-    torch: ``xckpt.torch.load`` fills the target in place and its
-    :class:`~xckpt.torch.LoadResult` is returned. JAX: ``xckpt.jax.load`` returns
+    torch: `xckpt.torch.load` fills the target in place and its
+    [`LoadResult`][xckpt.torch.LoadResult] is returned. JAX: `xckpt.jax.load` returns
     the restored pytree. numpy: with no target, every tensor (numpy) and object by
     name; with a mapping, its numpy arrays are filled in place (shape and dtype as
     saved) and its other values replaced by the saved ones, and the mapping returned.

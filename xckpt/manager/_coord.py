@@ -1,21 +1,21 @@
 """How the ranks of one manager agree: one small exchange at a time, never tensors.
 
-A manager talks to the other ranks only through a :class:`Coordinator`, made once
+A manager talks to the other ranks only through a `Coordinator`, made once
 when it is built (every rank builds its manager at the same point):
 
-* :class:`Single`: one process (nothing is sent);
-* :class:`TorchGroup`: ``torch.distributed`` is initialised with more than one rank
+* `Single`: one process (nothing is sent);
+* `TorchGroup`: `torch.distributed` is initialised with more than one rank
   in the manager's process group. Two gloo groups over its ranks: one for the calling
-  thread (``any``, ``gather``, ``share``) and one for the manager's save thread
-  (``bg_share``), so the two never interleave collectives on one group, and neither
+  thread (`any`, `gather`, `share`) and one for the manager's save thread
+  (`bg_share`), so the two never interleave collectives on one group, and neither
   touches the training's own (perhaps NCCL) group;
-* :class:`JaxProcesses`: a multi-process JAX job: the distributed client's key-value
-  store (the service ``jax.distributed.initialize`` starts), usable from any thread.
+* `JaxProcesses`: a multi-process JAX job: the distributed client's key-value
+  store (the service `jax.distributed.initialize` starts), usable from any thread.
 
 Call protocol: every rank makes the same calls in the same order (the manager's
-``should_save``, ``save``, ``restore`` and ``wait`` are collective for that reason).
-The calling thread uses ``any``, ``gather`` and ``share``; the save thread only
-``bg_share``. Frameworks are imported only when their coordinator is built.
+`should_save`, `save`, `restore` and `wait` are collective for that reason).
+The calling thread uses `any`, `gather` and `share`; the save thread only
+`bg_share`. Frameworks are imported only when their coordinator is built.
 """
 
 from __future__ import annotations
@@ -44,19 +44,19 @@ class Coordinator:
     world = 1
 
     def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any rank (calling thread)."""
+        """Whether `flag` is true on any rank (calling thread)."""
         return bool(flag)
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank (calling thread)."""
+        """Every rank's `obj`, by rank (calling thread)."""
         return [obj]
 
     def share(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (calling thread)."""
+        """Rank 0's `obj` on every rank (calling thread)."""
         return obj
 
     def bg_share(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (the manager's save thread); also a barrier."""
+        """Rank 0's `obj` on every rank (the manager's save thread); also a barrier."""
         return obj
 
 
@@ -147,11 +147,11 @@ class JaxProcesses(Coordinator):
 def coordinator(process_group: Any = None) -> Coordinator:
     """The coordinator for this process: torch's group, JAX's processes, or one process.
 
-    Frameworks are looked up in ``sys.modules``: a job whose process group exists has
+    Frameworks are looked up in `sys.modules`: a job whose process group exists has
     imported torch already, so this never imports a framework that is not in use.
 
     Raises:
-        XckptError: ``process_group`` is given but torch.distributed is not initialised.
+        XckptError: `process_group` is given but torch.distributed is not initialised.
     """
     dist = sys.modules.get("torch.distributed")
     torch_up = dist is not None and dist.is_available() and dist.is_initialized()

@@ -1,6 +1,6 @@
 """Restore from the newest complete step of either tier, verified (DESIGN.md section 11).
 
-Call protocol (:func:`restore`, every rank of the manager's group, after the saves in
+Call protocol (`restore`, every rank of the manager's group, after the saves in
 flight finished):
 
 1. each rank lists what its local directory holds (every rank manifest's checksum
@@ -9,10 +9,10 @@ flight finished):
    data of the root is read unless a persistent step is the one restored);
 2. every rank walks the same candidates, newest first (a step in both tiers: the
    local copy first). A local step is a candidate when the surviving copies hold
-   parts ``0..W-1`` of one save; its rank manifests are sent, each by one holder, to
+   parts `0..W-1` of one save; its rank manifests are sent, each by one holder, to
    every rank (one exchange), which merges them into the step's manifest;
-3. the ranks load it with ``xckpt.torch.load(..., read_once=True)`` over a source
-   whose chunks are read only by ranks holding a copy of them (``holders``): a rank
+3. the ranks load it with `xckpt.torch.load(..., read_once=True)` over a source
+   whose chunks are read only by ranks holding a copy of them (`holders`): a rank
    that needs bytes it does not hold receives them from a holder. Every chunk a
    holder reads is checked against its crc32 (zarr's crc32c codec, packed chunks'
    crc32s); a copy that fails is named in a warning on the rank that read it, and
@@ -48,7 +48,7 @@ __all__ = ["TierSource", "restore"]
 
 class TierSource(Checkpoint):
     """A local step read from this rank's copies: the merged manifest of every copy, chunk
-    reads from this node's directory, and which ranks hold each chunk (``holders``, what
+    reads from this node's directory, and which ranks hold each chunk (`holders`, what
     the read-once plan reads)."""
 
     def __init__(self, path: str, manifest: Manifest, holders: Mapping[int, frozenset[int]]) -> None:
@@ -94,7 +94,7 @@ def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str) -> M
 
 
 def _alike(tiers: Tiers, rank: int) -> frozenset[int]:
-    """The ranks reading the same copies as ``rank`` (its node's directory)."""
+    """The ranks reading the same copies as `rank` (its node's directory)."""
     return frozenset(r for r, p in enumerate(tiers.places) if p == tiers.places[rank])
 
 
@@ -105,7 +105,7 @@ def _warn(msg: str) -> None:
 def _try_local(
     tiers: Tiers, step: int, save_id: str, world: int, everyone: Mapping[int, list[Held]], load: Callable[[Any], Any]
 ) -> tuple[bool, Any]:
-    """Load local step ``step`` (collective); ``(True, result)``, or ``(False, None)`` when no
+    """Load local step `step` (collective); `(True, result)`, or `(False, None)` when no
     intact copy of some part is left (warned)."""
     coord, me = tiers.coord, tiers.rank
     holders = {w: frozenset(rs) for w, rs in holders_of(everyone, step, save_id).items()}
@@ -176,7 +176,7 @@ def restore(
     load_local: Callable[[Any], Any],
     load_persistent: Callable[[Location], Any],
 ) -> Any:
-    """The newest complete step of both tiers (or ``step``), restored; see the module.
+    """The newest complete step of both tiers (or `step`), restored; see the module.
 
     Args:
         known_complete: rank 0's complete persistent steps from the manager's own record

@@ -10,7 +10,7 @@ holds that step's values) is stored as a row patch over its base (`deltas`).
 Retention then deletes data only when no kept step references it, in two phases, so a
 kill at any moment never leaves a complete step whose data is gone:
 
-1. the manifests (``xckpt.json``, then ``ranks/*.json``) of every step to drop, stale
+1. the manifests (`xckpt.json`, then `ranks/*.json`) of every step to drop, stale
    incomplete ones included: from here on only kept steps are complete (durable on a
    local disk before phase 2);
 2. the data of each dropped step that no kept step references (read from the kept
@@ -60,12 +60,12 @@ class ManifestCache:
             self._m.pop(s, None)
 
     def uses(self, step: int) -> set[int]:
-        """The steps whose data step ``step`` reads: its references' and its row patches'."""
+        """The steps whose data step `step` reads: its references' and its row patches'."""
         m = self.get(step)
         return {r.step for r in m.refs.values()} | {p.step for chain in m.deltas.values() for p in chain}
 
     def referenced(self, steps: Iterable[int]) -> set[int]:
-        """The steps whose data ``steps`` read (themselves included when they do)."""
+        """The steps whose data `steps` read (themselves included when they do)."""
         out: set[int] = set()
         for s in steps:
             out |= self.uses(s)
@@ -75,22 +75,22 @@ class ManifestCache:
 def dedup_for(
     cache: ManifestCache, base: int | None, step: int, changed: Any = None, full_every: int = 8
 ) -> Dedup:
-    """What a save of ``step`` compares with: step ``base`` (None: only hashes are recorded),
-    and with ``changed`` (the staging's changed rows, when it holds ``base``'s values) row deltas."""
+    """What a save of `step` compares with: step `base` (None: only hashes are recorded),
+    and with `changed` (the staging's changed rows, when it holds `base`'s values) row deltas."""
     if base is None:
         return Dedup(step=step)
     return Dedup(base, cache.get(base), step=step, changed=changed, full_every=full_every)
 
 
 def base_step(infos: Mapping[int, StepInfo], step: int) -> int | None:
-    """The step a save of ``step`` references: the highest complete step below it."""
+    """The step a save of `step` references: the highest complete step below it."""
     below = [s for s, i in infos.items() if i.complete and s < step]
     return max(below) if below else None
 
 
 def rows_predicate(row_deltas: Any) -> Any:
-    """Which tensors (by name) a manager compares row by row: ``True`` every one, a list of
-    names those, ``False`` none (None).
+    """Which tensors (by name) a manager compares row by row: `True` every one, a list of
+    names those, `False` none (None).
 
     Raises:
         XckptError: anything else.
@@ -106,8 +106,8 @@ def rows_predicate(row_deltas: Any) -> Any:
 
 
 def delete_manifests(root: Location, step: int) -> None:
-    """Make step ``step`` incomplete, keeping its data: ``xckpt.json``, then every
-    ``ranks/<r>.json`` (durable on a local disk before this returns)."""
+    """Make step `step` incomplete, keeping its data: `xckpt.json`, then every
+    `ranks/<r>.json` (durable on a local disk before this returns)."""
     storage = Storage(step_location(root, step))
     storage.delete_key("xckpt.json")
     if storage.root is not None:
@@ -120,9 +120,9 @@ def delete_manifests(root: Location, step: int) -> None:
 def retain_steps(
     root: Location, cache: ManifestCache, kept: Iterable[int], drop: Iterable[int], done: Any = None
 ) -> set[int]:
-    """Drop the steps ``drop`` (complete ones the policy lets go and stale incomplete ones)
-    keeping every byte the complete steps ``kept`` reference (see the module); returns the
-    dropped steps kept as data. ``done(step)`` is called as each step is handled."""
+    """Drop the steps `drop` (complete ones the policy lets go and stale incomplete ones)
+    keeping every byte the complete steps `kept` reference (see the module); returns the
+    dropped steps kept as data. `done(step)` is called as each step is handled."""
     drop = sorted(set(drop))
     needed = cache.referenced(kept)  # before anything is deleted
     for s in drop:
@@ -137,7 +137,7 @@ def retain_steps(
 
 
 def check_replace(root: Location, cache: ManifestCache, complete: Iterable[int], step: int) -> None:
-    """Refuse to save over step ``step`` while a complete step references its data.
+    """Refuse to save over step `step` while a complete step references its data.
 
     Raises:
         XckptError: naming the steps that reference it.

@@ -1,28 +1,28 @@
-"""``xckpt.CheckpointManager``: the life of a training run's checkpoints (DESIGN.md section 8).
+"""`xckpt.CheckpointManager`: the life of a training run's checkpoints (DESIGN.md section 8).
 
 Call protocol. Every rank builds its manager at the same point and makes the same
-calls in the same order: ``should_save``, ``save``, ``restore`` and (in coordinated
+calls in the same order: `should_save`, `save`, `restore` and (in coordinated
 mode) the end of each save are collective. A step's save goes:
 
-1. ``should_save(step)`` or ``save`` itself: the ranks agree whether any of them got
-   SIGTERM (one all-reduce of a flag; none with ``handle_preemption=False``);
-2. ``save``: the previous save (its write and its retention) finishes first, so one
+1. `should_save(step)` or `save` itself: the ranks agree whether any of them got
+   SIGTERM (one all-reduce of a flag; none with `handle_preemption=False`);
+2. `save`: the previous save (its write and its retention) finishes first, so one
    save is in flight; the ranks exchange its outcome and rank 0's plan for this step
    (one all-gather: the save id, the metadata, whether the step is new, replaces an
    incomplete one, or is refused), decided from rank 0's view of storage;
-3. the adapter stages the state into the manager's host buffers (``async_save``) and
-   returns; ``save`` returns ``True``;
-4. the manager's save thread finishes the adapter's write (data, then ``ranks/<r>.json``,
-   then ``xckpt.json``), then rank 0 runs retention (complete steps by the policy,
+3. the adapter stages the state into the manager's host buffers (`async_save`) and
+   returns; `save` returns `True`;
+4. the manager's save thread finishes the adapter's write (data, then `ranks/<r>.json`,
+   then `xckpt.json`), then rank 0 runs retention (complete steps by the policy,
    incomplete steps no save is writing) and, in coordinated mode, a last broadcast
-   releases the other ranks, so ``wait()`` returns on every rank once all of it is done.
-   With ``rank_local``, no rank waits for another's write: rank 0 polls storage until
-   every rank's manifest of the save is there, writes ``xckpt.json`` and runs
-   retention; the others poll for that ``xckpt.json``;
-5. after a preemption save, ``save`` waits for step 4 and raises ``SystemExit(143)``.
+   releases the other ranks, so `wait()` returns on every rank once all of it is done.
+   With `rank_local`, no rank waits for another's write: rank 0 polls storage until
+   every rank's manifest of the save is there, writes `xckpt.json` and runs
+   retention; the others poll for that `xckpt.json`;
+5. after a preemption save, `save` waits for step 4 and raises `SystemExit(143)`.
 
-Errors of a background save are raised by the next ``save`` (on every rank), ``wait``
-or ``close``, with a note naming the step. Retention that fails in storage is a
+Errors of a background save are raised by the next `save` (on every rank), `wait`
+or `close`, with a note naming the step. Retention that fails in storage is a
 warning: the save stands, and the next save's retention retries.
 """
 
@@ -76,51 +76,51 @@ PREEMPTED_EXIT = 143
 class CheckpointManager:
     """Saves, keeps and restores a training run's checkpoints under one root.
 
-    Each step is an ordinary xckpt checkpoint at ``<root>/<step>/``, saved from a
+    Each step is an ordinary xckpt checkpoint at `<root>/<step>/`, saved from a
     torch state dict (tensors, DTensors, optimizer state), a JAX pytree or a mapping
     of numpy arrays (the adapter is chosen from the state), and restored at any world
     size, mesh, placement or sharding.
 
     Args:
-        root: a directory, kvstore URL (``file://``, ``memory://``, ``gs://``, ``s3://``)
+        root: a directory, kvstore URL (`file://`, `memory://`, `gs://`, `s3://`)
             or kvstore spec dict (an S3-compatible endpoint).
         keep_last: keep the N highest steps.
         keep_every: keep every step divisible by K.
-        keep_best: keep the N best steps by ``metric`` (steps without it: kept, unranked).
-        metric, mode: the metric steps rank by, ``"min"`` (lower is better) or ``"max"``.
-        save_every: ``save`` saves steps divisible by it (None: every call saves).
-        async_save: ``save`` returns once the state is copied into host buffers the
+        keep_best: keep the N best steps by `metric` (steps without it: kept, unranked).
+        metric, mode: the metric steps rank by, `"min"` (lower is better) or `"max"`.
+        save_every: `save` saves steps divisible by it (None: every call saves).
+        async_save: `save` returns once the state is copied into host buffers the
             manager owns and reuses; the write runs on the manager's save thread.
         rank_local: saves need no collective (each rank writes its part and its
             manifest; rank 0 merges them once all are there).
         process_group: the torch group whose ranks save together (default: world).
         handle_preemption: install a SIGTERM handler (chaining any earlier one) that
-            makes the next ``should_save`` true on every rank.
-        local: the local tier (DESIGN.md section 11): a node-local directory (``/dev/shm/<job>``,
-            a local NVMe disk) the ranks of a node share. Every ``local_every`` steps
-            ``save`` also saves each rank's part there (staged like a persistent save, written
-            and replicated in the background) whatever ``save_every`` says.
-        local_every: save a local step every N steps (None: every ``save`` call).
+            makes the next `should_save` true on every rank.
+        local: the local tier (DESIGN.md section 11): a node-local directory (`/dev/shm/<job>`,
+            a local NVMe disk) the ranks of a node share. Every `local_every` steps
+            `save` also saves each rank's part there (staged like a persistent save, written
+            and replicated in the background) whatever `save_every` says.
+        local_every: save a local step every N steps (None: every `save` call).
         local_keep: local steps kept (the newest complete ones).
         replicas: ranks on other nodes that keep a copy of each rank's local part.
         ranks_per_node: ranks per node (nodes are consecutive groups; default
-            ``LOCAL_WORLD_SIZE``, else all ranks on one node).
-        compression: the codec of array chunks, None (raw), ``"zstd"`` or
-            ``"shuffle-zstd"`` (format version 6; packed small tensors stay raw).
+            `LOCAL_WORLD_SIZE`, else all ranks on one node).
+        compression: the codec of array chunks, None (raw), `"zstd"` or
+            `"shuffle-zstd"` (format version 6; packed small tensors stay raw).
         references: array chunks equal to the same chunk of the previous complete step
             (same tensor, box and dtype; equal BLAKE2b-128 hashes of their bytes) are stored
             as references to it, not written again; retention keeps referenced data
             (DESIGN.md section 12; `export` makes a standalone copy of a step).
-        row_deltas: ``True`` (every 2-D tensor), a list of tensor names, or ``False``: a
+        row_deltas: `True` (every 2-D tensor), a list of tensor names, or `False`: a
             2-D box of which fewer than half the rows changed since the previous step
             (compared with its staged copy: async saves) stores only the changed rows
-            over a base; needs ``references``.
+            over a base; needs `references`.
         full_every: a box is saved whole at least every this many saves, so a read
-            applies at most ``full_every - 1`` row patches.
+            applies at most `full_every - 1` row patches.
 
     Raises:
-        XckptError: a bad rule (a count below 1, ``keep_best`` without ``metric``, a
-            ``mode`` other than min/max) or location.
+        XckptError: a bad rule (a count below 1, `keep_best` without `metric`, a
+            `mode` other than min/max) or location.
     """
 
     #: Seconds a rank-local save waits for the other ranks' manifests before it fails.
@@ -169,7 +169,7 @@ class CheckpointManager:
         self._staged: tuple[int, int] | None = None
         # -- end incremental --
         self._coord = coordinator(process_group)
-        #: This run's token, in every save id (``<step>-<run>-<n>``): a save that replaces
+        #: This run's token, in every save id (`<step>-<run>-<n>`): a save that replaces
         #: a step left by a killed run never reuses that run's id (the writer refuses that).
         self._run: str = self._coord.share(secrets.token_hex(4) if self._coord.rank == 0 else None)
         self._n = 0
@@ -218,10 +218,10 @@ class CheckpointManager:
         return done[-1] if done else None
 
     def best_step(self) -> int | None:
-        """The best complete step by ``metric`` (ties: the later), or None when none is ranked.
+        """The best complete step by `metric` (ties: the later), or None when none is ranked.
 
         Raises:
-            XckptError: the manager has no ``metric``.
+            XckptError: the manager has no `metric`.
         """
         if self._policy.metric is None:
             raise XckptError(
@@ -231,10 +231,10 @@ class CheckpointManager:
         return self._policy.best([(i.step, i.metrics) for i in self._infos() if i.complete])
 
     def metrics(self, step: int) -> dict[str, Any] | None:
-        """The metrics step ``step`` was saved with (None: saved without metrics).
+        """The metrics step `step` was saved with (None: saved without metrics).
 
         Raises:
-            XckptError: ``step`` is not a complete step (the message lists them).
+            XckptError: `step` is not a complete step (the message lists them).
         """
         s = check_step(step)
         info = self._known().get(s) or read_step(self.root, s)
@@ -247,15 +247,15 @@ class CheckpointManager:
 
     @property
     def preempted(self) -> bool:
-        """Whether this rank got SIGTERM, or learned in ``should_save``/``save`` that a rank did."""
+        """Whether this rank got SIGTERM, or learned in `should_save`/`save` that a rank did."""
         return self._preempted or self._sigterm.received
 
     # -- saving ---------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step, ...)`` would save: ``save_every`` divides the step (or is
+        """Whether `save(step, ...)` would save: `save_every` divides the step (or is
         None), or a rank got SIGTERM. Collective: every rank calls it at the same steps;
-        a following ``save`` of the same step reuses the answer.
+        a following `save` of the same step reuses the answer.
         """
         self._check_open()
         return self._decide(check_step(step))
@@ -271,10 +271,10 @@ class CheckpointManager:
     def save(
         self, step: int, state: Any, *, metrics: Mapping[str, Any] | None = None, force: bool = False
     ) -> bool:
-        """Save ``state`` as step ``step`` when it is due; whether a save was started.
+        """Save `state` as step `step` when it is due; whether a save was started.
 
-        A save starts when ``save_every`` divides the step, when ``force``, or after a
-        preemption signal. With ``async_save`` it returns once the state is copied into
+        A save starts when `save_every` divides the step, when `force`, or after a
+        preemption signal. With `async_save` it returns once the state is copied into
         the manager's host buffers: the caller may change the state at once, and the
         write runs in the background (the next save waits for it). Collective.
 
@@ -282,17 +282,17 @@ class CheckpointManager:
             step: a Python or numpy integer >= 0.
             state: a torch state dict, a JAX pytree, or a mapping of numpy arrays and values.
             metrics: JSON values stored in the step's metadata (rank 0's are stored);
-                with a ``metric``, it must hold that metric as a number.
+                with a `metric`, it must hold that metric as a number.
             force: save even when the step is not due, save below the latest step, or
                 replace a complete step.
 
         Returns:
             True when a save started; False when the step is not due, or is already
-            saved complete (a warning says so; ``force`` replaces it).
+            saved complete (a warning says so; `force` replaces it).
 
         Raises:
             XckptError: a bad step, a step below the latest complete one without
-                ``force``, metrics without the metric; nothing is written then. An
+                `force`, metrics without the metric; nothing is written then. An
                 earlier background save's error (on every rank).
             SystemExit: 143, after a preemption save is durable on every rank.
         """
@@ -366,7 +366,7 @@ class CheckpointManager:
         return True
 
     def _local_save(self, step: int, state: Any) -> None:
-        """Stage ``state`` as local step ``step`` (see :mod:`xckpt.manager._tiers`)."""
+        """Stage `state` as local step `step` (see `xckpt.manager._tiers`)."""
         if self._tiers is None:
             return
         kind = framework_of(state)
@@ -375,13 +375,13 @@ class CheckpointManager:
         self._tiers.save(step, state, kind, self.staging, self._inflight)
 
     def local_steps(self) -> list[int]:
-        """The local steps the job holds, ascending (none without ``local=``): complete across
+        """The local steps the job holds, ascending (none without `local=`): complete across
         the local tiers when the manager was built, plus the local saves finished since
         (on every rank, replicas included), less those local retention deleted."""
         return [] if self._tiers is None else self._tiers.steps()
 
     def _plan(self, step: int, metrics: Any, force: bool) -> tuple[dict[str, Any], BaseException | None]:
-        """Rank 0: what to do with step ``step`` (from storage as last listed)."""
+        """Rank 0: what to do with step `step` (from storage as last listed)."""
         try:
             enc = encode_metrics(metrics)
             self._policy.check_metrics(step, decode_metrics(enc))
@@ -454,8 +454,8 @@ class CheckpointManager:
             raise bug
 
     def _await_ranks(self, step: int, save_id: str) -> None:
-        """Rank-local: wait until every rank's manifest of ``save_id`` is stored (rank 0 then
-        writes ``xckpt.json``); the other ranks wait for that ``xckpt.json``."""
+        """Rank-local: wait until every rank's manifest of `save_id` is stored (rank 0 then
+        writes `xckpt.json`); the other ranks wait for that `xckpt.json`."""
         loc = step_location(self.root, step)
         storage = Storage(loc)
         world = self._coord.world
@@ -551,25 +551,25 @@ class CheckpointManager:
     # -- restoring --------------------------------------------------------------
 
     def restore(self, target: Any = None, *, step: int | None = None, **load_options: Any) -> Any:
-        """Load the latest complete step (or ``step``) into ``target``. Collective.
+        """Load the latest complete step (or `step`) into `target`. Collective.
 
         The save in flight finishes first. The step is chosen on rank 0 and shared,
         so every rank loads the same one. torch targets (tensors, DTensors, any world
-        size, mesh or placement) are filled in place by ``xckpt.torch.load`` and its
-        :class:`~xckpt.torch.LoadResult` returned; a JAX target (a pytree of
-        ``ShapeDtypeStruct``s with shardings, shardings, or arrays) gives the restored
-        pytree (``xckpt.jax.load``); with no target, every tensor (numpy) and object by
-        name; a mapping of numpy arrays is filled in place and returned. With ``local=``,
-        the newest complete step of either tier (``step``: looked for in both), read from
-        the local copies the ranks hold where it is local (:mod:`xckpt.manager._fetch`).
+        size, mesh or placement) are filled in place by `xckpt.torch.load` and its
+        [`LoadResult`][xckpt.torch.LoadResult] returned; a JAX target (a pytree of
+        `ShapeDtypeStruct`s with shardings, shardings, or arrays) gives the restored
+        pytree (`xckpt.jax.load`); with no target, every tensor (numpy) and object by
+        name; a mapping of numpy arrays is filled in place and returned. With `local=`,
+        the newest complete step of either tier (`step`: looked for in both), read from
+        the local copies the ranks hold where it is local (`xckpt.manager._fetch`).
 
         Args:
             target: what to restore into (see above).
             step: the step to restore (default: the latest complete one).
-            load_options: passed to the adapter's load (``strict=``, ``rules=``, ...).
+            load_options: passed to the adapter's load (`strict=`, `rules=`, ...).
 
         Raises:
-            XckptError: no complete step (``steps()`` is ``[]``), or ``step`` is not a
+            XckptError: no complete step (`steps()` is `[]`), or `step` is not a
                 complete step; the message lists the complete steps.
         """
         if not self._closed:
@@ -589,7 +589,7 @@ class CheckpointManager:
         )
 
     def _restore_tiers(self, kind: str, target: Any, step: int | None, options: dict[str, Any]) -> Any:
-        """Restore the newest complete step of both tiers (see :mod:`xckpt.manager._fetch`)."""
+        """Restore the newest complete step of both tiers (see `xckpt.manager._fetch`)."""
         if self._tiers is None:
             raise XckptError("internal: no local tier")
         local_opts = {**options, "read_once": True} if kind == "torch" else options
@@ -621,7 +621,7 @@ class CheckpointManager:
         return s
 
     def export(self, step: int, dst: str | os.PathLike[str], *, compression: str | None = None) -> str:
-        """Copy step ``step`` to ``dst`` as a standalone checkpoint (every referenced chunk's
+        """Copy step `step` to `dst` as a standalone checkpoint (every referenced chunk's
         bytes copied in, so it reads without the root); the output path.
 
         Args:
@@ -630,7 +630,7 @@ class CheckpointManager:
             compression: the codec of the copy's array chunks (default raw).
 
         Raises:
-            XckptError: ``step`` is not a complete step; ``dst`` exists.
+            XckptError: `step` is not a complete step; `dst` exists.
         """
         s = check_step(step)
         if s not in self.steps():

@@ -1,17 +1,17 @@
 """Retention and ranking of a manager's steps: pure functions of step numbers and metrics.
 
-Nothing here reads storage or talks to ranks; :class:`Policy` is checked once, at
-construction, and every answer is a function of ``(step, metrics)`` pairs, so the
+Nothing here reads storage or talks to ranks; `Policy` is checked once, at
+construction, and every answer is a function of `(step, metrics)` pairs, so the
 rules are tested exhaustively against a simple model (tests/test_manager_policy.py).
 
 The rules (DESIGN.md section 8), decided where the design is silent:
 
-* "last" is by step number: ``keep_last=N`` keeps the N highest steps (a step saved
-  with ``force=True`` below the latest is not "last");
-* ``keep_every=K`` keeps every step divisible by K (step 0 included);
-* ``keep_best=N`` keeps the N best steps by ``metric`` (``mode="min"``: lowest first).
+* "last" is by step number: `keep_last=N` keeps the N highest steps (a step saved
+  with `force=True` below the latest is not "last");
+* `keep_every=K` keeps every step divisible by K (step 0 included);
+* `keep_best=N` keeps the N best steps by `metric` (`mode="min"`: lowest first).
   Steps whose metrics lack the metric, or hold a value that is not a number, are
-  unranked and always kept (orbax's ``CheckpointManager`` does the same); NaN ranks
+  unranked and always kept (orbax's `CheckpointManager` does the same); NaN ranks
   below every number (a diverged run's steps go first); ties go to the later step;
 * the latest (highest) complete step is always kept;
 * a step is kept when any rule keeps it; no rule given: everything is kept.
@@ -28,7 +28,7 @@ from xckpt.errors import XckptError
 
 __all__ = ["Policy", "StepMetrics", "positive_count"]
 
-#: ``(step, metrics or None)``: what retention and ranking need of a complete step.
+#: `(step, metrics or None)`: what retention and ranking need of a complete step.
 StepMetrics = tuple[int, "Mapping[str, Any] | None"]
 
 
@@ -45,8 +45,8 @@ class Policy:
     """Which complete steps retention keeps, and how steps rank by a metric.
 
     Raises (at construction):
-        XckptError: a count is not a whole number >= 1, ``keep_best`` has no
-            ``metric``, or ``mode`` is neither "min" nor "max".
+        XckptError: a count is not a whole number >= 1, `keep_best` has no
+            `metric`, or `mode` is neither "min" nor "max".
     """
 
     keep_last: int | None = None
@@ -76,7 +76,7 @@ class Policy:
     def check_metrics(self, step: int, metrics: Mapping[str, Any] | None) -> None:
         """Refuse metrics that a step could not be ranked by (before anything is written).
 
-        ``None`` is accepted (the step is kept, unranked). With a ``metric``, a
+        `None` is accepted (the step is kept, unranked). With a `metric`, a
         mapping must hold it as a real number (NaN and infinities included).
 
         Raises:
@@ -118,7 +118,7 @@ class Policy:
         return ranked[0] if ranked else None
 
     def retain(self, steps: Sequence[StepMetrics]) -> tuple[list[int], list[int]]:
-        """``(keep, delete)``: the complete steps to keep and to delete, each ascending."""
+        """`(keep, delete)`: the complete steps to keep and to delete, each ascending."""
         all_steps = sorted({s for s, _ in steps})
         if self.keeps_all or not all_steps:
             return all_steps, []

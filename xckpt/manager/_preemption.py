@@ -1,12 +1,12 @@
 """SIGTERM as a preemption notice: a flag the manager reads at the next step boundary.
 
 Schedulers (Slurm, Kubernetes, torchelastic) send SIGTERM some seconds before they
-kill a job. :class:`SigtermFlag` installs a handler that only sets a flag (a signal
+kill a job. `SigtermFlag` installs a handler that only sets a flag (a signal
 handler must not save: it runs between two bytecodes of the training loop, maybe in
 the middle of an optimizer step), then calls the handler installed before it, if
-that one is a Python callable (``SIG_DFL`` would end the process before the save, and
-``SIG_IGN`` does nothing, so neither is called). The manager reads the flag in
-``should_save`` / ``save``, agrees with the other ranks, saves, and exits 143.
+that one is a Python callable (`SIG_DFL` would end the process before the save, and
+`SIG_IGN` does nothing, so neither is called). The manager reads the flag in
+`should_save` / `save`, agrees with the other ranks, saves, and exits 143.
 
 Python runs signal handlers in the main thread only, and installs them only from it:
 a manager built on another thread installs none and warns, so build the manager on
@@ -24,7 +24,7 @@ __all__ = ["SigtermFlag"]
 
 
 class SigtermFlag:
-    """A SIGTERM handler that sets :attr:`received` and chains the earlier handler."""
+    """A SIGTERM handler that sets `received` and chains the earlier handler."""
 
     def __init__(self) -> None:
         self.received = False

@@ -1,19 +1,19 @@
 """Replication of local steps: each rank's part sent to ranks on other nodes (DESIGN.md section 11).
 
-A rank's part of a local step is its files in the step's directory: ``ranks/<r>.json``
-and the data key space its manifest names (``data/<r>/``, or ``data/<r>.<token>/``
-after an overwrite). :class:`Replicator` sends those bytes to the ranks
-:func:`xckpt.manager._tiers.replica_pairs` names, which write them under the same
+A rank's part of a local step is its files in the step's directory: `ranks/<r>.json`
+and the data key space its manifest names (`data/<r>/`, or `data/<r>.<token>/`
+after an overwrite). `Replicator` sends those bytes to the ranks
+`xckpt.manager._tiers.replica_pairs` names, which write them under the same
 names in their own local directory: a replica is a copy a reader cannot tell from the
 original, with the writer's checksums (the manifest's own, each chunk's crc32).
 
-Call protocol (:meth:`Replicator.run`, every rank of the manager's group, the manager's
+Call protocol (`Replicator.run`, every rank of the manager's group, the manager's
 local-tier thread, one step at a time):
 
 1. each rank packs its part (a header of file names and sizes, then the bytes);
    one exchange of every rank's outcome of its local write and packing, with the
    payload sizes: when any failed, every rank raises (nothing is sent);
-2. the ranks exchange the payloads (one ``batch_isend_irecv``, on a gloo group of the
+2. the ranks exchange the payloads (one `batch_isend_irecv`, on a gloo group of the
    replication's own, so it never interleaves with the training's or the manager's
    collectives);
 3. each receiver writes the files, the data first and the rank manifest last (its
@@ -23,7 +23,7 @@ local-tier thread, one step at a time):
 4. a last exchange of outcomes: every rank returns once every replica of the step is
    stored, or every rank raises.
 
-Every collective waits at most ``TIMEOUT_S``; a rank that stopped makes the others
+Every collective waits at most `TIMEOUT_S`; a rank that stopped makes the others
 raise instead of hanging. Bytes travel as uint8 tensors, never pickles.
 """
 
@@ -47,8 +47,8 @@ TIMEOUT_S = 600.0
 
 
 def _data_dirs(step_dir: str, rank: int) -> list[str]:
-    """The data key spaces of rank ``rank`` in ``step_dir``: ``data/<rank>`` or, after an
-    overwrite, ``data/<rank>.<token>`` (the writer deletes the key spaces it replaced once
+    """The data key spaces of rank `rank` in `step_dir`: `data/<rank>` or, after an
+    overwrite, `data/<rank>.<token>` (the writer deletes the key spaces it replaced once
     its manifest is in place, so after a commit there is one)."""
     try:
         names = os.listdir(os.path.join(step_dir, "data"))
@@ -58,7 +58,7 @@ def _data_dirs(step_dir: str, rank: int) -> list[str]:
 
 
 def pack(step_dir: str, rank: int) -> np.ndarray:
-    """Rank ``rank``'s part of the local step at ``step_dir`` as one uint8 buffer: an 8-byte
+    """Rank `rank`'s part of the local step at `step_dir` as one uint8 buffer: an 8-byte
     header length, the header (JSON: each file's name and size), the files' bytes, the rank
     manifest last. The bytes carry their own checksums (each zarr chunk's crc32c, each
     packed chunk's crc32 and the manifest's SHA-256 in the manifest), which a restore
@@ -88,7 +88,7 @@ def pack(step_dir: str, rank: int) -> np.ndarray:
 
 
 def unpack(buf: np.ndarray, step_dir: str, src: int) -> None:
-    """Write the part rank ``src`` sent (:func:`pack`'s buffer) into ``step_dir``: the data
+    """Write the part rank `src` sent (`pack`'s buffer) into `step_dir`: the data
     first, the rank manifest last, once its checksum is checked.
 
     Raises:
@@ -167,7 +167,7 @@ class Replicator:
                 ) from e
 
     def _agree(self, err: BaseException | None, step: int, what: str, size: int = 0) -> list[int]:
-        """Every rank returns every rank's ``size``, or every rank raises (this rank its own error)."""
+        """Every rank returns every rank's `size`, or every rank raises (this rank its own error)."""
         torch, dist = self._torch, self._dist
         out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
         mine = torch.tensor([0 if err is None else 1, size], dtype=torch.int64)
@@ -190,7 +190,7 @@ class Replicator:
             self._wait(dist.batch_isend_irecv(ops), step, "replica")
 
     def run(self, step: int, step_dir: str, err: BaseException | None) -> None:
-        """Replicate local step ``step`` (this rank's part is in ``step_dir``); see the module."""
+        """Replicate local step `step` (this rank's part is in `step_dir`); see the module."""
         torch = self._torch
         payload = torch.zeros(0, dtype=torch.uint8)
         if err is None and self.dsts:

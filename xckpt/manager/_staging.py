@@ -1,33 +1,33 @@
 """Host buffers a manager owns and reuses across saves: its staging memory.
 
-A :class:`HostBuffers` is a pool of host arrays by key (a tensor's name and box).
-The adapters' ``save(..., staging=buffers)`` (``xckpt.torch.save``,
-``xckpt.jax.save``) and :func:`stage_mapping` (numpy mappings) copy the state into
+A `HostBuffers` is a pool of host arrays by key (a tensor's name and box).
+The adapters' `save(..., staging=buffers)` (`xckpt.torch.save`,
+`xckpt.jax.save`) and `stage_mapping` (numpy mappings) copy the state into
 it instead of allocating host copies per save; the pool itself knows nothing of
-frameworks: the adapter passes an ``alloc`` that makes the buffer (pinned memory for
+frameworks: the adapter passes an `alloc` that makes the buffer (pinned memory for
 a CUDA tensor), and the pool keeps it while the state keeps its shape and dtype.
 
 Call protocol of one save (one thread; the manager runs at most one save at a time,
 and every adapter waits for the previous background write before staging, so a
 buffer is never refilled while a write still reads it):
 
-1. ``begin()``;
-2. ``take(key, shape, dtype, alloc)`` once per box staged: the buffer of the last
-   save when ``shape`` and ``dtype`` are unchanged, else a new one from ``alloc()``
+1. `begin()`;
+2. `take(key, shape, dtype, alloc)` once per box staged: the buffer of the last
+   save when `shape` and `dtype` are unchanged, else a new one from `alloc()`
    (the old one released first);
-3. ``end()``: buffers of keys this save did not take are released, so the pool holds
+3. `end()`: buffers of keys this save did not take are released, so the pool holds
    at most one copy of the state as it is now.
 
-Row deltas (DESIGN.md section 12): with ``rows_for`` set (a predicate on a tensor's
-name), the adapters call :meth:`HostBuffers.compare` just before they copy a 2-D box
+Row deltas (DESIGN.md section 12): with `rows_for` set (a predicate on a tensor's
+name), the adapters call `HostBuffers.compare` just before they copy a 2-D box
 into a buffer that holds the previous save's values: compare, then copy, so staging stays
-one copy. The changed row indices are kept by buffer (:meth:`HostBuffers.changed`) for
+one copy. The changed row indices are kept by buffer (`HostBuffers.changed`) for
 the writer to store only those rows.
 
-``device_copy`` (optional) is the hook ``xckpt.torch.save`` calls to copy a tensor
-into its host buffer, ``device_copy(host, tensor) -> event or None``; the writer
-waits for each event (``event.synchronize()``) before it reads the buffer. Default:
-CUDA tensors are copied on a side stream (:mod:`xckpt.torch._staging`). Tests
+`device_copy` (optional) is the hook `xckpt.torch.save` calls to copy a tensor
+into its host buffer, `device_copy(host, tensor) -> event or None`; the writer
+waits for each event (`event.synchronize()`) before it reads the buffer. Default:
+CUDA tensors are copied on a side stream (`xckpt.torch._staging`). Tests
 inject a hook to check that logic on CPU.
 """
 
@@ -47,7 +47,7 @@ class HostBuffers:
     """A pool of host buffers by key, reused while shape and dtype stay the same.
 
     Attributes:
-        device_copy: the hook ``xckpt.torch.save`` copies tensors with (see the module).
+        device_copy: the hook `xckpt.torch.save` copies tensors with (see the module).
         allocations: buffers allocated so far (a save that reuses every buffer adds none).
     """
 
@@ -65,7 +65,7 @@ class HostBuffers:
         #: other save (another tier's, say) has refilled them since its own.
         self.generation = 0
         #: Keys found wholly unchanged, by the generation that found it: not compared again
-        #: for ``probe_every`` stagings (a frozen tensor costs no comparison in the stall;
+        #: for `probe_every` stagings (a frozen tensor costs no comparison in the stall;
         #: the writer's hashes still find it unchanged).
         self._frozen: dict[Hashable, int] = {}
         self.probe_every = 8
@@ -78,7 +78,7 @@ class HostBuffers:
         self._changed = {}
 
     def take(self, key: Hashable, shape: tuple[int, ...], dtype: Hashable, alloc: Callable[[], Any]) -> Any:
-        """The buffer for ``key``: the previous save's if ``shape`` and ``dtype`` match, else new."""
+        """The buffer for `key`: the previous save's if `shape` and `dtype` match, else new."""
         slot = self._slots.get(key)
         if slot is not None and slot[0] == shape and slot[1] == dtype:
             self._reused.add(key)
@@ -91,9 +91,9 @@ class HostBuffers:
         return slot[2]
 
     def compare(self, key: Hashable, old: np.ndarray, new: Any) -> None:
-        """Before ``new`` is copied into the buffer ``old`` of ``key`` (a numpy view of it):
-        record which rows differ (bytes), when ``key`` is a 2-D box of a tensor ``rows_for``
-        accepts and ``old`` holds the previous save's values. Few rows changed is the case
+        """Before `new` is copied into the buffer `old` of `key` (a numpy view of it):
+        record which rows differ (bytes), when `key` is a 2-D box of a tensor `rows_for`
+        accepts and `old` holds the previous save's values. Few rows changed is the case
         worth it: a first block of rows where half changed ends the comparison (a full save)."""
         name = key[0] if isinstance(key, tuple) else key
         if self.rows_for is None or key not in self._reused or old.ndim != 2 or not isinstance(name, str):
@@ -115,7 +115,7 @@ class HostBuffers:
             self._frozen.pop(key, None)
 
     def changed(self, buf: np.ndarray) -> np.ndarray | None:
-        """The rows of buffer ``buf`` this save changed (None: not compared)."""
+        """The rows of buffer `buf` this save changed (None: not compared)."""
         if not self._changed or buf.ndim != 2:
             return None
         return self._changed.get((buf.__array_interface__["data"][0], buf.shape))
@@ -171,10 +171,10 @@ def changed_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray | None:
 
 
 def stage_mapping(buffers: HostBuffers, mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """A numpy mapping copied into ``buffers`` (arrays) and deep-copied (other values).
+    """A numpy mapping copied into `buffers` (arrays) and deep-copied (other values).
 
-    The result is what ``xckpt.save`` writes while the caller goes on changing
-    ``mapping``: every array is a pool buffer filled with the caller's values.
+    The result is what `xckpt.save` writes while the caller goes on changing
+    `mapping`: every array is a pool buffer filled with the caller's values.
     """
     buffers.begin()
     out: dict[str, Any] = {}

@@ -1,28 +1,28 @@
 """The local tier: every few steps, each rank's part in node-local storage (DESIGN.md section 11).
 
-A manager built with ``local=`` keeps, beside its persistent root, a directory on the
-node (``/dev/shm/...``, a local NVMe disk) that the ranks of one node share. Every
-``local_every`` steps each rank saves its part there as an ordinary xckpt checkpoint
-layout, ``<local>/<step>/ranks/<r>.json`` and ``data/<r>/`` (a rank-local save, from
-the manager's staging buffers), and sends a copy to ``replicas`` ranks on other nodes,
+A manager built with `local=` keeps, beside its persistent root, a directory on the
+node (`/dev/shm/...`, a local NVMe disk) that the ranks of one node share. Every
+`local_every` steps each rank saves its part there as an ordinary xckpt checkpoint
+layout, `<local>/<step>/ranks/<r>.json` and `data/<r>/` (a rank-local save, from
+the manager's staging buffers), and sends a copy to `replicas` ranks on other nodes,
 which write it into their own local directory under the same names
-(:mod:`xckpt.manager._replicate`). A node's directory thus holds its own ranks' parts
+(`xckpt.manager._replicate`). A node's directory thus holds its own ranks' parts
 and the replicas it keeps for others, all in one layout, and every copy carries the
 checksums the writer made (the rank manifest's own, the chunks' crc32s).
 
 Call protocol (the manager's, every rank in the same order):
 
-1. construction: every rank builds its :class:`Tiers` at the same point; the ranks
-   exchange what their local directories hold (``local_steps`` starts from it) and
-   rank 0 writes the root's tier record (``tiers.json``, read by ``xckpt ls``);
-2. ``save(step, ...)`` when ``due(step)``: the previous local round finishes first
+1. construction: every rank builds its `Tiers` at the same point; the ranks
+   exchange what their local directories hold (`local_steps` starts from it) and
+   rank 0 writes the root's tier record (`tiers.json`, read by `xckpt ls`);
+2. `save(step, ...)` when `due(step)`: the previous local round finishes first
    (its error is raised here), then the write of a persistent save in flight (the two
-   share the staging buffers); the state is staged and ``save`` returns. The round
+   share the staging buffers); the state is staged and `save` returns. The round
    then runs on the tier's thread: the write (data, then the rank manifest), the
    replication, and once every rank has its part and its replicas of the step stored
    (the replication's last exchange), retention: local steps older than the newest
-   ``local_keep`` complete ones are deleted (manifests first);
-3. ``wait()`` finishes the round in flight; ``restore`` is :mod:`xckpt.manager._fetch`.
+   `local_keep` complete ones are deleted (manifests first);
+3. `wait()` finishes the round in flight; `restore` is `xckpt.manager._fetch`.
 
 A kill at any point leaves the previous local step restorable: a rank manifest is
 written after its data (by the writer, and by the replication), a step's round deletes
@@ -59,13 +59,13 @@ __all__ = ["Held", "Tiers", "nodes_of", "replica_pairs"]
 
 
 def nodes_of(world: int, ranks_per_node: int) -> list[list[int]]:
-    """The nodes: consecutive groups of ``ranks_per_node`` ranks (the last may be smaller)."""
+    """The nodes: consecutive groups of `ranks_per_node` ranks (the last may be smaller)."""
     return [list(range(s, min(s + ranks_per_node, world))) for s in range(0, world, ranks_per_node)]
 
 
 def replica_pairs(world: int, ranks_per_node: int, replicas: int) -> list[tuple[int, int]]:
-    """``(source, destination)`` of every replication: the rank at position ``i`` of node
-    ``n`` sends to position ``i`` (modulo its size) of nodes ``n+1 .. n+replicas`` (modulo
+    """`(source, destination)` of every replication: the rank at position `i` of node
+    `n` sends to position `i` (modulo its size) of nodes `n+1 .. n+replicas` (modulo
     the node count), so every copy lands on another node. One node: none."""
     nodes = nodes_of(world, ranks_per_node)
     out = []
@@ -109,9 +109,9 @@ class Tiers:
 
     Args:
         root: the manager's persistent root (rank 0 writes the tier record there).
-        local: this node's directory (or ``file://`` URL).
+        local: this node's directory (or `file://` URL).
         local_every, local_keep, replicas, ranks_per_node: as for the manager.
-        coord: the manager's coordinator; ``run``: the manager's run token.
+        coord: the manager's coordinator; `run`: the manager's run token.
         process_group: the manager's torch group (replication builds a gloo group over it).
     """
 
@@ -245,9 +245,9 @@ class Tiers:
     def save(
         self, step: int, state: Any, kind: str, staging: HostBuffers, busy: cf.Future[Any] | None
     ) -> None:
-        """Stage ``state`` as local step ``step`` and start its round (see the module).
+        """Stage `state` as local step `step` and start its round (see the module).
 
-        ``busy``: the persistent save in flight, whose write reads the staging buffers.
+        `busy`: the persistent save in flight, whose write reads the staging buffers.
         """
         self.finish()
         if busy is not None:
@@ -316,7 +316,7 @@ class Tiers:
     # -- retention and the record ------------------------------------------------------
 
     def _prune(self) -> None:
-        """Delete local steps older than the newest ``keep`` complete ones (this run's
+        """Delete local steps older than the newest `keep` complete ones (this run's
         rounds, and steps of earlier runs older than them). Every rank finished the newest
         round, so no rank is still writing a step deleted here."""
         with self._lock:
@@ -336,7 +336,7 @@ class Tiers:
             _rmtree(self.step_dir(s))
 
     def _record(self, hosts: list[tuple[str, str]] | None, latest: int | None = None) -> None:
-        """Rank 0: the root's ``tiers.json``, which tells ``xckpt ls ROOT`` where local steps are."""
+        """Rank 0: the root's `tiers.json`, which tells `xckpt ls ROOT` where local steps are."""
         storage = Storage(self.root)
         try:
             if hosts is None:
@@ -371,12 +371,12 @@ class Tiers:
 
 
 def complete_steps(held: list[Held]) -> list[int]:
-    """The steps whose parts ``0..W-1`` of one save are all held somewhere."""
+    """The steps whose parts `0..W-1` of one save are all held somewhere."""
     return sorted(s for s, (full, _sid, _w) in coverage(held).items() if full)
 
 
 def coverage(held: list[Held]) -> dict[int, tuple[bool, str, int]]:
-    """Per step, the save whose parts are best covered: ``(complete, save_id, world_size)``;
+    """Per step, the save whose parts are best covered: `(complete, save_id, world_size)`;
     a complete save first, then the most parts, then the most recently written."""
     by: dict[tuple[int, str, int], set[int]] = {}
     when: dict[tuple[int, str, int], float] = {}
@@ -394,7 +394,7 @@ def coverage(held: list[Held]) -> dict[int, tuple[bool, str, int]]:
 
 
 def holders_of(everyone: Mapping[int, list[Held]], step: int, save_id: str) -> dict[int, set[int]]:
-    """Per saved rank of ``step``'s save ``save_id``, the current ranks holding a copy."""
+    """Per saved rank of `step`'s save `save_id`, the current ranks holding a copy."""
     out: dict[int, set[int]] = {}
     for r, held in everyone.items():
         for h in held:

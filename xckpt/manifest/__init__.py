@@ -4,17 +4,17 @@ A manifest never holds framework types or pickles, only ints, strings, tuples an
 JSON values, and every claim it makes is checked against fixed bounds while it is
 read, before anything is sized from it. The family:
 
-* ``_checks``: format constants, bounds, the dtype table and field checks;
-* ``_entries``: :class:`TensorEntry` (with its :class:`Chunk` boxes), :class:`ObjectEntry`;
-* ``_rows``: packed rows, the compact form of a whole tensor packed in its rank's array;
-* ``_objects``: non-tensor values as tagged JSON (never pickle);
-* ``_signed``: the manifest's own checksum and the claim written before a save;
-* ``_chunks``: :class:`Chunk`, one stored box and where its bytes live;
-* ``_grids``: grid entries (version 5; binary columns, version 6), :class:`GridChunks`: chunks
+* `_checks`: format constants, bounds, the dtype table and field checks;
+* `_entries`: [`TensorEntry`][xckpt.manifest.TensorEntry] (with its `Chunk` boxes), `ObjectEntry`;
+* `_rows`: packed rows, the compact form of a whole tensor packed in its rank's array;
+* `_objects`: non-tensor values as tagged JSON (never pickle);
+* `_signed`: the manifest's own checksum and the claim written before a save;
+* `_chunks`: `Chunk`, one stored box and where its bytes live;
+* `_grids`: grid entries (version 5; binary columns, version 6), `GridChunks`: chunks
   as a grid, built on demand;
-* ``_document``: :class:`Manifest`, one rank's or the merged document, and merging;
-* ``_merge``: :class:`RankMerge`, rank manifests merged as they are parsed (grids recognised);
-* ``_incremental``: version 6's codecs, references to other steps' arrays, chunk hashes.
+* `_document`: [`Manifest`][xckpt.manifest.Manifest], one rank's or the merged document, and merging;
+* `_merge`: `RankMerge`, rank manifests merged as they are parsed (grids recognised);
+* `_incremental`: version 6's codecs, references to other steps' arrays, chunk hashes.
 
 Code outside this folder imports from here.
 """

@@ -1,6 +1,6 @@
 """The manifest's constants and field checks: format versions, fixed bounds on what a manifest may claim, the dtype
-table, and plain-type validators (a precise :class:`~xckpt.errors.ManifestError` each, or a
-fast yes/no for the many-small-tensors path). Kept apart from :mod:`xckpt.manifest`, which
+table, and plain-type validators (a precise [`ManifestError`][xckpt.errors.ManifestError] each, or a
+fast yes/no for the many-small-tensors path). Kept apart from `xckpt.manifest`, which
 re-exports the public names, so the model stays readable."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: The first version with codecs, references to other steps and chunk hashes
 #: (see `xckpt.manifest._incremental`).
 INCREMENTAL_VERSION = 6
-#: The first version whose "tensors" may hold packed rows (see :mod:`xckpt.manifest._rows`).
+#: The first version whose "tensors" may hold packed rows (see `xckpt.manifest._rows`).
 ROWS_VERSION = 4
-#: The first version whose entries may be grids (see :mod:`xckpt.manifest._grids`).
+#: The first version whose entries may be grids (see `xckpt.manifest._grids`).
 GRID_VERSION = 5
 #: The first version whose grid columns (ranks, packed byte offsets and crc32s) may be base64
-#: strings of little-endian integers (see :mod:`xckpt.manifest._grids`).
+#: strings of little-endian integers (see `xckpt.manifest._grids`).
 COLUMNS_VERSION = 6
 #: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
 STORAGE_KINDS = ("files", "plain", "ocdbt")
@@ -157,8 +157,8 @@ def _shape(v: Any, what: str, where: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------
 # Fast paths for manifests of many small tensors.
 #
-# A frozen dataclass's generated ``__init__`` sets each field through
-# ``object.__setattr__``: 3 us for a Chunk, a third of a 20,000-tensor load.
+# A frozen dataclass's generated `__init__` sets each field through
+# `object.__setattr__`: 3 us for a Chunk, a third of a 20,000-tensor load.
 # Values that are already validated (the fast parser below, the writer) build
 # instances by installing a complete field dict instead (about 1 us).
 
@@ -168,8 +168,8 @@ _T = TypeVar("_T")
 
 
 def unchecked(cls: type[_T], fields: dict[str, Any]) -> _T:
-    """An instance of the frozen dataclass ``cls`` from a dict naming every field, in
-    field order (no checks, no copy: ``fields`` becomes the instance's ``__dict__``)."""
+    """An instance of the frozen dataclass `cls` from a dict naming every field, in
+    field order (no checks, no copy: `fields` becomes the instance's `__dict__`)."""
     obj = _new(cls)
     _set(obj, "__dict__", fields)
     return obj
@@ -179,7 +179,7 @@ _build = unchecked
 
 
 def _dims(v: Any) -> tuple[int, ...] | None:
-    """``v`` as a shape when it plainly is one (what :func:`_shape` accepts from JSON), else None."""
+    """`v` as a shape when it plainly is one (what `_shape` accepts from JSON), else None."""
     if type(v) is not list or len(v) > MAX_NDIM:
         return None
     for x in v:
@@ -196,7 +196,7 @@ _SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
 def shared_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``shape`` (a tuple of ints), or an equal tuple seen before: the tensors of one shape
+    """`shape` (a tuple of ints), or an equal tuple seen before: the tensors of one shape
     share one tuple (less to allocate, less for the garbage collector to walk)."""
     if len(_SHAPES) > 4096:
         _SHAPES.clear()

@@ -1,10 +1,10 @@
-"""A tensor's stored box and where its bytes live (:class:`Chunk`), with its JSON form.
+"""A tensor's stored box and where its bytes live (`Chunk`), with its JSON form.
 
-A chunk is ``{"offset", "shape", "key", "rank", "nbytes"}`` plus ``"grid"`` (the
+A chunk is `{"offset", "shape", "key", "rank", "nbytes"}` plus `"grid"` (the
 zarr chunk shape inside an array chunk) or, for a chunk packed into its rank's byte
-array, ``"form": "packed", "byte_offset", "crc32"``; ``"value_range"`` for value
-groups. Validated on read (:meth:`Chunk.from_json`, or all at once for a list of
-plain chunks, :func:`_chunks_fast`). Used by :mod:`._entries` and :mod:`._grids`.
+array, `"form": "packed", "byte_offset", "crc32"`; `"value_range"` for value
+groups. Validated on read (`Chunk.from_json`, or all at once for a list of
+plain chunks, `_chunks_fast`). Used by `_entries` and `_grids`.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class Chunk:
 
     @classmethod
     def from_json_unchecked(cls, d: Any, where: str) -> Chunk:
-        """:meth:`from_json` with every malformed field a :class:`ManifestError` (never a raw error)."""
+        """`from_json` with every malformed field a [`ManifestError`][xckpt.manifest._chunks.ManifestError] (never a raw error)."""
         try:
             return cls.from_json(d, where)
         except (TypeError, ValueError, AttributeError) as e:

@@ -1,13 +1,13 @@
 """The manifest document: one rank's (or the merged) tensors, objects and storage, as JSON.
 
 A manifest never holds framework types or pickles: only ints, strings, tuples
-and JSON values. :meth:`Manifest.from_json` validates everything a reader relies
+and JSON values. [`Manifest.from_json`][xckpt.manifest._document.Manifest.from_json] validates everything a reader relies
 on (format and version, dtypes, shapes, chunk keys that stay inside the
 checkpoint, byte counts that agree with the boxes) before anything is allocated
-or opened, and raises :class:`~xckpt.errors.ManifestError` (or
-:class:`~xckpt.errors.FormatVersionError`) naming the checkpoint and tensor.
+or opened, and raises [`ManifestError`][xckpt.errors.ManifestError] (or
+[`FormatVersionError`][xckpt.errors.FormatVersionError]) naming the checkpoint and tensor.
 
-Format (version 6), one JSON object::
+Format (version 6), one JSON object:
 
     {"format": "xckpt", "version": 6, "save_id": "...", "world_size": W,
      "rank": r | null,                       # null in the merged xckpt.json
@@ -22,26 +22,26 @@ Format (version 6), one JSON object::
      "metadata": {...},
      "checksum": "sha256:<hex>"}           # last member, see below
 
-``checksum`` is the SHA-256 of the file's bytes with the checksum member removed
-(the bytes up to ``,"checksum"`` followed by ``}``): written last so a reader
+`checksum` is the SHA-256 of the file's bytes with the checksum member removed
+(the bytes up to `,"checksum"` followed by `}`): written last so a reader
 checks the raw bytes without re-serialising anything. A manifest whose bytes fail
-it, or a version-2 manifest without it, is a :class:`~xckpt.errors.ManifestError`
+it, or a version-2 manifest without it, is a [`ManifestError`][xckpt.errors.ManifestError]
 (a flipped byte can rename a tensor or drop every object; JSON alone cannot tell).
-Version 1 (the same document without ``checksum``) is still read. ``tensors``,
-``objects`` and ``storage`` are required in every version. Version 3 adds the
-storage kind ``"files"``: plain zarr arrays whose chunk keys use the ``.`` separator
-(``c.0.0``: one directory per array, not one per row of chunks; see
-:mod:`xckpt.storage`); a version 2 reader would look for ``c/0/0`` and must refuse it.
+Version 1 (the same document without `checksum`) is still read. `tensors`,
+`objects` and `storage` are required in every version. Version 3 adds the
+storage kind `"files"`: plain zarr arrays whose chunk keys use the `.` separator
+(`c.0.0`: one directory per array, not one per row of chunks; see
+`xckpt.storage`); a version 2 reader would look for `c/0/0` and must refuse it.
 Version 4 adds packed rows: a tensor whose one chunk is the whole tensor, packed
-in its rank's byte array (``"packed"`` names the array's key per rank), is the
-array ``[dtype, shape, rank, byte_offset, crc32]`` instead of an entry object
+in its rank's byte array (`"packed"` names the array's key per rank), is the
+array `[dtype, shape, rank, byte_offset, crc32]` instead of an entry object
 (a third of the bytes: manifests of many small tensors parse and write about 4x
 faster); a version 3 reader would reject the array, so the version says it. Version 5
-adds grid entries (:mod:`xckpt.manifest._grids`): a tensor whose chunks form a rectilinear
+adds grid entries (`xckpt.manifest._grids`): a tensor whose chunks form a rectilinear
 grid over its writers is its split points, the writer of each cell by rule and its key
-relative to the writer's data directory (``"dirs"``), not one chunk object per writer.
+relative to the writer's data directory (`"dirs"`), not one chunk object per writer.
 Version 6 writes a grid's columns (ranks, packed byte offsets and crc32s) as base64 strings
-of little-endian integers instead of lists (:mod:`xckpt.manifest._grids`).
+of little-endian integers instead of lists (`xckpt.manifest._grids`).
 
 Limits come before allocation: every claim (number of dimensions, each extent, a
 tensor's elements and bytes, world size, chunks per tensor, key and name lengths,
@@ -49,8 +49,8 @@ object nesting depth) is checked against the fixed bounds below while the JSON i
 validated, before anything is sized from it; the reader then checks claims against
 what storage holds before it allocates an output.
 
-A chunk is ``{"offset", "shape", "key", "rank", "nbytes"}`` plus, for a chunk
-packed into its rank's byte array, ``"form": "packed", "byte_offset", "crc32"``.
+A chunk is `{"offset", "shape", "key", "rank", "nbytes"}` plus, for a chunk
+packed into its rank's byte array, `"form": "packed", "byte_offset", "crc32"`.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ __all__ = ["Manifest", "Header", "merge_manifests", "parse_document", "parse_hea
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """One rank's manifest (``rank`` set) or the merged one (``rank is None``)."""
+    """One rank's manifest (`rank` set) or the merged one (`rank is None`)."""
 
     save_id: str
     world_size: int
@@ -103,10 +103,10 @@ class Manifest:
     objects: tuple[ObjectEntry, ...] = ()
     storage: Mapping[int, str] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
-    #: Data directories other than ``data/<rank>`` (an overwriting save's ``data/<rank>.<token>``),
+    #: Data directories other than `data/<rank>` (an overwriting save's `data/<rank>.<token>`),
     #: by rank: what a grid's keys are relative to (version 5).
     dirs: Mapping[int, str] = field(default_factory=dict)
-    #: Version 6 (:mod:`xckpt.manifest._incremental`): each rank's codec of its array chunks,
+    #: Version 6 (`xckpt.manifest._incremental`): each rank's codec of its array chunks,
     #: arrays stored in another step of a manager root, and array chunks' BLAKE2b-128 hashes.
     codecs: Mapping[int, str] = field(default_factory=dict)
     refs: Mapping[str, Ref] = field(default_factory=dict)
@@ -147,7 +147,7 @@ class Manifest:
     @classmethod
     @paused_gc()
     def loads(cls, data: bytes, where: str) -> Manifest:
-        """Check the checksum, parse and validate; ``where`` names the file in error messages.
+        """Check the checksum, parse and validate; `where` names the file in error messages.
 
         Raises:
             ManifestError: not JSON, a failed or missing checksum, a missing field, a
@@ -158,7 +158,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> Manifest:
-        """Validate a parsed manifest document (the checksum is :meth:`loads`' business)."""
+        """Validate a parsed manifest document (the checksum is `loads`' business)."""
         try:
             h = parse_header(d, where)
             return cls(
@@ -309,7 +309,7 @@ def parse_header(d: Any, where: str) -> Header:
 def merge_manifests(parts: Sequence[Manifest], where: str) -> Manifest:
     """Merge rank manifests 0..W-1 into one (chunks concatenated in rank order), as objects.
 
-    Readers merge rank manifests as they parse them (:mod:`xckpt.manifest._merge`, which
+    Readers merge rank manifests as they parse them (`xckpt.manifest._merge`, which
     also recognises grids); this is the same merge of manifests already built.
 
     Tensors must agree on dtype and shape across ranks; replicated objects must

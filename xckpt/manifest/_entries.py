@@ -1,15 +1,15 @@
 """Tensor and object entries of a manifest: frozen dataclasses <-> JSON, validated on read.
 
-A :class:`TensorEntry` is one tensor's dtype, global shape and chunk boxes (each a
-:class:`Chunk`), with optional provenance (:class:`PlacementInfo`) and value-range
-annotation (:class:`ValueRange`); an :class:`ObjectEntry` is one non-tensor value.
-Every claim is checked against the bounds of :mod:`._checks` while the JSON is
+A [`TensorEntry`][xckpt.manifest._entries.TensorEntry] is one tensor's dtype, global shape and chunk boxes (each a
+`Chunk`), with optional provenance (`PlacementInfo`) and value-range
+annotation (`ValueRange`); an `ObjectEntry` is one non-tensor value.
+Every claim is checked against the bounds of `_checks` while the JSON is
 read, before anything is sized from it. The document that holds them is
-:class:`~xckpt.manifest.Manifest` (:mod:`._document`).
+[`Manifest`][xckpt.manifest.Manifest] (`_document`).
 
-A tensor's chunks are a list of :class:`Chunk` boxes (:mod:`._chunks`), or, for a grid
-(format version 5, :mod:`._grids`), a lazy :class:`~xckpt.manifest._grids.GridChunks`
-whose cells are built on demand; either way :attr:`TensorEntry.chunk_index` finds the
+A tensor's chunks are a list of `Chunk` boxes (`_chunks`), or, for a grid
+(format version 5, `_grids`), a lazy `GridChunks`
+whose cells are built on demand; either way [`TensorEntry.chunk_index`][xckpt.manifest._entries.TensorEntry.chunk_index] finds the
 chunks a box meets without a scan.
 """
 
@@ -117,10 +117,10 @@ class PlacementInfo:
 class ValueRange:
     """A tensor's membership in a value group (DESIGN.md section 4).
 
-    ``group`` names the group (e.g. the MCH module prefix), ``role`` the tensor's
-    part in it ("key", "row_aligned", "weight", ...), ``kind`` the group kind
-    ("managed_collision" or "generic"). ``domain`` is the key domain [lo, hi);
-    each chunk's own [lo, hi) is in :attr:`Chunk.value_range`. ``attrs`` holds
+    `group` names the group (e.g. the MCH module prefix), `role` the tensor's
+    part in it ("key", "row_aligned", "weight", ...), `kind` the group kind
+    ("managed_collision" or "generic"). `domain` is the key domain [lo, hi);
+    each chunk's own [lo, hi) is in `Chunk.value_range`. `attrs` holds
     the kind-specific JSON fields.
     """
 
@@ -173,9 +173,9 @@ class ValueRange:
 class TensorEntry:
     """A tensor: dtype, global shape and its global chunk layout.
 
-    ``chunks`` is a tuple of :class:`Chunk`, or a :class:`GridChunks` (a lazy sequence:
+    `chunks` is a tuple of `Chunk`, or a `GridChunks` (a lazy sequence:
     its cells are built when asked for). Hot paths look chunks up through
-    :attr:`chunk_index` and :meth:`chunk`, never by walking ``chunks``.
+    `chunk_index` and `chunk`, never by walking `chunks`.
     """
 
     name: str
@@ -196,12 +196,12 @@ class TensorEntry:
 
     @functools.cached_property
     def boxes(self) -> tuple[Box, ...]:
-        """The chunks' boxes, in chunk order (every chunk: use :attr:`chunk_index` to look up)."""
+        """The chunks' boxes, in chunk order (every chunk: use `chunk_index` to look up)."""
         return tuple(c.box for c in self.chunks)
 
     @functools.cached_property
     def chunk_index(self) -> ChunkIndex:
-        """The chunks' boxes, indexed: ``find(box)`` gives the ids of the chunks a box meets
+        """The chunks' boxes, indexed: `find(box)` gives the ids of the chunks a box meets
         (grid arithmetic for a grid, sorted intervals otherwise); built once per entry."""
         chunks = self.chunks
         if isinstance(chunks, GridChunks):
@@ -209,8 +209,8 @@ class TensorEntry:
         return BoxIndex(self.boxes)
 
     def chunk_at(self, offset: tuple[int, ...]) -> tuple[int, Chunk]:
-        """The chunk whose box starts at ``offset``, with its id: found through
-        :attr:`chunk_index` (a grid's cell is built alone), else by one walk (an empty chunk)."""
+        """The chunk whose box starts at `offset`, with its id: found through
+        `chunk_index` (a grid's cell is built alone), else by one walk (an empty chunk)."""
         if all(0 <= o < s for o, s in zip(offset, self.shape)) and len(offset) == len(self.shape):
             for i in self.chunk_index.find(Box(offset, (1,) * len(offset))):
                 c = self.chunk(i)
@@ -222,7 +222,7 @@ class TensorEntry:
         raise KeyError(offset)
 
     def chunk(self, i: int) -> Chunk:
-        """Chunk ``i`` (of a grid: built now)."""
+        """Chunk `i` (of a grid: built now)."""
         return self.chunks[i]
 
     @functools.cached_property
@@ -246,7 +246,7 @@ class TensorEntry:
 
     @functools.cached_property
     def chunk_ids_by_rank(self) -> Mapping[int, tuple[int, ...]]:
-        """Each writer's chunk ids, in chunk order, from :attr:`ranks_column` (no chunk built:
+        """Each writer's chunk ids, in chunk order, from `ranks_column` (no chunk built:
         a caller taking every rank's chunks in turn builds each once, when it reads it)."""
         ranks = self.ranks_column
         if not len(ranks):
@@ -270,7 +270,7 @@ class TensorEntry:
 
     @property
     def is_grid(self) -> bool:
-        """Whether the chunks are stored as a grid (:class:`GridChunks`)."""
+        """Whether the chunks are stored as a grid (`GridChunks`)."""
         return isinstance(self.chunks, GridChunks)
 
     @property
@@ -295,10 +295,10 @@ class TensorEntry:
         cls, name: str, d: Any, where: str, world_size: int, dirs: Mapping[int, str] | None = None,
         version: int = VERSION,
     ) -> TensorEntry:
-        """Validate tensor ``name``'s entry (ManifestError naming it and the field otherwise).
+        """Validate tensor `name`'s entry (ManifestError naming it and the field otherwise).
 
-        ``dirs`` (the manifest's data directories) is given for manifests that may hold grid
-        entries (version 5 on); a grid elsewhere is refused. ``version``: the manifest's (what
+        `dirs` (the manifest's data directories) is given for manifests that may hold grid
+        entries (version 5 on); a grid elsewhere is refused. `version`: the manifest's (what
         a grid may hold depends on it)."""
         if type(d) is dict:
             if "grid" in d:
@@ -388,7 +388,7 @@ class TensorEntry:
 
     @classmethod
     def _from_json_fast(cls, name: str, d: dict[str, Any], where: str, world_size: int) -> TensorEntry | None:
-        """:meth:`from_json` for an entry that passes every check at once (plain type and
+        """`from_json` for an entry that passes every check at once (plain type and
         range tests, no error text built); None when any check might fail, and the
         checked path then raises its precise error. 20,000 entries: 0.08 s instead of 0.4."""
         dtype = d.get("dtype")
@@ -426,7 +426,7 @@ class TensorEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class ObjectEntry:
-    """A non-tensor value: inline JSON, or bytes stored under ``key``."""
+    """A non-tensor value: inline JSON, or bytes stored under `key`."""
 
     name: str
     kind: str  # "json" or "bytes"

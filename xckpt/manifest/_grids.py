@@ -1,39 +1,39 @@
 """Grid entries (format version 5): a tensor whose chunks form a rectilinear grid over its
 writers is stored as the grid, not one chunk object per writer.
 
-A grid entry is ``{"dtype", "shape", "grid": {...}}`` with, in ``"grid"``:
+A grid entry is `{"dtype", "shape", "grid": {...}}` with, in `"grid"`:
 
-* ``"splits"``: per dimension, an integer step ``s`` (cells ``[i s, min((i + 1) s, extent))``)
-  or the split points ``[0, ..., extent]``, strictly increasing;
-* ``"ranks"``: the writer of each cell, ``{"base": b, "strides": [s0, s1, ...]}`` (cell
-  ``(i0, i1, ...)`` is rank ``b + i0 s0 + i1 s1 + ...``) or a list, one rank per cell in
+* `"splits"`: per dimension, an integer step `s` (cells `[i s, min((i + 1) s, extent))`)
+  or the split points `[0, ..., extent]`, strictly increasing;
+* `"ranks"`: the writer of each cell, `{"base": b, "strides": [s0, s1, ...]}` (cell
+  `(i0, i1, ...)` is rank `b + i0 s0 + i1 s1 + ...`) or a list, one rank per cell in
   row-major cell order;
-* ``"key"``: the array cells' key relative to their writer's data directory (``"t/<id>"``:
-  the key is ``data/<rank>/t/<id>``, or under ``dirs[rank]`` where the manifest's ``"dirs"``
-  names one), or ``"keys"``: one full key per cell (every cell, packed ones too);
-* ``"inner"`` (optional): ``[[cell shape, zarr chunk shape], ...]``: the zarr chunk shape
+* `"key"`: the array cells' key relative to their writer's data directory (`"t/<id>"`:
+  the key is `data/<rank>/t/<id>`, or under `dirs[rank]` where the manifest's `"dirs"`
+  names one), or `"keys"`: one full key per cell (every cell, packed ones too);
+* `"inner"` (optional): `[[cell shape, zarr chunk shape], ...]`: the zarr chunk shape
   inside the array cells of each shape listed (a cell of a shape not listed has none: its
   whole box is one zarr chunk);
-* ``"packed"`` (optional): cells that are packed chunks of their writer's packed byte array,
-  ``{"cells": [cell ids, increasing] (absent: every cell), "key": that array's key relative
-  to the writer's data directory (with ``"key"``), "byte_offset": int | column (one per packed
-  cell), "crc32": column (one per packed cell)}``. (A split by ``torch.chunk`` leaves the last
+* `"packed"` (optional): cells that are packed chunks of their writer's packed byte array,
+  `{"cells": [cell ids, increasing] (absent: every cell), "key": that array's key relative
+  to the writer's data directory (with `"key"`), "byte_offset": int | column (one per packed
+  cell), "crc32": column (one per packed cell)}`. (A split by `torch.chunk` leaves the last
   writers short: their cells may fall under the packing threshold while the others do not.)
 
-A **column** (one integer per cell or per packed cell: ``"ranks"``, ``"byte_offset"``,
-``"crc32"``) is a JSON list of integers (version 5) or, from version 6 on, a string: the
-base64 (RFC 4648, padded) of the integers as little-endian ``uint32`` (``ranks``,
-``crc32``) or ``uint64`` (``byte_offset``), back to back. 4,096 writers x 100 tensors of
+A **column** (one integer per cell or per packed cell: `"ranks"`, `"byte_offset"`,
+`"crc32"`) is a JSON list of integers (version 5) or, from version 6 on, a string: the
+base64 (RFC 4648, padded) of the integers as little-endian `uint32` (`ranks`,
+`crc32`) or `uint64` (`byte_offset`), back to back. 4,096 writers x 100 tensors of
 256-byte packed cells: a crc32 costs 5.3 bytes in base64 against 10.7 as decimal text
-(4.5 MB of manifest becomes 2.2 MB), and a column decodes in one ``numpy.frombuffer``. A
+(4.5 MB of manifest becomes 2.2 MB), and a column decodes in one `numpy.frombuffer`. A
 column's decoded length and range are checked before it is used.
 
-:class:`GridChunks` is the grid as a lazy ``Sequence[Chunk]``: a cell's :class:`Chunk`
-is built when asked for, lookups go through its :class:`~xckpt.layout.GridIndex` (bisect
+`GridChunks` is the grid as a lazy `Sequence[Chunk]`: a cell's `Chunk`
+is built when asked for, lookups go through its [`GridIndex`][xckpt.layout.GridIndex] (bisect
 on the split points), and coverage is the split points' arithmetic. Every claim is
 checked against fixed bounds before anything is sized from it: the cell count is the
-product of the split counts, checked against ``MAX_CHUNKS`` as it is formed.
-:func:`grid_from_columns` recognises a grid in chunk columns (a merge of rank manifests).
+product of the split counts, checked against `MAX_CHUNKS` as it is formed.
+`grid_from_columns` recognises a grid in chunk columns (a merge of rank manifests).
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ __all__ = ["GRID_MIN_CELLS", "GridChunks", "Packed", "check_dirs", "data_dir", "
 
 #: Tensors of fewer chunks keep the chunk list (as small, and readable by eye).
 GRID_MIN_CELLS = 8
-#: Distinct cell shapes an ``"inner"`` map may list.
+#: Distinct cell shapes an `"inner"` map may list.
 MAX_GRID_SHAPES = 4096
-#: A data directory: ``data/<rank>`` or ``data/<rank>.<token>`` (an overwriting save's).
+#: A data directory: `data/<rank>` or `data/<rank>.<token>` (an overwriting save's).
 _DIR_RE = re.compile(r"^data/[0-9]{1,7}(\.[0-9a-f]{1,32})?$")
 _SUFFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 #: The longest data directory, so a key suffix leaves room for it within MAX_KEY_LEN.
@@ -77,7 +77,7 @@ _MAX_DIR_LEN = len("data/1048575.") + 32
 
 
 def data_dir(rank: int, dirs: Mapping[int, str]) -> str:
-    """Rank ``rank``'s data directory: ``dirs[rank]``, else ``data/<rank>``."""
+    """Rank `rank`'s data directory: `dirs[rank]`, else `data/<rank>`."""
     d = dirs.get(rank)
     return d if d is not None else f"data/{rank}"
 
@@ -98,7 +98,7 @@ def _dir_ok(d: str) -> bool:
 
 def split_key(key: Any) -> tuple[str, str] | None:
     """A chunk key as (its data directory, the rest), or None when it is not a valid key
-    (what :func:`~xckpt.manifest._checks._check_key` accepts, checked in two cached parts)."""
+    (what `_check_key` accepts, checked in two cached parts)."""
     if type(key) is not str or len(key) > MAX_KEY_LEN:
         return None
     i = key.find("/", 5)
@@ -111,7 +111,7 @@ def split_key(key: Any) -> tuple[str, str] | None:
 
 
 def check_dirs(raw: Any, where: str, world_size: int) -> dict[int, str]:
-    """The manifest's ``"dirs"`` member: ``{"<rank>": "data/<rank>.<token>"}``."""
+    """The manifest's `"dirs"` member: `{"<rank>": "data/<rank>.<token>"}`."""
     if raw is None:
         return {}
     if type(raw) is not dict or len(raw) > world_size:
@@ -138,9 +138,9 @@ class Packed(NamedTuple):
 
 
 class GridChunks(Sequence[Chunk]):
-    """A tensor's chunks as a grid: a lazy sequence whose cell ``i`` (row-major) is built on
-    demand. ``grid_index`` finds the cells a box meets; nothing here is O(cells) but
-    :meth:`to_json`, the columns, equality and iteration (which builds each cell as it goes
+    """A tensor's chunks as a grid: a lazy sequence whose cell `i` (row-major) is built on
+    demand. `grid_index` finds the cells a box meets; nothing here is O(cells) but
+    `to_json`, the columns, equality and iteration (which builds each cell as it goes
     and keeps none)."""
 
     def __init__(
@@ -169,7 +169,7 @@ class GridChunks(Sequence[Chunk]):
         }
 
     def _position(self, i: int) -> int:
-        """Cell ``i``'s position among the packed cells, or -1 when it is an array cell."""
+        """Cell `i`'s position among the packed cells, or -1 when it is an array cell."""
         if self.packed is None:
             return -1
         at = self._packed_at
@@ -212,7 +212,7 @@ class GridChunks(Sequence[Chunk]):
         return f"GridChunks({len(self)} cells, splits {self.splits_json()})"
 
     def rank(self, i: int, idx: Sequence[int] | None = None) -> int:
-        """The writer of cell ``i`` (``idx``: its per-dimension index, when known)."""
+        """The writer of cell `i` (`idx`: its per-dimension index, when known)."""
         if self.rank_list is not None:
             return int(self.rank_list[i])
         base, strides = self.rank_rule or (0, ())
@@ -232,7 +232,7 @@ class GridChunks(Sequence[Chunk]):
         return out
 
     def nbytes_column(self, ids: np.ndarray | None = None) -> np.ndarray:
-        """The bytes of every cell (or of cells ``ids``), int64, by arithmetic: no cell is built."""
+        """The bytes of every cell (or of cells `ids`), int64, by arithmetic: no cell is built."""
         ids = np.arange(self.grid_index.n, dtype=np.int64) if ids is None else ids
         nbytes = np.full(len(ids), self.itemsize, np.int64)
         for a, s, c in zip(self.grid_index.axes, self.grid_index.strides, self.grid_index.counts):
@@ -241,7 +241,7 @@ class GridChunks(Sequence[Chunk]):
         return nbytes
 
     def chunk(self, i: int) -> Chunk:
-        """Cell ``i`` as a :class:`Chunk` (built now)."""
+        """Cell `i` as a `Chunk` (built now)."""
         idx = self.grid_index.cell(i)
         off, shp = self.grid_index.cell_box(idx)
         rank = self.rank(i, idx)
@@ -291,7 +291,7 @@ class GridChunks(Sequence[Chunk]):
         return [a.step if a.step else list(a.points) for a in self.grid_index.axes]
 
     def to_json(self) -> dict[str, Any]:
-        """The ``"grid"`` member (keys relative to ``self.dirs``, which the manifest writes)."""
+        """The `"grid"` member (keys relative to `self.dirs`, which the manifest writes)."""
         d: dict[str, Any] = {"splits": self.splits_json()}
         if self.rank_list is not None:
             d["ranks"] = column_json(self.rank_list, "<u4")
@@ -322,7 +322,7 @@ class GridChunks(Sequence[Chunk]):
         cls, raw: Any, shape: tuple[int, ...], itemsize: int, world_size: int, dirs: Mapping[int, str], where: str,
         version: int = VERSION,
     ) -> GridChunks:
-        """Validate a ``"grid"`` member of a version ``version`` manifest; bounded work before
+        """Validate a `"grid"` member of a version `version` manifest; bounded work before
         anything is sized from a claim."""
         if type(raw) is not dict:
             raise ManifestError(f"{where}: grid must be an object")
@@ -362,7 +362,7 @@ class GridChunks(Sequence[Chunk]):
 
 
 def _ranks(ranks: Any, index: GridIndex, world_size: int, where: str) -> tuple[Any, Any]:
-    """The ``"ranks"`` member: a rule (every cell's rank in range, by arithmetic) or a list."""
+    """The `"ranks"` member: a rule (every cell's rank in range, by arithmetic) or a list."""
     if type(ranks) is dict:
         base, strides = ranks.get("base"), ranks.get("strides")
         if (
@@ -382,7 +382,7 @@ def _ranks(ranks: Any, index: GridIndex, world_size: int, where: str) -> tuple[A
 
 
 def _packed(raw: Any, n: int, explicit_keys: bool, where: str) -> Packed | None:
-    """The ``"packed"`` member."""
+    """The `"packed"` member."""
     if raw is None:
         return None
     if type(raw) is not dict or not {"byte_offset", "crc32"} <= set(raw) <= {"cells", "key", "byte_offset", "crc32"}:
@@ -413,14 +413,14 @@ def _packed(raw: Any, n: int, explicit_keys: bool, where: str) -> Packed | None:
 
 
 def column_json(v: np.ndarray | Sequence[int], dtype: str) -> str:
-    """A column of integers as JSON: the base64 of their little-endian bytes (``dtype``
-    ``"<u4"`` or ``"<u8"``; the values fit it, as :func:`_column` checked or the writer made them)."""
+    """A column of integers as JSON: the base64 of their little-endian bytes (`dtype`
+    `"<u4"` or `"<u8"`; the values fit it, as `_column` checked or the writer made them)."""
     return base64.b64encode(np.asarray(v, dtype=dtype).tobytes()).decode("ascii")
 
 
 def _column(v: Any, n: int, lo: int, hi: int, what: str, where: str, dtype: str) -> np.ndarray:
-    """A column (a list of ``n`` integers, or the base64 of ``n`` little-endian ``dtype``
-    integers) as int64, each in ``[lo, hi)``; the string's length is checked before it is decoded."""
+    """A column (a list of `n` integers, or the base64 of `n` little-endian `dtype`
+    integers) as int64, each in `[lo, hi)`; the string's length is checked before it is decoded."""
     if type(v) is not str:
         return _int_list(v, n, lo, hi, what, where)
     size = np.dtype(dtype).itemsize
@@ -450,7 +450,7 @@ def _int_list(v: Any, n: int, lo: int, hi: int, what: str, where: str) -> np.nda
 
 
 def _grid_index(splits: Any, shape: tuple[int, ...], where: str) -> GridIndex:
-    """The grid's axes from ``"splits"``; the cell count is checked as it is formed."""
+    """The grid's axes from `"splits"`; the cell count is checked as it is formed."""
     if type(splits) is not list or len(splits) != len(shape) or not shape:
         raise ManifestError(f"{where}: grid splits must give one entry per dimension of the shape {list(shape)}")
     axes, n = [], 1
@@ -477,7 +477,7 @@ def _grid_index(splits: Any, shape: tuple[int, ...], where: str) -> GridIndex:
 
 
 def _inner(raw: Any, index: GridIndex, where: str) -> dict[tuple[int, ...], tuple[int, ...]] | None:
-    """The ``"inner"`` map: distinct cell shapes (each a combination of per-dim cell sizes)
+    """The `"inner"` map: distinct cell shapes (each a combination of per-dim cell sizes)
     and the zarr chunk shape of the array cells of that shape."""
     if raw is None:
         return None
@@ -584,12 +584,12 @@ def grid_from_columns(
     dirs: Mapping[int, str],
     full_keys: Callable[[], list[str]],
 ) -> GridChunks | None:
-    """The chunks given as columns (one row per chunk) as a :class:`GridChunks`, or None
-    when they do not form a rectilinear grid covering ``shape`` exactly, cell by cell.
+    """The chunks given as columns (one row per chunk) as a `GridChunks`, or None
+    when they do not form a rectilinear grid covering `shape` exactly, cell by cell.
 
-    ``same_dir[i]``: chunk i's key lies in its writer's data directory (``dirs``) with
-    suffix ``sfx_table[sfx_ids[i]]``; ``full_keys()`` gives every key otherwise.
-    ``byte_offset`` and ``crc32`` are -1 for array chunks. O(n log n), in numpy.
+    `same_dir[i]`: chunk i's key lies in its writer's data directory (`dirs`) with
+    suffix `sfx_table[sfx_ids[i]]`; `full_keys()` gives every key otherwise.
+    `byte_offset` and `crc32` are -1 for array chunks. O(n log n), in numpy.
     """
     n, k = offs.shape
     if k == 0 or n < GRID_MIN_CELLS or n > MAX_CHUNKS:

@@ -3,22 +3,22 @@
 All three are optional top-level members, keyed the way the data is (so rank manifests
 merge by union, and grids, packed rows and chunk lists stay as version 5 has them):
 
-- ``"codecs": {"<rank>": "zstd" | "shuffle-zstd"}``: the array chunks in that rank's data
-  directory are compressed so (:mod:`xckpt.native._codecs`); absent: raw;
-- ``"refs": {"<array key>": {"step": M, "key": K, "storage": S, "codec": C?}}``: in a
-  manager root, the array the manifest names ``<array key>`` is not stored in this step:
-  it is array ``K`` of step ``M``, the sibling checkpoint ``<root>/<M>/``, in storage kind
-  ``S`` (and codec ``C``). A reference always names the step that holds the bytes (never
-  another reference), and ``K`` passes the same key checks as every key;
-- ``"hashes": {"<array key>": "<32 hex digits>"}``: BLAKE2b-128 of the array chunk's raw
+- `"codecs": {"<rank>": "zstd" | "shuffle-zstd"}`: the array chunks in that rank's data
+  directory are compressed so (`xckpt.native._codecs`); absent: raw;
+- `"refs": {"<array key>": {"step": M, "key": K, "storage": S, "codec": C?}}`: in a
+  manager root, the array the manifest names `<array key>` is not stored in this step:
+  it is array `K` of step `M`, the sibling checkpoint `<root>/<M>/`, in storage kind
+  `S` (and codec `C`). A reference always names the step that holds the bytes (never
+  another reference), and `K` passes the same key checks as every key;
+- `"hashes": {"<array key>": "<32 hex digits>"}`: BLAKE2b-128 of the array chunk's raw
   bytes (little-endian, C order), written by manager saves that reference unchanged
   chunks, so the next save can compare without reading the data back;
-- ``"deltas": {"<array key>": [patch, ...]}``: row deltas of a 2-D array chunk (whose
-  ``refs`` entry names its base, a full copy). Its value is the base with each patch
-  applied in order; a patch ``{"step": S, "key": P, "rows": n, "grid": g, "storage",
-  "codec"?}`` is two arrays of step ``S``: ``P-idx`` (n int64 row indices inside the
-  chunk, increasing) and ``P-rows`` (n rows of the chunk's dtype and width), both in
-  zarr chunks of ``g`` rows; each patch's rows replace those rows.
+- `"deltas": {"<array key>": [patch, ...]}`: row deltas of a 2-D array chunk (whose
+  `refs` entry names its base, a full copy). Its value is the base with each patch
+  applied in order; a patch `{"step": S, "key": P, "rows": n, "grid": g, "storage",
+  "codec"?}` is two arrays of step `S`: `P-idx` (n int64 row indices inside the
+  chunk, increasing) and `P-rows` (n rows of the chunk's dtype and width), both in
+  zarr chunks of `g` rows; each patch's rows replace those rows.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _HEX = frozenset("0123456789abcdef")
 
 @dataclass(frozen=True)
 class Ref:
-    """Where a referenced array is stored: array ``key`` of step ``step`` of the same root."""
+    """Where a referenced array is stored: array `key` of step `step` of the same root."""
 
     step: int
     key: str
@@ -63,8 +63,8 @@ MAX_PATCHES = 1024
 
 @dataclass(frozen=True)
 class Patch:
-    """Row delta of an array chunk: ``rows`` rows stored as arrays ``key-idx`` and ``key-rows``
-    of step ``step``, in zarr chunks of ``grid`` rows."""
+    """Row delta of an array chunk: `rows` rows stored as arrays `key-idx` and `key-rows`
+    of step `step`, in zarr chunks of `grid` rows."""
 
     step: int
     key: str
@@ -88,7 +88,7 @@ def _object(raw: Any, what: str, where: str, most: int) -> dict[str, Any]:
 
 
 def check_codecs(raw: Any, where: str, world_size: int) -> dict[int, str]:
-    """The ``codecs`` member, checked (absent: ``{}``)."""
+    """The `codecs` member, checked (absent: `{}`)."""
     if raw is None:
         return {}
     out = {}
@@ -100,7 +100,7 @@ def check_codecs(raw: Any, where: str, world_size: int) -> dict[int, str]:
 
 
 def check_refs(raw: Any, where: str) -> dict[str, Ref]:
-    """The ``refs`` member, checked (absent: ``{}``): every key as strict as chunk keys."""
+    """The `refs` member, checked (absent: `{}`): every key as strict as chunk keys."""
     if raw is None:
         return {}
     out = {}
@@ -118,7 +118,7 @@ def check_refs(raw: Any, where: str) -> dict[str, Ref]:
 
 
 def check_hashes(raw: Any, where: str) -> dict[str, str]:
-    """The ``hashes`` member, checked (absent: ``{}``)."""
+    """The `hashes` member, checked (absent: `{}`)."""
     if raw is None:
         return {}
     out = {}
@@ -131,7 +131,7 @@ def check_hashes(raw: Any, where: str) -> dict[str, str]:
 
 
 def check_deltas(raw: Any, where: str, refs: Mapping[str, Ref]) -> dict[str, tuple[Patch, ...]]:
-    """The ``deltas`` member, checked (absent: ``{}``): each chunk with deltas has a base in ``refs``."""
+    """The `deltas` member, checked (absent: `{}`): each chunk with deltas has a base in `refs`."""
     if raw is None:
         return {}
     out = {}

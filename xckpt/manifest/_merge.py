@@ -1,16 +1,16 @@
 """Rank manifests merged as they are parsed, their chunks kept as columns, grids recognised.
 
 A rank-local checkpoint of W writers has W rank manifests, each listing only its own
-boxes; a tensor split over all W writers has W chunks. Built as W :class:`Chunk`
+boxes; a tensor split over all W writers has W chunks. Built as W `Chunk`
 objects per tensor and checked box by box, 4,096 writers x 100 tensors cost seconds and
-most of a gigabyte. :class:`RankMerge` reads each rank's document (already checked by
-:func:`~xckpt.manifest._document.parse_header`) straight into per-tensor columns (offsets,
-shapes, ranks and interned key parts in ``array('q')``), with the checks of
-:meth:`Chunk.from_json` done inline; an entry the columns cannot take as it is (a first
-sighting, a grid, anything unusual) goes through :meth:`TensorEntry.from_json`, whose
+most of a gigabyte. `RankMerge` reads each rank's document (already checked by
+`parse_header`) straight into per-tensor columns (offsets,
+shapes, ranks and interned key parts in `array('q')`), with the checks of
+`Chunk.from_json` done inline; an entry the columns cannot take as it is (a first
+sighting, a grid, anything unusual) goes through [`TensorEntry.from_json`][xckpt.TensorEntry.from_json], whose
 errors name the file and the field. At the end each tensor of at least
-:data:`~xckpt.manifest._grids.GRID_MIN_CELLS` chunks that forms a grid becomes a
-:class:`~xckpt.manifest._grids.GridChunks` (tiling checked arithmetically on the way);
+`GRID_MIN_CELLS` chunks that forms a grid becomes a
+`GridChunks` (tiling checked arithmetically on the way);
 the rest become chunk tuples, checked by the caller as before.
 """
 
@@ -62,7 +62,7 @@ def _json(v: Any) -> bytes | None:
 
 
 def _raw(entry: Any, member: str) -> bytes | None:
-    """An entry's raw ``member`` as JSON bytes (compared exactly: types, not values)."""
+    """An entry's raw `member` as JSON bytes (compared exactly: types, not values)."""
     v = entry.get(member) if type(entry) is dict else None
     return None if v is None else _json(v)
 
@@ -160,10 +160,10 @@ class _Tensor:
 
 
 class RankMerge:
-    """Rank manifests 0..W-1 merged into one :class:`Manifest` as each is parsed.
+    """Rank manifests 0..W-1 merged into one [`Manifest`][xckpt.manifest._merge.Manifest] as each is parsed.
 
-    Call protocol: :meth:`add` once per rank, in rank order, with the rank's checked
-    :class:`~xckpt.manifest._document.Header` (of the save being read); then :meth:`result`.
+    Call protocol: `add` once per rank, in rank order, with the rank's checked
+    `Header` (of the save being read); then `result`.
     Tensors must agree on dtype and shape across ranks; the first placement and value range
     seen are kept; replicated objects must agree in value (they are then stored once).
     """
@@ -193,13 +193,13 @@ class RankMerge:
         self._ints: list[Any] = []
         self._gints: list[Any] = []
         self._checked = False
-        #: Ranks taken whole (:mod:`xckpt.manifest._runs`), not yet in the columns.
+        #: Ranks taken whole (`xckpt.manifest._runs`), not yet in the columns.
         self._run: Run | None = None
 
     # -- adding a rank -------------------------------------------------------------
 
     def add(self, h: Header, where: str) -> None:
-        """Merge the manifest of rank ``h.rank`` (``where`` names its file)."""
+        """Merge the manifest of rank `h.rank` (`where` names its file)."""
         self.save_id = self.save_id or h.save_id
         self.storage.update(h.storage)
         self.metadata.update(h.metadata)
@@ -217,7 +217,7 @@ class RankMerge:
             self._add_object(ObjectEntry.from_json(o, where))
 
     def _take_run(self, h: Header) -> bool:
-        """The rank's entries taken whole by a :class:`~xckpt.manifest._runs.Run`, when it
+        """The rank's entries taken whole by a `Run`, when it
         lists the tensors of the ranks before it, in their order, each one plain chunk."""
         names = tuple(h.tensors)
         run = self._run
@@ -235,17 +235,17 @@ class RankMerge:
             return False  # (a shape of JSON no check foresaw: the chunk-at-a-time path names it)
 
     def touch(self, acc: _Tensor) -> None:
-        """Record ``acc`` as changed by this rank (once), with its chunk count before."""
+        """Record `acc` as changed by this rank (once), with its chunk count before."""
         if acc.epoch != self._epoch:
             acc.epoch, acc.n0 = self._epoch, acc.n
             self._touched.append(acc)
 
     def _entries(self, h: Header, where: str, dirs: dict[int, str] | None) -> None:
         """The rank's entries one by one: straight into the columns where they allow it,
-        else through :meth:`TensorEntry.from_json` (whose errors name the field).
+        else through [`TensorEntry.from_json`][xckpt.TensorEntry.from_json] (whose errors name the field).
 
         The integer checks of the fast path wait for the rank's end, made over all of its
-        integers at once (``set(map(type, ...))``, ``min``, ``max``); when they fail, the
+        integers at once (`set(map(type, ...))`, `min`, `max`); when they fail, the
         rank's merge is undone and redone the checked way, which names the bad field."""
         self._epoch += 1
         self._touched, self._created, self._ints, self._gints = [], [], [], []
@@ -299,7 +299,7 @@ class RankMerge:
             self._add_entry(acc, e, t, h.rank)
 
     def _fast(self, acc: _Tensor, t: dict[str, Any]) -> bool:
-        """Add entry ``t`` of a tensor seen before straight into its columns; False (nothing
+        """Add entry `t` of a tensor seen before straight into its columns; False (nothing
         added) when any check fails or the entry is not a plain chunk list."""
         keys = t.keys()
         if keys == _PLAIN:  # dtype, shape, chunks: nothing else to compare
@@ -336,8 +336,8 @@ class RankMerge:
         return True
 
     def _push_one(self, acc: _Tensor, c: dict[str, Any]) -> bool:
-        """:meth:`_row` and :meth:`_Tensor.push` in one for a plain array or packed chunk
-        (exactly the members the writer writes): the checks of :meth:`Chunk.from_json`
+        """`_row` and `_Tensor.push` in one for a plain array or packed chunk
+        (exactly the members the writer writes): the checks of `Chunk.from_json`
         inline, interned parts reused from this tensor's previous chunk. Anything else
         takes the general path."""
         keys = c.keys()
@@ -455,8 +455,8 @@ class RankMerge:
     # -- the result ----------------------------------------------------------------
 
     def result(self) -> Manifest:
-        """The merged manifest (``rank`` None). Tensors that form grids are
-        :class:`~xckpt.manifest._grids.GridChunks`; the others' coverage is the caller's to check."""
+        """The merged manifest (`rank` None). Tensors that form grids are
+        `GridChunks`; the others' coverage is the caller's to check."""
         if self._run is not None:
             self._run.flush()
         dirs = dict(self.declared_dirs)

@@ -1,11 +1,11 @@
 """Objects (non-tensor values) as JSON: encoding on save, bounded decoding of untrusted JSON.
 
 JSON values are stored as they are; tuples, bytes, non-string dict keys, integers
-beyond 64 bits, non-finite floats and numpy scalars are tagged ``{"$xckpt": ...}``
-so they come back as they were. :func:`decode_value` reads values from manifests,
+beyond 64 bits, non-finite floats and numpy scalars are tagged `{"$xckpt": ...}`
+so they come back as they were. `decode_value` reads values from manifests,
 which are untrusted: every malformed input (an unknown tag, a tag with fields of
-the wrong type, nesting deeper than :data:`MAX_OBJECT_DEPTH`) is a
-:class:`~xckpt.errors.ManifestError`, never a raw exception or a recursion error.
+the wrong type, nesting deeper than `MAX_OBJECT_DEPTH`) is a
+[`ManifestError`][xckpt.errors.ManifestError], never a raw exception or a recursion error.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ MAX_OBJECT_DEPTH = 200
 
 
 def encode_value(value: Any, name: str = "<object>", _depth: int = 0) -> Any:
-    """A JSON value for ``value``; tuples, bytes, non-str dict keys and numpy
-    scalars are tagged with ``{"$xckpt": ...}`` so they come back as they were.
+    """A JSON value for `value`; tuples, bytes, non-str dict keys and numpy
+    scalars are tagged with `{"$xckpt": ...}` so they come back as they were.
 
-    Values nested deeper than :data:`MAX_OBJECT_DEPTH` JSON levels are refused
+    Values nested deeper than `MAX_OBJECT_DEPTH` JSON levels are refused
     (a reader refuses them too), as are self-referencing containers.
     """
     if _depth > MAX_OBJECT_DEPTH:
@@ -73,8 +73,8 @@ def encode_value(value: Any, name: str = "<object>", _depth: int = 0) -> Any:
 
 
 def decode_value(value: Any, where: str = "object") -> Any:
-    """Inverse of :func:`encode_value`; any malformed input is a :class:`ManifestError`
-    naming ``where`` (too deep, unknown tags, tags with fields of the wrong type)."""
+    """Inverse of `encode_value`; any malformed input is a [`ManifestError`][xckpt.manifest._objects.ManifestError]
+    naming `where` (too deep, unknown tags, tags with fields of the wrong type)."""
     return _decode(value, where, 0)
 
 
@@ -153,5 +153,5 @@ def _hashable(v: Any) -> Any:
 
 
 def decode_checked(value: Any, where: str) -> None:
-    """Decode ``value`` only to check it (at open): a :class:`ManifestError` if malformed."""
+    """Decode `value` only to check it (at open): a [`ManifestError`][xckpt.manifest._objects.ManifestError] if malformed."""
     _decode(value, where, 0)

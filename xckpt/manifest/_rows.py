@@ -1,9 +1,9 @@
 """Packed rows (format version 4): a tensor whose only chunk is the whole tensor,
 packed in its rank's byte array -- the many-small-tensors case -- is written in the
-manifest's ``"tensors"`` as ``[dtype, shape, rank, byte_offset, crc32]`` instead of
-an entry object with a chunk object, and ``"packed"`` names each rank's byte array.
-Encoding, the ``"packed"`` member's checks, and parsing with every field checked.
-Used by :class:`~xckpt.manifest.Manifest`; builds the entries of :mod:`._entries`."""
+manifest's `"tensors"` as `[dtype, shape, rank, byte_offset, crc32]` instead of
+an entry object with a chunk object, and `"packed"` names each rank's byte array.
+Encoding, the `"packed"` member's checks, and parsing with every field checked.
+Used by [`Manifest`][xckpt.manifest.Manifest]; builds the entries of `_entries`."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ from xckpt.manifest._entries import Chunk, TensorEntry
 
 
 def _tensors_to_json(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, Any], dict[int, str]]:
-    """The ``"tensors"`` member (rows where an entry fits one) and the ``"packed"`` keys by rank.
+    """The `"tensors"` member (rows where an entry fits one) and the `"packed"` keys by rank.
 
-    A row is ``[dtype, shape, rank, byte_offset, crc32]``: a tensor without placement
+    A row is `[dtype, shape, rank, byte_offset, crc32]`: a tensor without placement
     or value range whose only chunk is the whole tensor, packed in its rank's byte
     array. 20,000 tensors of 256 floats: 1.1 MB of manifest instead of 3.8 MB, and
     a fifth of the time to write and to read."""
@@ -55,7 +55,7 @@ def _tensors_to_json(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, Any]
 
 
 def _packed_keys(raw: Any, where: str, world_size: int, version: int) -> dict[int, str]:
-    """The ``"packed"`` member: each writer rank's packed byte array (``{"<rank>": key}``)."""
+    """The `"packed"` member: each writer rank's packed byte array (`{"<rank>": key}`)."""
     if raw is None:
         return {}
     if not isinstance(raw, dict) or len(raw) > world_size:
@@ -74,11 +74,11 @@ def _tensor_entries(
     raw: Mapping[str, Any], keys: Mapping[int, str], where: str, world_size: int,
     dirs: Mapping[int, str] | None = None, version: int = VERSION,
 ) -> dict[str, TensorEntry]:
-    """The ``"tensors"`` member parsed: entry objects by :meth:`TensorEntry.from_json`,
+    """The `"tensors"` member parsed: entry objects by [`TensorEntry.from_json`][xckpt.TensorEntry.from_json],
     packed rows here, every field checked (plain type and range tests per row, the
     dtype/shape/rank bounds once per distinct combination; error text only on failure).
-    20,000 rows: about 0.03 s. ``dirs``: the manifest's data directories, given where grid
-    entries may appear (version 5 on); ``version``: the manifest's."""
+    20,000 rows: about 0.03 s. `dirs`: the manifest's data directories, given where grid
+    entries may appear (version 5 on); `version`: the manifest's."""
     out: dict[str, TensorEntry] = {}
     seen: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (dtype, shape, rank) -> checked (shape, offset, key, nbytes)
     new, put = _new, _set
@@ -137,7 +137,7 @@ def _row_kind(dtype: str, shp: list[int], rank: int, keys: Mapping[int, str]) ->
 
 
 def _row_error(name: str, row: list[Any], keys: Mapping[int, str], where: str) -> ManifestError:
-    """What is wrong with a packed row :func:`_row_entry` refused."""
+    """What is wrong with a packed row `_row_entry` refused."""
     w = f"{where}, tensor {name!r}"
     if not keys:
         return ManifestError(f"{w}: a packed row in a manifest without packed arrays (version 3 or older, or edited)")

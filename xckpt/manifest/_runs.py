@@ -3,11 +3,11 @@
 The rank manifests of a save whose tensors are split over every writer look alike: the
 same tensors in the same order, one chunk each, with the members the writer writes. For
 4,096 writers x 100 tensors that is 409,600 chunks, and a Python loop that checks and
-appends them one at a time (:meth:`xckpt.manifest._merge.RankMerge._fast`) costs seconds.
-A :class:`Run` takes such ranks whole: each field of all of a rank's chunks is pulled out
-in one comprehension, checked in bulk (``set(map(type, ...))``, ``min``, ``max``, one
+appends them one at a time (`xckpt.manifest._merge.RankMerge._fast`) costs seconds.
+A `Run` takes such ranks whole: each field of all of a rank's chunks is pulled out
+in one comprehension, checked in bulk (`set(map(type, ...))`, `min`, `max`, one
 comparison of lists), and kept as one row; consecutive ranks with the same tensors in the
-same order form a run, which :meth:`Run.flush` hands to the tensors' columns as numpy
+same order form a run, which `Run.flush` hands to the tensors' columns as numpy
 slices (one per tensor and column, not one per chunk). A rank that does not fit in every
 respect is left to the chunk-at-a-time path (nothing of it is taken), whose checks name
 the field.
@@ -38,7 +38,7 @@ _PACKED = itemgetter("form", "byte_offset", "crc32")
 
 
 def _ids(table: Any, values: list[Any]) -> list[int]:
-    """The interned ids of ``values`` (``table``: a ``_Table`` of :mod:`._merge`), new ones added."""
+    """The interned ids of `values` (`table`: a `_Table` of `_merge`), new ones added."""
     got = list(map(table.ids.get, values))
     if None in got:
         got = list(map(table.id, values))
@@ -46,17 +46,17 @@ def _ids(table: Any, values: list[Any]) -> list[int]:
 
 
 def _ints_ok(flat: list[Any], lo: int, hi: int) -> bool:
-    """Every value an int (not a bool, not a float) in ``[lo, hi]``."""
+    """Every value an int (not a bool, not a float) in `[lo, hi]`."""
     return not flat or (set(map(type, flat)) == _INT and min(flat) >= lo and max(flat) <= hi)
 
 
 class Run:
     """Consecutive ranks whose manifests list the same tensors, in the same order, each one
-    plain chunk: their chunks as rows, one per rank, until :meth:`flush`.
+    plain chunk: their chunks as rows, one per rank, until `flush`.
 
-    ``accs``: the tensors' column holders (:class:`xckpt.manifest._merge._Tensor`, columns
-    started), in the ranks' order; ``ids``: interning of directories, key suffixes and inner
-    grids (``id(value) -> int``)."""
+    `accs`: the tensors' column holders (`xckpt.manifest._merge._Tensor`, columns
+    started), in the ranks' order; `ids`: interning of directories, key suffixes and inner
+    grids (`id(value) -> int`)."""
 
     def __init__(self, names: tuple[str, ...], accs: list[Any]) -> None:
         self.names, self.accs = names, accs
@@ -69,11 +69,11 @@ class Run:
 
     def take(self, tensors: dict[str, Any], world: int, tables: tuple[Any, Any, Any],
              rank_dirs: dict[int, str]) -> bool:
-        """Add a rank's ``tensors`` (raw JSON, in this run's order) when every chunk passes every
-        check of :meth:`xckpt.manifest.Chunk.from_json`; False (nothing taken) otherwise.
-        ``tables``: the interning tables of directories, key suffixes and inner grids.
+        """Add a rank's `tensors` (raw JSON, in this run's order) when every chunk passes every
+        check of `xckpt.manifest.Chunk.from_json`; False (nothing taken) otherwise.
+        `tables`: the interning tables of directories, key suffixes and inner grids.
 
-        A dict of ``len`` 3 from which ``dtype``, ``shape`` and ``chunks`` are all taken has
+        A dict of `len` 3 from which `dtype`, `shape` and `chunks` are all taken has
         exactly those members (and a chunk of 8 or 6 likewise those the writer writes); a
         member missing raises KeyError, which the caller takes as "not this path"."""
         ents = list(tensors.values())

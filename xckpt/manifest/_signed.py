@@ -1,6 +1,6 @@
 """Checksummed JSON documents: a manifest's bytes with its SHA-256 as the last member,
 the check of those bytes, and the claim a rank writes before its data (see
-:class:`Claim`). Re-exported by :mod:`xckpt.manifest`."""
+`Claim`). Re-exported by `xckpt.manifest`."""
 
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ def _checksum_state(data: bytes) -> bool | None:
     return h.hexdigest().encode() == m.group(1)
 
 
-#: How a rank's claim of a location begins (see :class:`Claim`).
+#: How a rank's claim of a location begins (see `Claim`).
 CLAIM_PREFIX = b'{"claim":true,'
 
 
 @dataclass(frozen=True, kw_only=True)
 class Claim:
-    """A rank's claim of a location: what ``ranks/<rank>.json`` holds while a save runs.
+    """A rank's claim of a location: what `ranks/<rank>.json` holds while a save runs.
 
     A writer writes it with a conditional write before any data (so of two saves
     racing for a new location exactly one gets it) and replaces it with its
@@ -63,7 +63,7 @@ class Claim:
 
 
 def claim_bytes(c: Claim) -> bytes:
-    """The bytes of a claim (JSON with a checksum, ``"claim": true`` first)."""
+    """The bytes of a claim (JSON with a checksum, `"claim": true` first)."""
     return manifest_bytes(
         {"claim": True, "format": FORMAT, "version": VERSION, "save_id": c.save_id, "rank": c.rank,
          "world_size": c.world_size, "token": c.token}
@@ -71,7 +71,7 @@ def claim_bytes(c: Claim) -> bytes:
 
 
 def parse_claim(data: bytes, where: str) -> Claim | None:
-    """The claim in ``data``, or None when ``data`` is not a claim (a manifest)."""
+    """The claim in `data`, or None when `data` is not a claim (a manifest)."""
     if not data.startswith(CLAIM_PREFIX):
         return None
     if _checksum_state(data) is not True:

@@ -1,13 +1,13 @@
-"""Lossless codecs of array chunks (format version 6): ``compression=None | "zstd" | "shuffle-zstd"``.
+"""Lossless codecs of array chunks (format version 6): `compression=None | "zstd" | "shuffle-zstd"`.
 
 A compressed array is an ordinary zarr v3 array whose codec chain has one bytes-to-bytes
-codec between ``bytes`` and ``crc32c``, recorded in its ``zarr.json`` as zarr v3 names it,
+codec between `bytes` and `crc32c`, recorded in its `zarr.json` as zarr v3 names it,
 so tensorstore (and zarr-python, for its dtypes) reads it without xckpt:
 
-- ``"zstd"``: ``{"name": "zstd", "configuration": {"level": 1, "checksum": false}}``: one
+- `"zstd"`: `{"name": "zstd", "configuration": {"level": 1, "checksum": false}}`: one
   zstd frame per zarr chunk;
-- ``"shuffle-zstd"``: ``{"name": "blosc", "configuration": {"cname": "zstd", "clevel": 1,
-  "shuffle": "shuffle", "typesize": <item size>, "blocksize": 1048576}}``: a blosc frame
+- `"shuffle-zstd"`: `{"name": "blosc", "configuration": {"cname": "zstd", "clevel": 1,
+  "shuffle": "shuffle", "typesize": <item size>, "blocksize": 1048576}}`: a blosc frame
   whose blocks group the bytes of each item by position (byte shuffle) before zstd, so
   the well-predicted sign and exponent bytes of floats compress apart from the noisy
   mantissa bytes (ZipNN's observation).
@@ -30,7 +30,7 @@ from xckpt.errors import XckptError
 
 __all__ = ["COMPRESSIONS", "check_compression", "codec_json", "compression_of", "encode", "decode"]
 
-#: What ``compression=`` accepts.
+#: What `compression=` accepts.
 COMPRESSIONS = (None, "zstd", "shuffle-zstd")
 #: zstd level of both codecs (1: the fastest that still finds the redundancy there is).
 LEVEL = 1
@@ -39,7 +39,7 @@ BLOSC_BLOCK = 1 << 20
 
 
 def check_compression(compression: Any) -> str | None:
-    """``compression`` when it is one of :data:`COMPRESSIONS`.
+    """`compression` when it is one of `COMPRESSIONS`.
 
     Raises:
         XckptError: anything else, naming the choices.
@@ -53,7 +53,7 @@ def check_compression(compression: Any) -> str | None:
 
 
 def codec_json(compression: str | None, itemsize: int) -> list[dict[str, Any]]:
-    """The zarr v3 bytes-to-bytes codecs of ``compression`` (empty for raw), as tensorstore writes them."""
+    """The zarr v3 bytes-to-bytes codecs of `compression` (empty for raw), as tensorstore writes them."""
     if compression is None:
         return []
     if compression == "zstd":
@@ -67,7 +67,7 @@ def codec_json(compression: str | None, itemsize: int) -> list[dict[str, Any]]:
 
 
 def compression_of(codecs: Any, itemsize: int) -> str | None | bool:
-    """Which compression a stored codec list (without ``bytes`` and ``crc32c``) is; False when
+    """Which compression a stored codec list (without `bytes` and `crc32c`) is; False when
     it is none xckpt writes (the array is then read through tensorstore, never here)."""
     for c in COMPRESSIONS:
         if codecs == codec_json(c, itemsize):
@@ -82,13 +82,13 @@ def _codec(compression: str, itemsize: int) -> Any:
 
 
 def encode(compression: str, data: Any, itemsize: int) -> bytes:
-    """The stored bytes of one zarr chunk: ``data`` (its raw bytes, C order) encoded."""
+    """The stored bytes of one zarr chunk: `data` (its raw bytes, C order) encoded."""
     buf = np.frombuffer(memoryview(data).cast("B"), np.uint8)
     return bytes(_codec(compression, itemsize).encode(buf))
 
 
 def decode(compression: str, data: Any, out: np.ndarray, itemsize: int) -> None:
-    """Decode one zarr chunk's stored bytes into ``out`` (a C-contiguous buffer of exactly its
+    """Decode one zarr chunk's stored bytes into `out` (a C-contiguous buffer of exactly its
     raw size).
 
     Raises:

@@ -2,9 +2,9 @@
 
 A manager save that finds few rows of a 2-D box changed since the previous step (compared
 with its staged copy, `xckpt.manager.HostBuffers.compare`) writes only those rows: a
-patch of two arrays, ``<key>-idx`` (the row indices inside the box, increasing, int64)
-and ``<key>-rows`` (the rows), and names the base (the last full copy) in ``refs`` and
-the chain of patches since in ``deltas`` (:class:`~xckpt.manifest.Patch`). A read of the
+patch of two arrays, `<key>-idx` (the row indices inside the box, increasing, int64)
+and `<key>-rows` (the rows), and names the base (the last full copy) in `refs` and
+the chain of patches since in `deltas` (`Patch`). A read of the
 box reads the base, then applies each patch in order: its rows inside the region read
 replace those rows, so the result is the saved bytes, bit for bit, on every read path
 (each goes through `xckpt.native.reader.Checkpoint._read_chunks`).
@@ -28,7 +28,7 @@ __all__ = ["Patches"]
 
 
 class Patches:
-    """Loads the patches a checkpoint at ``storage`` names (each once) and applies them."""
+    """Loads the patches a checkpoint at `storage` names (each once) and applies them."""
 
     def __init__(self, storage: NativeStorage, context: Any = None) -> None:
         self._storage, self._context = storage, context
@@ -36,7 +36,7 @@ class Patches:
         self._lock = threading.Lock()
 
     def load(self, p: Patch, rows: int, cols: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-        """Patch ``p`` of a box of ``rows`` x ``cols`` items of ``dtype``: (row indices, rows).
+        """Patch `p` of a box of `rows` x `cols` items of `dtype`: (row indices, rows).
 
         Raises:
             CorruptChunkError: its arrays are missing, damaged, or their indices are not
@@ -46,7 +46,7 @@ class Patches:
         return self._loaded[(p.step, p.key)]
 
     def load_all(self, items: list[tuple[Patch, int, int, str]]) -> None:
-        """:meth:`load` of every item, their reads in flight together."""
+        """[`load`][xckpt.load] of every item, their reads in flight together."""
         started = []
         for p, rows, cols, dtype in items:
             with self._lock:
@@ -65,7 +65,7 @@ class Patches:
                 self._loaded[(p.step, p.key)] = (i, v)
 
     def _start(self, p: Patch, cols: int, dtype: str) -> tuple[str, list[Any], np.ndarray, np.ndarray]:
-        """Start reading patch ``p``: what to name it, what to wait for, and its arrays."""
+        """Start reading patch `p`: what to name it, what to wait for, and its arrays."""
         where = f"checkpoint {self._storage.path!r}: row patch {p.key} of step {p.step}"
         st = NativeStorage(sibling(self._storage.url, p.step), self._context)
         root = _fileio.local_root(st.url)
@@ -87,7 +87,7 @@ class Patches:
 
     def apply(self, chain: tuple[Patch, ...], box: tuple[int, ...], dtype: str, chunk_slices: tuple[slice, ...],
               out: np.ndarray) -> None:
-        """Apply ``chain`` to ``out``, the region ``chunk_slices`` of a box of shape ``box``."""
+        """Apply `chain` to `out`, the region `chunk_slices` of a box of shape `box`."""
         r, c = chunk_slices
         r0, r1 = r.start or 0, box[0] if r.stop is None else r.stop
         for p in chain:

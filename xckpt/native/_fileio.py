@@ -1,30 +1,30 @@
 """Direct reads and writes of zarr v3 chunk files on a local filesystem.
 
-xckpt reads and writes the arrays of ``"files"`` and ``"plain"`` ranks itself when
+xckpt reads and writes the arrays of `"files"` and `"plain"` ranks itself when
 the checkpoint is a local directory, byte for byte as tensorstore's zarr3 driver
-would (:func:`xckpt.native._zarr.array_metadata`; tests check both directions):
+would (`xckpt.native._zarr.array_metadata`; tests check both directions):
 
-- ``"files"`` (format version 3): ``<key>/zarr.json`` and one shard file
-  ``<key>/c.0.0`` (``c`` for a 0-d array): an index of ``(offset, nbytes)`` uint64
+- `"files"` (format version 3): `<key>/zarr.json` and one shard file
+  `<key>/c.0.0` (`c` for a 0-d array): an index of `(offset, nbytes)` uint64
   pairs, one per zarr chunk in C order, and its crc32c, then every zarr chunk;
-- ``"plain"`` (versions 1 and 2): one file per zarr chunk, ``<key>/c/<i>/<j>``.
+- `"plain"` (versions 1 and 2): one file per zarr chunk, `<key>/c/<i>/<j>`.
 
 A zarr chunk is its little-endian bytes in C order (padded with zeros to the full
 grid at the array's edges) followed by their crc32c, 4 bytes little-endian.
 
 Without tensorstore's intermediate buffers:
 
-- a read ``preadv``s the chunks straight into the destination when the wanted part
+- a read `preadv`s the chunks straight into the destination when the wanted part
   is contiguous there (whole chunks, or row ranges of C-contiguous tensors: a whole
   box of a "files" array is one request per 32 MiB), else into a per-thread scratch
-  buffer, and checks every crc32c in hardware (``google_crc32c``);
-- a write ``pwritev``s straight from the caller's arrays (a copy only for chunks
+  buffer, and checks every crc32c in hardware (`google_crc32c`);
+- a write `pwritev`s straight from the caller's arrays (a copy only for chunks
   that are not contiguous there), then fsyncs every file and every directory it
   created, so the data is durable before the rank manifest is written.
 
 Files are written in place, not through a temporary name: a save always writes into
 a key space no committed manifest points to (a fresh location, or
-``data/<rank>.<token>/`` when overwriting), and readers accept data only through a
+`data/<rank>.<token>/` when overwriting), and readers accept data only through a
 manifest written after this returns.
 """
 
@@ -90,7 +90,7 @@ _BYTES_READ = [0]
 
 def bytes_read() -> int:
     """Bytes this process has read from chunk files directly (tests and benchmarks count
-    I/O with it, as with tensorstore's ``/tensorstore/kvstore/file/bytes_read`` metric)."""
+    I/O with it, as with tensorstore's `/tensorstore/kvstore/file/bytes_read` metric)."""
     return _BYTES_READ[0]
 
 
@@ -108,7 +108,7 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _pool(purpose: str = "read") -> cf.ThreadPoolExecutor:
-    """The I/O threads for ``purpose`` ("read" or "write"), started on first use."""
+    """The I/O threads for `purpose` ("read" or "write"), started on first use."""
     with _POOL_LOCK:
         pool = _POOLS.get(purpose)
         if pool is None:
@@ -118,7 +118,7 @@ def _pool(purpose: str = "read") -> cf.ThreadPoolExecutor:
 
 
 def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread reusable byte buffer of at least ``nbytes``."""
+    """A per-thread reusable byte buffer of at least `nbytes`."""
     buf = getattr(_LOCAL, "buf", None)
     if buf is None or buf.size < nbytes:
         buf = np.empty(max(nbytes, 1 << 20), np.uint8)
@@ -130,8 +130,8 @@ def _scratch(nbytes: int) -> np.ndarray:
 
 
 class ArrayWrite(NamedTuple):
-    """One array to write: ``key`` under the checkpoint root, its dtype name, data, zarr
-    chunk shape and storage kind (``"files"`` or ``"plain"``)."""
+    """One array to write: `key` under the checkpoint root, its dtype name, data, zarr
+    chunk shape and storage kind (`"files"` or `"plain"`)."""
 
     key: str
     dtype: str
@@ -142,7 +142,7 @@ class ArrayWrite(NamedTuple):
 
 
 def _chunk_parts(arr: np.ndarray, grid: Sequence[int], idx: tuple[int, ...]) -> list[Any]:
-    """The stored bytes of zarr chunk ``idx`` as buffers (views of ``arr`` where it can),
+    """The stored bytes of zarr chunk `idx` as buffers (views of `arr` where it can),
     zero padding and the crc32c trailer."""
     shape = arr.shape
     starts = [i * g for i, g in zip(idx, grid)]
@@ -210,7 +210,7 @@ def _write_chunk(path: str, arr: np.ndarray, grid: Sequence[int], idx: tuple[int
 
 
 def _libc_sync_file_range() -> Any:
-    """libc's ``sync_file_range`` (Linux), or None."""
+    """libc's `sync_file_range` (Linux), or None."""
     try:
         import ctypes
         import ctypes.util
@@ -240,7 +240,7 @@ def _write_run(fd: int, offset: int, head: bytes, arr: np.ndarray, grid: Sequenc
 
 def _shard_runs(a: ArrayWrite) -> tuple[bytes, int, list[list[tuple[int, ...]]]]:
     """The index of a "files" array's shard, each chunk's stored size, and its chunks in
-    runs of about :data:`RUN_BYTES`."""
+    runs of about `RUN_BYTES`."""
     idxs = list(itertools.product(*_grid_ranges(a.array.shape, a.grid)))
     size = math.prod(a.grid) * a.array.itemsize + 4
     start = 16 * len(idxs) + 4
@@ -253,8 +253,8 @@ def _shard_runs(a: ArrayWrite) -> tuple[bytes, int, list[list[tuple[int, ...]]]]
 
 
 def _makedirs(path: str, made: set[str], known: set[str]) -> None:
-    """``os.makedirs``, recording each directory created (and its parent) in ``made`` for
-    fsync; ``known`` holds directories already seen to exist (no stat for them again)."""
+    """`os.makedirs`, recording each directory created (and its parent) in `made` for
+    fsync; `known` holds directories already seen to exist (no stat for them again)."""
     todo = []
     p = path
     while p not in known and not os.path.isdir(p):
@@ -283,7 +283,7 @@ def _wait(futs: Sequence[cf.Future[Any]]) -> BaseException | None:
 
 
 def _encoded_chunk(a: ArrayWrite, idx: tuple[int, ...]) -> tuple[bytes, bytes]:
-    """Zarr chunk ``idx`` of ``a`` encoded by its codec, and the crc32c of the encoded bytes."""
+    """Zarr chunk `idx` of `a` encoded by its codec, and the crc32c of the encoded bytes."""
     parts = _chunk_parts(a.array, a.grid, idx)[:-1]  # the raw bytes (and padding), not their crc
     raw = parts[0] if len(parts) == 1 else np.concatenate([np.asarray(p).reshape(-1).view(np.uint8) for p in parts])
     enc = _codecs.encode(a.codec or "", raw, a.array.itemsize)
@@ -316,11 +316,11 @@ def _write_encoded(path: str, a: ArrayWrite) -> None:
 
 
 def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], None] | None = None) -> None:
-    """Write ``arrays`` as zarr v3 arrays under ``root`` and make them durable.
+    """Write `arrays` as zarr v3 arrays under `root` and make them durable.
 
-    Every file (chunks and ``zarr.json``) is written by the I/O threads (each run's
-    writeback started at once with ``sync_file_range``), then every file and every
-    directory created is fsynced, all at once, before this returns. ``done(nbytes)``
+    Every file (chunks and `zarr.json`) is written by the I/O threads (each run's
+    writeback started at once with `sync_file_range`), then every file and every
+    directory created is fsynced, all at once, before this returns. `done(nbytes)`
     is called per array (in this thread) once it is written. Raises OSError on a
     storage failure, after every write has stopped.
     """
@@ -345,12 +345,12 @@ def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], 
 
 def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str], known: set[str],
                  written: list[str]) -> None:
-    """Write ``arrays`` (not yet durable); the files written are appended to ``written``."""
+    """Write `arrays` (not yet durable); the files written are appended to `written`."""
     pool = _pool("write")
     futs: list[cf.Future[Any]] = []
 
     def then_close(fd: int, runs: cf.Future[Any]) -> cf.Future[Any]:
-        """Close ``fd`` once its writes are done (even when they failed)."""
+        """Close `fd` once its writes are done (even when they failed)."""
         out: cf.Future[Any] = cf.Future()
 
         def go(f: cf.Future[Any]) -> None:
@@ -407,7 +407,7 @@ def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str], known:
 
 
 def _all(futs: Sequence[cf.Future[Any]], result: Any = None) -> cf.Future[Any]:
-    """A future done when all of ``futs`` are (its result ``result``), failing with the first error."""
+    """A future done when all of `futs` are (its result `result`), failing with the first error."""
     out: cf.Future[Any] = cf.Future()
     left = [len(futs)]
     errors: list[BaseException] = []
@@ -437,8 +437,8 @@ def _all(futs: Sequence[cf.Future[Any]], result: Any = None) -> cf.Future[Any]:
 
 
 class ChunkRead(NamedTuple):
-    """Read ``region`` (slices in the stored box's coordinates) of the array at ``key``
-    (stored shape ``shape``, zarr grid ``grid``, storage ``kind``) into ``out`` (exactly
+    """Read `region` (slices in the stored box's coordinates) of the array at `key`
+    (stored shape `shape`, zarr grid `grid`, storage `kind`) into `out` (exactly
     the region's shape)."""
 
     key: str
@@ -451,7 +451,7 @@ class ChunkRead(NamedTuple):
 
 
 def _touched(job: ChunkRead) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...], tuple[slice, ...]]]:
-    """(idx, slices inside the zarr chunk, slices of ``job.out``) per zarr chunk the region touches."""
+    """(idx, slices inside the zarr chunk, slices of `job.out`) per zarr chunk the region touches."""
     lo = [r.start for r in job.region]
     hi = [r.stop for r in job.region]
     ranges = [range(a // g, (b - 1) // g + 1) if b > a else range(0) for a, b, g in zip(lo, hi, job.grid)]
@@ -463,7 +463,7 @@ def _touched(job: ChunkRead) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...
 
 
 def _is_prefix(out: np.ndarray, grid: Sequence[int], inner: tuple[slice, ...]) -> bool:
-    """Whether ``inner`` of a zarr chunk is a prefix of its bytes that ``out`` holds contiguously."""
+    """Whether `inner` of a zarr chunk is a prefix of its bytes that `out` holds contiguously."""
     return (
         out.flags.c_contiguous
         and all(s.start == 0 for s in inner)
@@ -482,7 +482,7 @@ def _check_crc(path: str, what: str, head: np.ndarray, tail: np.ndarray, stored:
 
 def _read_scratch(fd: int, path: str, what: str, offset: int, full: int, grid: Sequence[int],
                   inner: tuple[slice, ...], out: np.ndarray) -> None:
-    """One zarr chunk into scratch, checked, then its ``inner`` part copied into ``out``."""
+    """One zarr chunk into scratch, checked, then its `inner` part copied into `out`."""
     buf = _scratch(full + 4)
     n = os.preadv(fd, [buf], offset)
     _count(n)
@@ -493,7 +493,7 @@ def _read_scratch(fd: int, path: str, what: str, offset: int, full: int, grid: S
 
 
 def _open_existing(path: str, what: str) -> int:
-    """A read-only fd of ``path``; ChunkFileError naming it (as ``what``) when it is missing."""
+    """A read-only fd of `path`; ChunkFileError naming it (as `what`) when it is missing."""
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -501,7 +501,7 @@ def _open_existing(path: str, what: str) -> int:
 
 
 def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: np.ndarray) -> None:
-    """One "plain" chunk file: checked, ``inner`` of it into ``out``."""
+    """One "plain" chunk file: checked, `inner` of it into `out`."""
     full = math.prod(grid) * out.itemsize
     fd = _open_existing(path, "chunk file")
     try:
@@ -517,8 +517,8 @@ def _read_file(path: str, grid: tuple[int, ...], inner: tuple[slice, ...], out: 
 
 
 def _read_run(fd: int, path: str, offset: int, items: Sequence[tuple[np.ndarray, int, str]]) -> None:
-    """Adjacent stored chunks from ``offset`` in one ``preadv``: each ``(out, full, what)``
-    fills ``out`` with the chunk's first bytes (the rest and the crc go to scratch)."""
+    """Adjacent stored chunks from `offset` in one `preadv`: each `(out, full, what)`
+    fills `out` with the chunk's first bytes (the rest and the crc go to scratch)."""
     heads = [out.reshape(-1).view(np.uint8) for out, _full, _what in items]
     rests = [full - h.size for h, (_out, full, _what) in zip(heads, items)]
     tail = _scratch(sum(rests) + 4 * len(items))
@@ -540,7 +540,7 @@ def _read_run(fd: int, path: str, offset: int, items: Sequence[tuple[np.ndarray,
 
 
 def _read_index(path: str, count: int) -> tuple[np.ndarray, int]:
-    """A "files" shard's index (``count`` x (offset, nbytes)), checked, and the file size."""
+    """A "files" shard's index (`count` x (offset, nbytes)), checked, and the file size."""
     fd = _open_existing(path, "shard file")
     try:
         size = os.fstat(fd).st_size
@@ -557,9 +557,9 @@ def _read_index(path: str, count: int) -> tuple[np.ndarray, int]:
 
 
 def index_entry(path: str, what: str, index: np.ndarray, flat: int, stored: int, size: int) -> tuple[int, int]:
-    """Entry ``flat`` of a shard's index, checked: present, ``stored`` bytes long (chunk and
-    crc32c; ``stored`` -1: a compressed chunk, at least its crc32c) and inside the ``size``-byte
-    file; ChunkFileError naming the chunk (``what``)."""
+    """Entry `flat` of a shard's index, checked: present, `stored` bytes long (chunk and
+    crc32c; `stored` -1: a compressed chunk, at least its crc32c) and inside the `size`-byte
+    file; ChunkFileError naming the chunk (`what`)."""
     off, nb = int(index[flat, 0]), int(index[flat, 1])
     if off == _MISSING and nb == _MISSING:
         raise ChunkFileError(f"shard file {path}{what} is missing")
@@ -572,8 +572,8 @@ def index_entry(path: str, what: str, index: np.ndarray, flat: int, stored: int,
 
 
 def _shard_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> list[tuple[Any, tuple[Any, ...]]]:
-    """Reads of the chunks ``job`` needs from a shard: runs of adjacent whole chunks in one
-    ``preadv`` each, other chunks one by one through scratch."""
+    """Reads of the chunks `job` needs from a shard: runs of adjacent whole chunks in one
+    `preadv` each, other chunks one by one through scratch."""
     counts = [len(r) for r in _grid_ranges(job.shape, job.grid)]
     full = math.prod(job.grid) * job.out.itemsize
     tasks: list[tuple[Any, tuple[Any, ...]]] = []
@@ -600,7 +600,7 @@ def _shard_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> lis
 
 
 def _encoded_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> list[tuple[Any, tuple[Any, ...]]]:
-    """Reads of the compressed chunks ``job`` needs from a shard: one task per zarr chunk."""
+    """Reads of the compressed chunks `job` needs from a shard: one task per zarr chunk."""
     counts = [len(r) for r in _grid_ranges(job.shape, job.grid)]
     tasks: list[tuple[Any, tuple[Any, ...]]] = []
     for idx, inner, dest in _touched(job):
@@ -614,8 +614,8 @@ def _encoded_tasks(path: str, job: ChunkRead, index: np.ndarray, size: int) -> l
 
 def _read_encoded(path: str, what: str, offset: int, nb: int, codec: str, grid: Sequence[int],
                   inner: tuple[slice, ...], out: np.ndarray) -> None:
-    """One compressed zarr chunk: read, crc32c checked, decoded (straight into ``out`` when it is
-    the whole chunk, contiguous), ``inner`` of it into ``out``."""
+    """One compressed zarr chunk: read, crc32c checked, decoded (straight into `out` when it is
+    the whole chunk, contiguous), `inner` of it into `out`."""
     stored = np.empty(nb, np.uint8)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -654,14 +654,14 @@ def _shard_scratch(path: str, what: str, offset: int, full: int, grid: Sequence[
 
 
 def run_all(fn: Callable[[Any], Any], items: Sequence[Any]) -> None:
-    """``fn(item)`` for every item on the read threads (small file reads that each wait on
+    """`fn(item)` for every item on the read threads (small file reads that each wait on
     the disk, e.g. every array's zarr.json); the first error is raised."""
     for _ in _pool().map(fn, items):
         pass
 
 
 def submit_read(root: str, job: ChunkRead) -> cf.Future[np.ndarray]:
-    """Start reading ``job`` on the I/O threads; the future's result is ``job.out``."""
+    """Start reading `job` on the I/O threads; the future's result is `job.out`."""
     pool = _pool()
     key_dir = os.path.join(root, job.key)
     if job.out.size == 0:

@@ -1,7 +1,7 @@
-"""The metadata of the arrays :mod:`xckpt.native._fileio` reads and writes itself: file names,
-``zarr.json`` (as tensorstore writes it), and the checks of a manifest's claims against them.
-Split from :mod:`xckpt.native._fileio` so each stays one job (I/O here is a ``stat`` and
-small ``zarr.json`` reads)."""
+"""The metadata of the arrays `xckpt.native._fileio` reads and writes itself: file names,
+`zarr.json` (as tensorstore writes it), and the checks of a manifest's claims against them.
+Split from `xckpt.native._fileio` so each stays one job (I/O here is a `stat` and
+small `zarr.json` reads)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ class ChunkFileError(ValueError):
 
 
 def chunk_file(key_dir: str, idx: Sequence[int]) -> str:
-    """The file of zarr chunk ``idx`` of a "plain" array in ``key_dir``."""
+    """The file of zarr chunk `idx` of a "plain" array in `key_dir`."""
     return os.path.join(key_dir, "c", *map(str, idx)) if idx else os.path.join(key_dir, "c")
 
 
 def data_file(key_dir: str, ndim: int) -> str:
-    """The shard file of a "files" array in ``key_dir``."""
+    """The shard file of a "files" array in `key_dir`."""
     return os.path.join(key_dir, "c." + ".".join(["0"] * ndim)) if ndim else os.path.join(key_dir, "c")
 
 
@@ -45,7 +45,7 @@ def zarr_json(kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int], 
 
 
 def stored_meta(root: str, key: str) -> dict[str, Any]:
-    """The ``zarr.json`` of the array at ``key`` (ChunkFileError when missing or unreadable)."""
+    """The `zarr.json` of the array at `key` (ChunkFileError when missing or unreadable)."""
     path = os.path.join(root, key, "zarr.json")
     try:
         with open(path, "rb") as f:
@@ -75,7 +75,7 @@ def _chain(codecs: Any, dtype: str) -> str | None | bool:
 
 
 def parse_layout(meta: dict[str, Any]) -> tuple[str, str, list[int], list[int], str | None] | None:
-    """``(kind, dtype, shape, grid, codec)`` of stored metadata this module reads, else None."""
+    """`(kind, dtype, shape, grid, codec)` of stored metadata this module reads, else None."""
     try:
         codecs = meta["codecs"]
         shape = list(meta["shape"])
@@ -107,7 +107,7 @@ def parse_layout(meta: dict[str, Any]) -> tuple[str, str, list[int], list[int], 
 
 
 def parse_meta(meta: dict[str, Any]) -> tuple[str, str, list[int], list[int]] | None:
-    """``(kind, dtype, shape, grid)`` of stored metadata of an uncompressed array this module
+    """`(kind, dtype, shape, grid)` of stored metadata of an uncompressed array this module
     reads, else None."""
     got = parse_layout(meta)
     return None if got is None or got[4] is not None else got[:4]
@@ -116,7 +116,7 @@ def parse_meta(meta: dict[str, Any]) -> tuple[str, str, list[int], list[int]] | 
 def check_meta(
     root: str, key: str, kind: str, dtype: str, shape: Sequence[int], grid: Sequence[int], codec: str | None = None
 ) -> None:
-    """Raise ChunkFileError unless the stored metadata of ``key`` is the array the manifest claims."""
+    """Raise ChunkFileError unless the stored metadata of `key` is the array the manifest claims."""
     got = parse_layout(stored_meta(root, key))
     want = (kind, dtype, list(shape), list(grid), codec)
     if got != want:
@@ -130,10 +130,10 @@ def check_meta(
 def check_shard(
     root: str, key: str, itemsize: int, shape: Sequence[int], grid: Sequence[int], codec: str | None = None
 ) -> None:
-    """Raise ChunkFileError unless the shard file of the "files" array at ``key`` holds at
-    least what a box of ``shape`` in zarr chunks of ``grid`` needs (its index and every
+    """Raise ChunkFileError unless the shard file of the "files" array at `key` holds at
+    least what a box of `shape` in zarr chunks of `grid` needs (its index and every
     chunk with its crc32c): the manifest's claim against storage before anything is
-    sized from it, in one ``stat`` (a cold load no longer reads every zarr.json first:
+    sized from it, in one `stat` (a cold load no longer reads every zarr.json first:
     the reads follow the checksummed manifest, and verify() still checks zarr.json)."""
     path = data_file(os.path.join(root, key), len(shape))
     try:

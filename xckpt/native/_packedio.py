@@ -1,18 +1,18 @@
 """Direct reads of a rank's packed byte array (small tensors) on a local filesystem.
 
-A packed array is a 1-d uint8 zarr v3 array (:func:`xckpt.native._zarr.packed_grid` bytes
+A packed array is a 1-d uint8 zarr v3 array (`xckpt.native._zarr.packed_grid` bytes
 per zarr chunk, each stored at full length with its crc32c), "files" (one shard file
 with an index, format version 3 on) or "plain" (one file per zarr chunk). A read of
-packed tensors is split in **spans** (:func:`plan_spans`): runs of the zarr chunks it
+packed tensors is split in **spans** (`plan_spans`): runs of the zarr chunks it
 needs, inside fixed blocks of the array, so each zarr chunk is read once and a span
 holds at most a block. A tensor that crosses a block boundary is in two spans (or more),
 each copying its part. A span is one task on the read threads:
 
-1. one ``preadv`` per contiguous stretch of its zarr chunks into a buffer (the chunks'
+1. one `preadv` per contiguous stretch of its zarr chunks into a buffer (the chunks'
    bytes back to back, their crc32c trailers aside), reused by the read's next span;
 2. every zarr chunk's crc32c checked;
-3. ``unpack(data)`` called in that thread: it checks each tensor's own crc32 from the
-   manifest and copies it out (see :meth:`xckpt.reader.Checkpoint._unpack`).
+3. `unpack(data)` called in that thread: it checks each tensor's own crc32 from the
+   manifest and copies it out (see `xckpt.reader.Checkpoint._unpack`).
 
 So packed tensors are read while the array chunks are, every byte read once, and the
 per-tensor checks and copies run on the read threads, not in the caller's thread.
@@ -49,9 +49,9 @@ _NO_INDEX = np.empty((0, 2), np.uint64)  # the index of an array that is not "fi
 
 
 def plan_spans(ranges: Sequence[tuple[int, int]], grid: int, span_bytes: int) -> list[tuple[int, int, list[int]]]:
-    """Spans of zarr chunks (``grid`` bytes each) that read the byte ``ranges`` (sorted by
-    start, non-empty): ``(first, stop, indices of the ranges it holds part of)``. Spans
-    stay inside blocks of ``span_bytes // grid`` chunks (at least one); a range crossing
+    """Spans of zarr chunks (`grid` bytes each) that read the byte `ranges` (sorted by
+    start, non-empty): `(first, stop, indices of the ranges it holds part of)`. Spans
+    stay inside blocks of `span_bytes // grid` chunks (at least one); a range crossing
     a block boundary is in each span it touches."""
     per = max(1, span_bytes // grid)
     spans: list[list[Any]] = []  # [first, stop, held]
@@ -75,8 +75,8 @@ def plan_spans(ranges: Sequence[tuple[int, int]], grid: int, span_bytes: int) ->
 
 
 class PackedArray:
-    """A packed array's location and layout: ``size`` bytes in zarr chunks of ``grid``
-    bytes, stored as ``kind``; for "files", its shard's index and file size (an empty
+    """A packed array's location and layout: `size` bytes in zarr chunks of `grid`
+    bytes, stored as `kind`; for "files", its shard's index and file size (an empty
     index otherwise). Its span buffers live as long as it does (one read)."""
 
     __slots__ = ("root", "key", "size", "grid", "kind", "index", "file_size", "buffers")
@@ -93,7 +93,7 @@ class PackedArray:
 
 
 def open_packed(root: str, key: str, size: int, grid: int, kind: str) -> PackedArray:
-    """The packed array at ``key``; for "files", its index is read and checked now.
+    """The packed array at `key`; for "files", its index is read and checked now.
     Raises ChunkFileError (damaged or missing) or OSError."""
     arr = PackedArray(root, key, size, grid, kind)
     if kind == "files":
@@ -102,7 +102,7 @@ def open_packed(root: str, key: str, size: int, grid: int, kind: str) -> PackedA
 
 
 def _take(arr: PackedArray, nbytes: int, ncrc: int) -> tuple[np.ndarray, np.ndarray]:
-    """A free pair of data and crc buffers of the read, at least ``nbytes`` and ``4 * ncrc`` long."""
+    """A free pair of data and crc buffers of the read, at least `nbytes` and `4 * ncrc` long."""
     try:
         data, crcs = arr.buffers.get_nowait()
     except queue.Empty:
@@ -115,7 +115,7 @@ def _take(arr: PackedArray, nbytes: int, ncrc: int) -> tuple[np.ndarray, np.ndar
 
 
 def _stretches(arr: PackedArray, first: int, stop: int) -> list[tuple[str, int, list[int]]]:
-    """(file, offset, zarr chunks) per contiguous stretch of chunks ``first..stop-1``."""
+    """(file, offset, zarr chunks) per contiguous stretch of chunks `first..stop-1`."""
     full = arr.grid + 4
     key_dir = os.path.join(arr.root, arr.key)
     if arr.kind != "files":
@@ -166,8 +166,8 @@ def _fill(arr: PackedArray, first: int, stop: int, data: np.ndarray, crcs: np.nd
 
 
 def submit_span(arr: PackedArray, first: int, stop: int, unpack: Callable[[np.ndarray], int]) -> cf.Future[int]:
-    """Read zarr chunks ``first..stop-1`` of ``arr`` on the read threads, check them, and
-    call ``unpack(bytes [first * grid, stop * grid) of the array)`` there (the buffer is
-    reused by another span once it returns). The future's result is ``unpack``'s; its error a
-    ChunkFileError (damaged data), an OSError (storage) or what ``unpack`` raised."""
+    """Read zarr chunks `first..stop-1` of `arr` on the read threads, check them, and
+    call `unpack(bytes [first * grid, stop * grid) of the array)` there (the buffer is
+    reused by another span once it returns). The future's result is `unpack`'s; its error a
+    ChunkFileError (damaged data), an OSError (storage) or what `unpack` raised."""
     return _pool().submit(_read_span, arr, first, stop, unpack)

@@ -1,15 +1,15 @@
 """Where an array chunk's bytes are (format version 6), and unchanged chunks found for a new save.
 
-A step of a manager root may name, in its manifest's ``refs``, arrays it did not write
-itself: array ``K`` of step ``M`` of the same root (:class:`~xckpt.manifest.Ref`). A
-step is read alone (``xckpt.open(<root>/<step>)``): its location's parent is the root,
-so step ``M`` is the sibling ``<root>/<M>/``, a location built from the step number
+A step of a manager root may name, in its manifest's `refs`, arrays it did not write
+itself: array `K` of step `M` of the same root (`Ref`). A
+step is read alone (`xckpt.open(<root>/<step>)`): its location's parent is the root,
+so step `M` is the sibling `<root>/<M>/`, a location built from the step number
 (an integer) and the referenced key (checked as strictly as every key): a reference
 never leaves the root.
 
-- :class:`Resolver`: for a reader, each array chunk's storage, local directory, key,
-  storage kind and codec, following ``refs``;
-- :class:`Dedup`: for a writer, the previous retained step's array chunks by tensor,
+- `Resolver`: for a reader, each array chunk's storage, local directory, key,
+  storage kind and codec, following `refs`;
+- `Dedup`: for a writer, the previous retained step's array chunks by tensor,
   box and dtype with their BLAKE2b-128 hashes: a chunk whose hash equals its
   counterpart's is recorded as a reference to where that one's bytes are, not written.
 """
@@ -32,10 +32,10 @@ __all__ = ["Where", "Resolver", "Dedup", "sibling", "chunk_hash", "referenced_st
 
 
 def sibling(location: Location, step: int) -> Location:
-    """Step ``step`` of the manager root holding checkpoint ``location`` (its parent).
+    """Step `step` of the manager root holding checkpoint `location` (its parent).
 
     Raises:
-        XckptError: ``location`` has no parent directory to hold steps.
+        XckptError: `location` has no parent directory to hold steps.
     """
     spec = location_spec(location)
     if isinstance(spec, dict):
@@ -68,7 +68,7 @@ class Where(NamedTuple):
 
 
 class Resolver:
-    """Each array chunk's :class:`Where` for a reader of ``manifest`` at ``storage``."""
+    """Each array chunk's `Where` for a reader of `manifest` at `storage`."""
 
     def __init__(self, storage: NativeStorage, manifest: Manifest, context: Any = None) -> None:
         self._storage, self._m, self._context = storage, manifest, context
@@ -90,7 +90,7 @@ class Resolver:
         return Where(got[0], got[1], ref.key, ref.storage, ref.codec)
 
     def describe(self, c: Chunk) -> str:
-        """`` (stored in step M as K)`` for a referenced chunk, else nothing (for messages)."""
+        """` (stored in step M as K)` for a referenced chunk, else nothing (for messages)."""
         ref = self._m.refs.get(c.key) if self._m.refs else None
         return "" if ref is None else f" (stored in step {ref.step} as {ref.key})"
 
@@ -105,7 +105,7 @@ class _Prev(NamedTuple):
 
 
 class Dedup:
-    """The previous complete step ``base`` of a manager root, for a save of step ``step``
+    """The previous complete step `base` of a manager root, for a save of step `step`
     that references the chunks it shares with it and stores only the changed rows of
     others (see the module, and `xckpt.native._deltas` for row deltas).
 
@@ -113,7 +113,7 @@ class Dedup:
         base: the previous step's number (None: there is none; the save only records hashes).
         manifest: its (merged) manifest.
         step: the step being saved (named by its own row patches).
-        changed: the rows of a staged buffer changed since ``base`` (None: not compared),
+        changed: the rows of a staged buffer changed since `base` (None: not compared),
             `xckpt.manager.HostBuffers.changed`.
         full_every: a chunk's chain of patches stays shorter than this.
     """
@@ -152,8 +152,8 @@ class Dedup:
         self, name: str, dtype: str, gshape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...],
         digest: str,
     ) -> Ref | None:
-        """Where the bytes of ``name``'s box ``(offset, shape)`` are stored when the previous
-        step holds the same box of the same tensor (dtype, global shape) with hash ``digest``;
+        """Where the bytes of `name`'s box `(offset, shape)` are stored when the previous
+        step holds the same box of the same tensor (dtype, global shape) with hash `digest`;
         else None."""
         prev = self._prev(name, dtype, gshape, offset, shape)
         return prev.target if prev is not None and not prev.chain and prev.digest == digest else None
@@ -161,9 +161,9 @@ class Dedup:
     def delta(
         self, name: str, dtype: str, gshape: tuple[int, ...], offset: tuple[int, ...], arr: np.ndarray,
     ) -> tuple[Ref, tuple[Patch, ...], np.ndarray] | None:
-        """The base, its patches so far and the rows changed since, when the 2-D box ``arr``
+        """The base, its patches so far and the rows changed since, when the 2-D box `arr`
         (a staged buffer) is worth a row delta: its changed rows are known, fewer than half,
-        and the chain stays shorter than ``full_every``; else None (write it whole)."""
+        and the chain stays shorter than `full_every`; else None (write it whole)."""
         rows = self._changed(arr) if self._changed is not None and arr.ndim == 2 else None
         if rows is None or 2 * len(rows) >= arr.shape[0]:
             return None

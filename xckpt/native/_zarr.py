@@ -1,17 +1,17 @@
 """The xckpt format's zarr arrays: their metadata, and the data key spaces that hold them.
 
-A rank's data lives under ``data/<rank>/`` (``data/<rank>.<token>/`` for a save that
+A rank's data lives under `data/<rank>/` (`data/<rank>.<token>/` for a save that
 overwrites, so racing saves never write into each other's data): chunk arrays
-``t/<n>``, packed small chunks in ``packed``, large object bytes in ``o/<n>``. The
+`t/<n>`, packed small chunks in `packed`, large object bytes in `o/<n>`. The
 manifest records, per rank, which storage holds them:
 
-- ``"files"`` (the default on a local disk, format version 3): one directory per
-  stored box holding ``zarr.json`` and one shard file ``c.0.0`` with all its zarr
+- `"files"` (the default on a local disk, format version 3): one directory per
+  stored box holding `zarr.json` and one shard file `c.0.0` with all its zarr
   chunks and their index ([array_metadata][xckpt.native._zarr.array_metadata]); read
   and written directly by `xckpt.native._fileio` on a local disk, through tensorstore
   elsewhere;
-- ``"plain"`` (versions 1 and 2): one file per zarr chunk, ``c/<i>/<j>``;
-- ``"ocdbt"`` (the default for object stores and ``memory://``): one OCDBT database
+- `"plain"` (versions 1 and 2): one file per zarr chunk, `c/<i>/<j>`;
+- `"ocdbt"` (the default for object stores and `memory://`): one OCDBT database
   per rank, few objects however many arrays.
 
 [NativeStorage][xckpt.native._zarr.NativeStorage] adds these key spaces to a
@@ -60,8 +60,8 @@ OCDBT_DATA_FILE_BYTES = 64 << 20
 
 
 def inner_chunk_shape(shape: Sequence[int], itemsize: int, target: int = INNER_CHUNK_BYTES) -> list[int]:
-    """zarr chunk shape for one stored box: split leading dims to about ``target`` bytes,
-    and boxes over ``MIN_INNER_BYTES * INNER_SPLITS`` into at least ``INNER_SPLITS`` pieces,
+    """zarr chunk shape for one stored box: split leading dims to about `target` bytes,
+    and boxes over `MIN_INNER_BYTES * INNER_SPLITS` into at least `INNER_SPLITS` pieces,
     so a rank loading 1/W' of the rows reads little more than its share."""
     nbytes = itemsize * math.prod(shape)
     target = min(target, max(MIN_INNER_BYTES, nbytes // INNER_SPLITS))
@@ -82,8 +82,8 @@ PACKED_CHUNK_BYTES = 4 << 20
 
 
 def packed_grid(size: int) -> int:
-    """The zarr chunk length of a packed byte array of ``size`` bytes: equal pieces of at most
-    :data:`PACKED_CHUNK_BYTES` (zarr stores an edge chunk at full size, so a 2 KiB array in a
+    """The zarr chunk length of a packed byte array of `size` bytes: equal pieces of at most
+    `PACKED_CHUNK_BYTES` (zarr stores an edge chunk at full size, so a 2 KiB array in a
     4 MiB grid would take 4 MiB on disk). Readers derive it from the manifest the same way."""
     pieces = max(1, -(-size // PACKED_CHUNK_BYTES))
     return max(1, -(-size // pieces))
@@ -112,7 +112,7 @@ def shard_shape(shape: Sequence[int], grid: Sequence[int]) -> list[int]:
 
 
 def chunk_codecs(dtype: str, codec: str | None = None) -> list[dict[str, Any]]:
-    """The codec chain of one zarr chunk: bytes, ``codec``'s codec (version 6), crc32c."""
+    """The codec chain of one zarr chunk: bytes, `codec`'s codec (version 6), crc32c."""
     base = CODECS_1 if dtype in _ONE_BYTE else CODECS
     if codec is None:
         return base
@@ -124,11 +124,11 @@ def array_metadata(
 ) -> dict[str, Any]:
     """The zarr v3 metadata of a stored box, exactly as tensorstore writes it.
 
-    ``"plain"``/``"ocdbt"``: a regular grid of ``grid`` chunks, each little-endian bytes
-    then crc32c, keys ``c/<i>/<j>``. ``"files"`` (version 3): the same chunks inside one
-    shard (``sharding_indexed``, index of (offset, nbytes) at the start with its own
-    crc32c), so a box is one file ``c.0.0`` that a whole read takes in one request.
-    ``codec`` (version 6, :mod:`xckpt.native._codecs`) compresses each zarr chunk's bytes
+    `"plain"`/`"ocdbt"`: a regular grid of `grid` chunks, each little-endian bytes
+    then crc32c, keys `c/<i>/<j>`. `"files"` (version 3): the same chunks inside one
+    shard (`sharding_indexed`, index of (offset, nbytes) at the start with its own
+    crc32c), so a box is one file `c.0.0` that a whole read takes in one request.
+    `codec` (version 6, `xckpt.native._codecs`) compresses each zarr chunk's bytes
     before its crc32c.
     """
     codecs = chunk_codecs(dtype, codec)
@@ -162,7 +162,7 @@ def array_metadata(
 def array_spec(
     kvstore: Any, dtype: str, shape: Sequence[int], grid: Sequence[int], kind: str = "plain", codec: str | None = None
 ) -> dict[str, Any]:
-    """A zarr v3 spec of a stored box (see :func:`array_metadata`)."""
+    """A zarr v3 spec of a stored box (see `array_metadata`)."""
     return {"driver": "zarr3", "kvstore": kvstore, "metadata": array_metadata(kind, dtype, shape, grid, codec)}
 
 
@@ -172,7 +172,7 @@ class NativeStorage(Storage):
     # -- data key spaces ----------------------------------------------------
 
     def data_kvstore(self, key: str, storage: str) -> Any:
-        """The kvstore spec of a data key ``data/<rank>/<rest>`` (a directory)."""
+        """The kvstore spec of a data key `data/<rank>/<rest>` (a directory)."""
         parts = key.split("/", 2)
         if len(parts) != 3 or parts[0] != "data":
             raise XckptError(f"{key!r} is not a data key")
@@ -181,8 +181,8 @@ class NativeStorage(Storage):
         return self.child(f"{key}/")
 
     def _ocdbt_spec(self, rank: str) -> dict[str, Any]:
-        """The OCDBT database ``data/<rank>/`` (``rank`` is the key's directory name,
-        e.g. ``0`` or ``0.<token>``): one spec for arrays and bytes alike, so a
+        """The OCDBT database `data/<rank>/` (`rank` is the key's directory name,
+        e.g. `0` or `0.<token>`): one spec for arrays and bytes alike, so a
         process opens it once (the same tensorstore driver instance)."""
         return {
             "driver": "ocdbt",
@@ -200,7 +200,7 @@ class NativeStorage(Storage):
         transaction: Any = None,
         codec: str | None = None,
     ) -> Any:
-        """A future for a new zarr v3 array at ``key`` (inside ``transaction`` if given)."""
+        """A future for a new zarr v3 array at `key` (inside `transaction` if given)."""
         spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage, codec)
         # Readers treat a missing zarr chunk as damage, so all-zero chunks must be stored too.
         spec["store_data_equal_to_fill_value"] = True
@@ -225,7 +225,7 @@ class NativeStorage(Storage):
     def check_array(
         self, key: str, storage: str, dtype: str, shape: Sequence[int], grid: Sequence[int], codec: str | None = None
     ) -> Any:
-        """A future that fails unless the stored zarr metadata of ``key`` matches the manifest's
+        """A future that fails unless the stored zarr metadata of `key` matches the manifest's
         claim (dtype, shape, grid, codec): a claim checked against storage before anything is sized by it."""
         spec = array_spec(self.data_kvstore(key, storage), dtype, shape, grid, storage, codec)
         spec["fill_missing_data_reads"] = False
@@ -237,11 +237,11 @@ class NativeStorage(Storage):
         return self._ts.open(spec, open=True, read=True, context=self.context)
 
     def wrap(self, out: np.ndarray) -> Any:
-        """A writable TensorStore view of ``out`` (no copy), to read into."""
+        """A writable TensorStore view of `out` (no copy), to read into."""
         return self._ts.array(out, copy=False, write=True, context=self.context)
 
     def _byte_store(self, key: str, storage: str) -> tuple[Any, str]:
-        """The kvstore holding data key ``key`` as plain bytes, and its key there."""
+        """The kvstore holding data key `key` as plain bytes, and its key there."""
         if storage == "ocdbt":
             parts = key.split("/", 2)
             kv = self._result(

@@ -1,15 +1,15 @@
 """The commit protocol: which save is at a location, is it complete, and its merged manifest.
 
-A rank writes its data, makes it durable, then writes ``ranks/<rank>.json``; in
-coordinated mode rank 0 then writes the merged ``xckpt.json`` (DESIGN.md section
-2). Both the reader (opening a checkpoint without ``xckpt.json``) and the writer
+A rank writes its data, makes it durable, then writes `ranks/<rank>.json`; in
+coordinated mode rank 0 then writes the merged `xckpt.json` (DESIGN.md section
+2). Both the reader (opening a checkpoint without `xckpt.json`) and the writer
 (rank 0 merging after the barrier, or any rank finalizing a rank-local save)
 read the rank manifests the same way, here.
 
 Which save is read: the one rank 0's manifest belongs to (its save_id and world
 size). Rank manifests at or above that world size are leftovers of an earlier
-save with more ranks and are ignored; a rank whose ``ranks/<r>.json`` is still a
-claim (:class:`~xckpt.manifest.Claim`) has not committed.
+save with more ranks and are ignored; a rank whose `ranks/<r>.json` is still a
+claim (`Claim`) has not committed.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ _BATCH = 512
 
 
 def _read_batched(storage: Storage, ranks: list[int], world: Callable[[], int | None]) -> Iterator[tuple[int, bytes | None]]:
-    """``(rank, bytes or None)`` for ``ranks`` in order, read :data:`_BATCH` at a time; ranks
-    at or above ``world()`` (once known) are not read."""
+    """`(rank, bytes or None)` for `ranks` in order, read `_BATCH` at a time; ranks
+    at or above `world()` (once known) are not read."""
     for start in range(0, len(ranks), _BATCH):
         w = world()
         batch = [r for r in ranks[start : start + _BATCH] if w is None or r < w]
@@ -67,11 +67,11 @@ def read_rank_manifests(
     expect_world_size: int | None = None,
     expect_save_id: str | None = None,
 ) -> Manifest:
-    """Read, check and merge ``ranks/0..W-1.json`` into one validated manifest.
+    """Read, check and merge `ranks/0..W-1.json` into one validated manifest.
 
-    W and the save are rank 0's (or ``expect_*``); manifests of ranks >= W are
+    W and the save are rank 0's (or `expect_*`); manifests of ranks >= W are
     leftovers of an earlier, larger save and are not read. Each manifest is merged as
-    it is parsed (:class:`~xckpt.manifest.RankMerge`: chunks as columns, grids
+    it is parsed (`RankMerge`: chunks as columns, grids
     recognised), so 4,096 rank manifests never exist as objects at once.
     """
     where = storage.path
@@ -182,7 +182,7 @@ def validate(m: Manifest, where: str) -> None:
 
 
 def finalize(path: Location, world_size: int, save_id: str, context: Any = None) -> Manifest:
-    """Merge ranks 0..W-1 into ``xckpt.json`` (rank 0, after all ranks committed).
+    """Merge ranks 0..W-1 into `xckpt.json` (rank 0, after all ranks committed).
 
     Validates the merged layout first, and removes rank manifests of a larger
     earlier save at the same location.

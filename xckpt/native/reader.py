@@ -1,11 +1,11 @@
 """The xckpt format's reader: open a checkpoint, read boxes of tensors, numpy out.
 
-:func:`open` accepts a checkpoint only when it is complete: ``xckpt.json`` when
+[`open`][xckpt.open] accepts a checkpoint only when it is complete: `xckpt.json` when
 present, else rank manifests 0..W-1 with one save_id, merged by
-:func:`xckpt.commit.read_rank_manifests` (which also says which save is read).
+`xckpt.commit.read_rank_manifests` (which also says which save is read).
 Every tensor's chunks must tile it exactly. All of this is checked from the
 manifests alone, before any chunk is opened or any output allocated. Before an output is
-sized from the manifest (:meth:`Checkpoint.read`, :meth:`Checkpoint.read_all`),
+sized from the manifest ([`Checkpoint.read`][xckpt.native.reader.Checkpoint.read], [`Checkpoint.read_all`][xckpt.native.reader.Checkpoint.read_all]),
 the claimed chunk sizes are checked against what storage holds: each array
 chunk's zarr metadata and each packed byte range against its packed array.
 """
@@ -69,14 +69,14 @@ def _packed_at(c: Chunk) -> int:
 
 
 def _fills_whole(job: ChunkRead) -> bool:
-    """Whether a packed ``job`` fills all of a C-contiguous output with its whole chunk."""
+    """Whether a packed `job` fills all of a C-contiguous output with its whole chunk."""
     _name, c, req, out = job
     return (req is None or req.box.shape == c.shape == out.shape) and out.flags.c_contiguous
 
 
 class _SpannedChunk:
     """A packed chunk in several spans: its job, the spans still to copy their part
-    (``left``) into ``whole``: its output's bytes (a whole, C-contiguous output) or a
+    (`left`) into `whole`: its output's bytes (a whole, C-contiguous output) or a
     buffer of its own."""
 
     __slots__ = ("job", "left", "lock", "whole", "into_out")
@@ -92,7 +92,7 @@ def _job_of(item: Any) -> ChunkRead:
 
 
 class Checkpoint(Source):
-    """An xckpt checkpoint opened for reading: the format's :class:`~xckpt.source.Source`.
+    """An xckpt checkpoint opened for reading: the format's [`Source`][xckpt.source.Source].
 
     Cheap to open (manifests only). Tensors are read by box; nothing else is read.
     """
@@ -100,9 +100,9 @@ class Checkpoint(Source):
     format = "xckpt"
 
     def __init__(self, path: Location, *, context: Any = None, manifest: Manifest | None = None) -> None:
-        """Open ``path``; with ``manifest`` (already read and validated by the caller, as the
+        """Open `path`; with `manifest` (already read and validated by the caller, as the
         checkpoint manager merges a local step's rank manifests from several copies), its
-        data is read from ``path`` and no manifest is read there."""
+        data is read from `path` and no manifest is read there."""
         self.storage = NativeStorage(path, context)
         self.path = self.storage.path
         data = None if manifest is not None else self.storage.read_key("xckpt.json")
@@ -248,7 +248,7 @@ class Checkpoint(Source):
         return fut
 
     def _direct_chunk(self, c: Chunk) -> bool:
-        """Whether array chunk ``c`` is files this process reads itself."""
+        """Whether array chunk `c` is files this process reads itself."""
         w = self._where_of.where(c)
         return w.root is not None and w.kind != "ocdbt"
 
@@ -263,7 +263,7 @@ class Checkpoint(Source):
         return self._root
 
     def _direct(self, rank: int) -> bool:
-        """Whether rank ``rank``'s chunks are files this process reads itself."""
+        """Whether rank `rank`'s chunks are files this process reads itself."""
         return self._root is not None and self._kind(rank) != "ocdbt"
 
     def _read_error(self, e: Exception, what: str) -> XckptError:
@@ -278,7 +278,7 @@ class Checkpoint(Source):
         raise self._read_error(e, what) from (None if isinstance(e, _fileio.ChunkFileError) else e)
 
     def _file_read(self, job: ChunkRead) -> tuple[str, _fileio.ChunkRead]:
-        """The directory and direct read of an array chunk job (``job.req`` set)."""
+        """The directory and direct read of an array chunk job (`job.req` set)."""
         c, req = job.chunk, job.req
         if req is None:  # _read_chunks sets it; this keeps the type exact
             req = whole_request(c)
@@ -308,7 +308,7 @@ class Checkpoint(Source):
 
     def _packed_meta(self, key: str, rank: int) -> tuple[int, int, str] | None:
         """(bytes, zarr chunk length, storage kind) of a "plain"/"files" rank's packed array from
-        its zarr.json, read directly; None when its layout is not one :mod:`xckpt.storage._fileio`
+        its zarr.json, read directly; None when its layout is not one `xckpt.storage._fileio`
         reads (tensorstore reads it then)."""
         if key not in self._packed_stored:
             try:
@@ -332,7 +332,7 @@ class Checkpoint(Source):
         return self._packed_stored[key]
 
     def _packed_store(self, key: str, rank: int) -> Any:
-        """Rank ``rank``'s packed byte array (opened once; its size from its zarr.json)."""
+        """Rank `rank`'s packed byte array (opened once; its size from its zarr.json)."""
         store = self._packed_stores.get(key)
         if store is None:
             try:
@@ -343,9 +343,9 @@ class Checkpoint(Source):
         return store
 
     def _packed_spans(self, jobs: list[ChunkRead], size: int, grid: int) -> list[tuple[int, int, list[Any]]]:
-        """``jobs`` (packed chunks of one array) as spans of zarr chunks
-        (:func:`xckpt.storage._packedio.plan_spans`): ``(first, stop, items)``, an item a job, or
-        for a tensor in several spans one :class:`_SpannedChunk` they share."""
+        """`jobs` (packed chunks of one array) as spans of zarr chunks
+        (`xckpt.storage._packedio.plan_spans`): `(first, stop, items)`, an item a job, or
+        for a tensor in several spans one `_SpannedChunk` they share."""
         jobs.sort(key=lambda j: _packed_at(j[1]))
         ranges = []
         for job in jobs:
@@ -369,7 +369,7 @@ class Checkpoint(Source):
     def _submit_packed(
         self, key: str, jobs: list[ChunkRead], meta: tuple[int, int, str]
     ) -> list[tuple[ChunkRead, Any]]:
-        """Start the direct reads of packed ``jobs`` (see :mod:`xckpt.storage._packedio`): one task
+        """Start the direct reads of packed `jobs` (see `xckpt.storage._packedio`): one task
         per span, which checks and copies out its tensors on the read thread."""
         size, grid, kind = meta
         spans = self._packed_spans(jobs, size, grid)
@@ -384,7 +384,7 @@ class Checkpoint(Source):
         ]
 
     def _read_packed_store(self, key: str, jobs: list[ChunkRead], bar: Any) -> None:
-        """Packed ``jobs`` through tensorstore, span by span, :data:`_PACKED_INFLIGHT` bytes
+        """Packed `jobs` through tensorstore, span by span, `_PACKED_INFLIGHT` bytes
         read ahead of the checks and copies (the buffers held stay bounded)."""
         store = self._packed_store(key, jobs[0][1].rank)
         size = store.shape[0]
@@ -410,9 +410,9 @@ class Checkpoint(Source):
         return buf.nbytes
 
     def _unpack(self, base: int, items: list[Any], data: np.ndarray) -> int:
-        """Check each packed chunk of a span (``data``: the packed bytes from ``base`` on)
+        """Check each packed chunk of a span (`data`: the packed bytes from `base` on)
         against its crc32 and copy it to its output; the bytes filled. A tensor in several
-        spans (a :class:`_SpannedChunk`) is assembled first, and checked and copied out by the
+        spans (a `_SpannedChunk`) is assembled first, and checked and copied out by the
         span that completes it. Runs on a read thread for direct reads."""
         mv, done, end = memoryview(data).cast("B"), 0, base + data.nbytes
         for item in items:
@@ -433,8 +433,8 @@ class Checkpoint(Source):
         return done
 
     def _check_copy(self, job: ChunkRead, raw: memoryview, in_place: bool) -> int:
-        """Check packed chunk ``raw`` (the bytes of ``job.chunk``) against its crc32 and copy
-        it to ``job.out`` (unless it was assembled there, ``in_place``); the bytes filled."""
+        """Check packed chunk `raw` (the bytes of `job.chunk`) against its crc32 and copy
+        it to `job.out` (unless it was assembled there, `in_place`); the bytes filled."""
         name, c, req, out = job
         if zlib.crc32(raw) != c.crc32:
             raise CorruptChunkError(
@@ -454,7 +454,7 @@ class Checkpoint(Source):
         return req.box.volume * out.itemsize
 
     def _open_checked(self, name: str, c: Chunk) -> Any:
-        """Like :meth:`_open`, but the stored zarr metadata is read and must match the manifest."""
+        """Like `_open`, but the stored zarr metadata is read and must match the manifest."""
         fut = self._verified_arrays.get(c.key)
         if fut is None:
             w = self._where_of.where(c)
@@ -465,9 +465,9 @@ class Checkpoint(Source):
     # -- claims against storage -------------------------------------------------
 
     def _check_stored(self, names: Sequence[str], box: Box | None = None) -> None:
-        """Check the chunk sizes ``names`` claim against storage before anything is sized
+        """Check the chunk sizes `names` claim against storage before anything is sized
         from them: each array chunk's zarr metadata (dtype, shape, grid) and each packed
-        byte range against its packed array's stored size. With ``box`` (one name), only
+        byte range against its packed array's stored size. With `box` (one name), only
         the chunks the box meets."""
         todo = [n for n in names if n not in self._checked]
         if not todo:
@@ -528,7 +528,7 @@ class Checkpoint(Source):
         )
 
     def read(self, name: str, index: Any = None) -> np.ndarray:
-        """The whole tensor, or the box selected by ``index`` (ints and unit-step slices);
+        """The whole tensor, or the box selected by `index` (ints and unit-step slices);
         the claimed sizes are checked against storage before the output is allocated (those
         of the chunks the box meets)."""
         if index is None:
@@ -558,7 +558,7 @@ class Checkpoint(Source):
 
         One pass over each packed array (in slabs of adjacent chunks) and over each
         array chunk (in slabs of whole inner zarr chunks), many reads in flight at
-        once (up to ``_VERIFY_INFLIGHT`` bytes), with a progress bar.
+        once (up to `_VERIFY_INFLIGHT` bytes), with a progress bar.
         """
         problems: dict[tuple[str, tuple[int, ...]], str] = {}
         packed: dict[str, list[tuple[str, Chunk]]] = defaultdict(list)
@@ -697,8 +697,8 @@ class Checkpoint(Source):
 
 
 class _Slab:
-    """One read of :meth:`Checkpoint.verify`: rows [lo, hi) of an array chunk, or bytes
-    [lo, hi) of a packed array holding the chunks of ``span``."""
+    """One read of [`Checkpoint.verify`][xckpt.native.reader.Checkpoint.verify]: rows [lo, hi) of an array chunk, or bytes
+    [lo, hi) of a packed array holding the chunks of `span`."""
 
     __slots__ = ("name", "chunk", "store", "lo", "hi", "nbytes", "span")
 

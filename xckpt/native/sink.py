@@ -1,9 +1,9 @@
-"""xckpt output of ``xckpt.convert``, keeping the source layout: one :class:`~xckpt.Writer` per source writer.
+"""xckpt output of `xckpt.convert`, keeping the source layout: one [`Writer`][xckpt.Writer] per source writer.
 
 Ranks are written one after another (each commits before the next starts), each
-Writer holding at most :data:`xckpt.sink.CONVERT_INFLIGHT_BYTES` of chunks in
+Writer holding at most `xckpt.sink.CONVERT_INFLIGHT_BYTES` of chunks in
 flight, so one writer's budget bounds memory; rank 0 finalizes. Chunks come fresh
-from :meth:`WriteJob.chunks` (the Writer keeps them until it flushes them).
+from [`WriteJob.chunks`][xckpt.sink.WriteJob.chunks] (the Writer keeps them until it flushes them).
 Verify needs no checksums from here: the driver re-reads every stored chunk
 through the xckpt reader, which checks each one's crc32c.
 """
@@ -36,7 +36,7 @@ def json_metadata(job: WriteJob) -> dict[str, Any] | None:
 
 
 class XckptSink(Sink):
-    """xckpt output keeping the source layout: one :class:`~xckpt.Writer` per source writer."""
+    """xckpt output keeping the source layout: one [`Writer`][xckpt.Writer] per source writer."""
 
     format = FORMAT
 

@@ -1,25 +1,25 @@
 """A checkpoint manager's root: its numbered steps, read from storage and deleted safely.
 
-:class:`xckpt.CheckpointManager` writes each step as an ordinary xckpt checkpoint at
-``<root>/<step>/`` (the step's plain decimal number). Everything that looks at such a
-root from storage alone lives here, below :mod:`xckpt.formats` and the CLI, so that
-``xckpt.open(root, step="latest")``, ``xckpt ls ROOT`` and the manager itself read a
+[`xckpt.CheckpointManager`][xckpt.CheckpointManager] writes each step as an ordinary xckpt checkpoint at
+`<root>/<step>/` (the step's plain decimal number). Everything that looks at such a
+root from storage alone lives here, below `xckpt.formats` and the CLI, so that
+`xckpt.open(root, step="latest")`, `xckpt ls ROOT` and the manager itself read a
 root the same way:
 
-* :func:`manager_steps` lists the numbered steps, each a :class:`StepInfo` that says
-  whether the step is complete (a reader accepts it: ``xckpt.json``, or rank manifests
-  ``0..W-1`` of one save that tile every tensor) and, when it is, its metrics;
-* :func:`resolve_step` turns ``"latest"`` or a number into the step's location;
-* :func:`manager_root_error` is the error for opening a root as one checkpoint;
-* :func:`delete_step` removes a step manifests first (``xckpt.json``, then
-  ``ranks/*.json``, then the data), so a step whose deletion stops part way is
+* `manager_steps` lists the numbered steps, each a `StepInfo` that says
+  whether the step is complete (a reader accepts it: `xckpt.json`, or rank manifests
+  `0..W-1` of one save that tile every tensor) and, when it is, its metrics;
+* `resolve_step` turns `"latest"` or a number into the step's location;
+* `manager_root_error` is the error for opening a root as one checkpoint;
+* `delete_step` removes a step manifests first (`xckpt.json`, then
+  `ranks/*.json`, then the data), so a step whose deletion stops part way is
   incomplete, never a complete-looking step with missing data;
-* :func:`encode_metrics` / :func:`decode_metrics`: metrics as stored in the step's
-  manifest metadata (``metadata["manager"]``), non-finite floats included (JSON has
-  no NaN, so they are stored as ``{"float": "nan"}``).
+* `encode_metrics` / `decode_metrics`: metrics as stored in the step's
+  manifest metadata (`metadata["manager"]`), non-finite floats included (JSON has
+  no NaN, so they are stored as `{"float": "nan"}`).
 
 Locations are anything a checkpoint path may be: a directory, a kvstore URL or a
-kvstore spec dict. A local root is listed with ``os.listdir``; any other is listed
+kvstore spec dict. A local root is listed with `os.listdir`; any other is listed
 through its tensorstore kvstore (one listing of the keys under the root). Nothing
 here talks to other ranks.
 """
@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 #: The key of a step's manifest metadata that the manager owns:
-#: ``{"step": 12, "metrics": {...} | None, "saved_at": <unix time>}``.
+#: `{"step": 12, "metrics": {...} | None, "saved_at": <unix time>}`.
 MANAGER_KEY = "manager"
 #: Longest step number (digits) a root listing accepts as a step directory.
 _MAX_DIGITS = 19
@@ -100,7 +100,7 @@ class StepInfo:
 
 
 def check_step(step: Any) -> int:
-    """``step`` as a Python int: a Python or numpy integer >= 0 (not a bool).
+    """`step` as a Python int: a Python or numpy integer >= 0 (not a bool).
 
     Raises:
         XckptError: anything else, naming it.
@@ -117,14 +117,14 @@ def check_step(step: Any) -> int:
 
 
 def _is_step_name(name: str) -> bool:
-    """A plain decimal number as the manager names steps (``12``, not ``012`` or ``+12``)."""
+    """A plain decimal number as the manager names steps (`12`, not `012` or `+12`)."""
     return (
         0 < len(name) <= _MAX_DIGITS and name.isascii() and name.isdigit() and (name == "0" or name[0] != "0")
     )
 
 
 def step_location(root: Location, step: int) -> Location:
-    """The location of step ``step`` under ``root`` (the same kind: path, URL or spec dict)."""
+    """The location of step `step` under `root` (the same kind: path, URL or spec dict)."""
     if isinstance(root, Mapping):
         spec = location_spec(root)
         if not isinstance(spec, dict):  # (a Mapping always gives a dict; this narrows the type)
@@ -137,7 +137,7 @@ def step_location(root: Location, step: int) -> Location:
 
 
 def step_numbers(root: Location, *, context: Any = None) -> list[int]:
-    """The numbered step directories under ``root`` (complete or not), ascending.
+    """The numbered step directories under `root` (complete or not), ascending.
 
     A root that does not exist yet holds no steps.
     """
@@ -157,7 +157,7 @@ def step_numbers(root: Location, *, context: Any = None) -> list[int]:
 
 
 def _manifest_of(storage: Storage) -> Manifest:
-    """The step's accepted manifest, exactly as :class:`xckpt.Checkpoint` accepts one."""
+    """The step's accepted manifest, exactly as [`xckpt.Checkpoint`][xckpt.Checkpoint] accepts one."""
     data = storage.read_key("xckpt.json")
     if data is None:
         return read_rank_manifests(storage)
@@ -169,7 +169,7 @@ def _manifest_of(storage: Storage) -> Manifest:
 
 
 def read_step(root: Location, step: int, *, context: Any = None) -> StepInfo:
-    """What storage holds for step ``step`` of ``root`` (see :class:`StepInfo`)."""
+    """What storage holds for step `step` of `root` (see `StepInfo`)."""
     loc = step_location(root, step)
     storage = Storage(loc, context)
     try:
@@ -192,7 +192,7 @@ def read_step(root: Location, step: int, *, context: Any = None) -> StepInfo:
 def manager_steps(
     root: Location, *, context: Any = None, known: Mapping[int, StepInfo] | None = None
 ) -> list[StepInfo]:
-    """Every numbered step under ``root``, complete or not, ascending by step.
+    """Every numbered step under `root`, complete or not, ascending by step.
 
     Args:
         root: the manager root (a directory, kvstore URL or kvstore spec dict).
@@ -216,14 +216,14 @@ def resolve_step(root: Location, step: Any, *, context: Any = None) -> Location:
 
     Args:
         root: the manager root.
-        step: ``"latest"`` (the highest complete step), or a step number (an int,
+        step: `"latest"` (the highest complete step), or a step number (an int,
             or its decimal string as typed on a command line).
 
     Raises:
-        CheckpointNotFoundError: the root holds no complete step (``"latest"``), or
-            no step ``step`` at all; the message lists the complete steps.
-        IncompleteCheckpointError: step ``step`` exists but is incomplete.
-        XckptError: ``step`` is neither ``"latest"`` nor a step number.
+        CheckpointNotFoundError: the root holds no complete step (`"latest"`), or
+            no step `step` at all; the message lists the complete steps.
+        IncompleteCheckpointError: step `step` exists but is incomplete.
+        XckptError: `step` is neither `"latest"` nor a step number.
     """
     name = location_name(root)
     if isinstance(step, str) and step != "latest":
@@ -256,11 +256,11 @@ def resolve_step(root: Location, step: Any, *, context: Any = None) -> Location:
 
 
 def manager_root_error(root: Any, *, context: Any = None) -> CheckpointNotFoundError | None:
-    """The error for opening ``root`` as one checkpoint when it is a manager root, else None.
+    """The error for opening `root` as one checkpoint when it is a manager root, else None.
 
     A manager root is a location holding numbered step directories with xckpt
     checkpoints (complete or not) and no checkpoint of its own. Callers ask only
-    after opening ``root`` failed, so ordinary opens never list a location.
+    after opening `root` failed, so ordinary opens never list a location.
     """
     try:
         infos = manager_steps(root, context=context)
@@ -286,7 +286,7 @@ def manager_root_error(root: Any, *, context: Any = None) -> CheckpointNotFoundE
 
 
 def delete_step(root: Location, step: int, *, context: Any = None) -> None:
-    """Delete step ``step`` of ``root``: manifests first, then data (`delete_checkpoint`).
+    """Delete step `step` of `root`: manifests first, then data (`delete_checkpoint`).
 
     Raises:
         StorageError: storage refused a deletion (the step may be left incomplete).
@@ -306,9 +306,9 @@ def delete_checkpoint(
     what: str | None = None,
     fix: str = "it is left incomplete (a reader refuses it); check the permissions and delete it again",
 ) -> None:
-    """Delete the checkpoint at ``loc``: manifests first, then data.
+    """Delete the checkpoint at `loc`: manifests first, then data.
 
-    ``xckpt.json`` goes first, then every ``ranks/<r>.json`` (claims included), and
+    `xckpt.json` goes first, then every `ranks/<r>.json` (claims included), and
     only then the data: a deletion that stops part way leaves an incomplete
     checkpoint (a reader refuses it), never a complete-looking one whose data is
     gone. On a local disk the manifest removals are made durable (directory fsync)
@@ -345,13 +345,13 @@ def delete_checkpoint(
 
 
 def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """``metrics`` as stored: JSON values, non-finite floats as ``{"float": "nan"}``.
+    """`metrics` as stored: JSON values, non-finite floats as `{"float": "nan"}`.
 
-    Scalars of numpy, torch or JAX (anything with ``.item()`` and one element)
+    Scalars of numpy, torch or JAX (anything with `.item()` and one element)
     become Python numbers.
 
     Raises:
-        XckptError: ``metrics`` is not a mapping with string keys, or a value is
+        XckptError: `metrics` is not a mapping with string keys, or a value is
             not a JSON value (naming it).
     """
     if metrics is None:
@@ -390,7 +390,7 @@ def _encode_value(name: str, v: Any, depth: int) -> Any:
 
 
 def decode_metrics(stored: Any) -> dict[str, Any] | None:
-    """The metrics a step was saved with, as :func:`encode_metrics` stored them."""
+    """The metrics a step was saved with, as `encode_metrics` stored them."""
     if not isinstance(stored, Mapping):
         return None
     return {str(k): _decode_value(v) for k, v in stored.items()}
@@ -418,12 +418,12 @@ def _fmt_metrics(m: Mapping[str, Any] | None) -> str:
 #: A manager root's record of its local tiers (DESIGN.md section 11), written by the
 #: manager's rank 0 when built and after each local step: where each node's local
 #: directory is, how often local steps are saved, the latest one. JSON; only read by
-#: ``xckpt ls`` (restores ask the ranks themselves, never this record).
+#: `xckpt ls` (restores ask the ranks themselves, never this record).
 TIERS_KEY = "tiers.json"
 
 
 def read_tiers(root: Location, *, context: Any = None) -> dict[str, Any] | None:
-    """The root's tier record (:data:`TIERS_KEY`), or None when it has none or it is unreadable."""
+    """The root's tier record (`TIERS_KEY`), or None when it has none or it is unreadable."""
     try:
         data = Storage(root, context).read_key(TIERS_KEY)
         doc = json.loads(data) if data is not None else None
@@ -433,7 +433,7 @@ def read_tiers(root: Location, *, context: Any = None) -> dict[str, Any] | None:
 
 
 def tiers_lines(doc: Mapping[str, Any]) -> list[str]:
-    """What ``xckpt ls ROOT`` says of the local steps, from a tier record."""
+    """What `xckpt ls ROOT` says of the local steps, from a tier record."""
     try:
         nodes = [f"{n['host']}:{n['local']} (ranks {n['ranks'][0]}-{n['ranks'][-1]})" for n in doc["nodes"]]
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(doc["updated_at"])))
@@ -454,7 +454,7 @@ def tiers_lines(doc: Mapping[str, Any]) -> list[str]:
 
 
 def steps_table(root: Location, infos: Sequence[StepInfo]) -> str:
-    """The text ``xckpt ls ROOT`` prints for a manager root: one line a step, then a summary."""
+    """The text `xckpt ls ROOT` prints for a manager root: one line a step, then a summary."""
     rows = [("step", "state", "saved", "metrics")]
     for i in infos:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.saved_at)) if i.saved_at else "-"

@@ -1,35 +1,35 @@
 """Framework-free write side: one rank's part of a save, numpy in.
 
-Call protocol of a save (every rank, no rank waits for another)::
+Call protocol of a save (every rank, no rank waits for another):
 
     w = Writer(path, rank=r, world_size=W, save_id=...)   # 1. claims ranks/<r>.json
     w.write(name, array, global_shape=..., offset=...)    # 2. once per box this rank stores
     w.write_object(name, value, per_rank=False)           # 3. any non-tensor values
     w.commit()                                            # 4. data durable, then ranks/<r>.json
 
-With ``world_size == 1`` commit also writes ``xckpt.json``. In a coordinated
-multi-rank save, rank 0 calls :func:`finalize` after a barrier to write it; in
+With `world_size == 1` commit also writes `xckpt.json`. In a coordinated
+multi-rank save, rank 0 calls [`finalize`][xckpt.native.writer.finalize] after a barrier to write it; in
 a rank-local save nobody does and readers merge the rank manifests.
 
-Claims and races. Step 1 writes a claim into ``ranks/<r>.json`` with a
+Claims and races. Step 1 writes a claim into `ranks/<r>.json` with a
 conditional write (only if the key is still what the writer just read), before
-any data. Without ``overwrite`` the key must be absent: of two saves racing for a
+any data. Without `overwrite` the key must be absent: of two saves racing for a
 new location exactly one gets it and the other raises
-:class:`~xckpt.errors.CheckpointExistsError` having written nothing. With
-``overwrite`` a save claims over whatever is there and writes its data into a key
-space of its own (``data/<r>.<token>/``), so saves racing with ``overwrite``
+[`CheckpointExistsError`][xckpt.errors.CheckpointExistsError] having written nothing. With
+`overwrite` a save claims over whatever is there and writes its data into a key
+space of its own (`data/<r>.<token>/`), so saves racing with `overwrite`
 never write into each other's data; step 4 replaces the claim with the manifest
 by another conditional write, which fails for a save whose claim another save
 took over meanwhile (it raises, and deletes its data). Only after its manifest
 is in place does an overwriting save delete the data of the saves it replaced.
-A save that fails with an error withdraws its claim (:meth:`Writer.abort`); one
+A save that fails with an error withdraws its claim ([`Writer.abort`][xckpt.native.writer.Writer.abort]); one
 that is killed leaves it, and the location is refused until a save with
-``overwrite=True`` replaces it. Claims are per rank: when two multi-rank saves race and
+`overwrite=True` replaces it. Claims are per rank: when two multi-rank saves race and
 different saves win different ranks, neither completes (the location is refused,
 never a mix); the coordinated adapters report it on every rank.
 
 Storage failures (disk full, file too large, permission, network) raise
-:class:`~xckpt.errors.StorageError` naming the checkpoint and what was being
+[`StorageError`][xckpt.errors.StorageError] naming the checkpoint and what was being
 written, with the tensorstore error as its cause.
 """
 
@@ -94,8 +94,8 @@ OBJECT_INLINE_LIMIT = 4 << 10
 #: caller's arrays. 256 MiB keeps writes large enough to be fast (measured: same speed as
 #: 1 GiB on bench/io.py) while a 512 MiB conversion stays well under its size.
 INFLIGHT_BYTES = 256 << 20
-#: ``inflight_bytes`` for callers that hold every array in memory until the save ends
-#: (``xckpt.save``, ``xckpt.torch.save``, ``xckpt.jax.save`` take all host copies first):
+#: `inflight_bytes` for callers that hold every array in memory until the save ends
+#: (`xckpt.save`, `xckpt.torch.save`, `xckpt.jax.save` take all host copies first):
 #: flushing early would free nothing, so everything goes to storage in one concurrent
 #: write (bench/io.py W1: 0.40 s in two 256 MiB flushes, 0.33 s in one).
 ALL_HELD = 1 << 62
@@ -127,33 +127,33 @@ class Writer:
     """One rank's side of a save. Never waits for other ranks.
 
     Args:
-        path: directory, kvstore URL (``file://``, ``memory://``, ``gs://``, ``s3://``) or
+        path: directory, kvstore URL (`file://`, `memory://`, `gs://`, `s3://`) or
             tensorstore kvstore spec dict (e.g. an S3-compatible endpoint).
         rank, world_size: this writer's rank and the number of writing ranks.
         save_id: shared by all ranks of one save; default derived from the location.
-        overwrite: replace an existing save at ``path`` (needs an explicit ``save_id``
-            when ``world_size > 1``, so a reader never mixes two saves).
-        storage: layout of ``data/<rank>/`` (:mod:`xckpt.storage`): ``"files"`` (a directory
+        overwrite: replace an existing save at `path` (needs an explicit `save_id`
+            when `world_size > 1`, so a reader never mixes two saves).
+        storage: layout of `data/<rank>/` (`xckpt.storage`): `"files"` (a directory
             per zarr array, chunk files written directly: the default for a local directory),
-            ``"ocdbt"`` (one OCDBT database per rank: the default elsewhere, fewer objects) or
-            ``"plain"`` (format version 2's layout of files, a directory per row of chunks).
+            `"ocdbt"` (one OCDBT database per rank: the default elsewhere, fewer objects) or
+            `"plain"` (format version 2's layout of files, a directory per row of chunks).
         pack_threshold: chunks of at most this many bytes are packed together.
         progress: show a progress bar (default: when stderr is a TTY).
         metadata: JSON-able user metadata stored in the manifest.
         inflight_bytes: bytes of written chunks held before they are flushed to
-            storage and released (default :data:`INFLIGHT_BYTES`); one chunk larger
+            storage and released (default `INFLIGHT_BYTES`); one chunk larger
             than this is written alone.
-        compression: ``None`` (raw), ``"zstd"`` or ``"shuffle-zstd"`` (byte shuffle, then
+        compression: `None` (raw), `"zstd"` or `"shuffle-zstd"` (byte shuffle, then
             zstd; see `xckpt.native._codecs`): the codec of array chunks (format version 6;
-            packed small chunks stay raw). Not with ``storage="plain"``.
+            packed small chunks stay raw). Not with `storage="plain"`.
         dedup: the previous step of a manager root (`xckpt.native._refs.Dedup`, what
             `xckpt.CheckpointManager` passes): array chunks equal to their counterpart
             there (same tensor, box and dtype, same BLAKE2b-128 hash) are recorded as
             references to its bytes instead of written; every array chunk's hash is
             recorded for the next save.
 
-    Arrays passed to :meth:`write` are referenced, not copied, until
-    :meth:`commit` returns: do not modify them in between.
+    Arrays passed to `write` are referenced, not copied, until
+    `commit` returns: do not modify them in between.
     """
 
     def __init__(
@@ -221,7 +221,7 @@ class Writer:
     # -- setup --------------------------------------------------------------
 
     def _prepare(self, overwrite: bool, explicit_id: bool) -> None:
-        """Claim ``ranks/<rank>.json`` with a conditional write before any data is written."""
+        """Claim `ranks/<rank>.json` with a conditional write before any data is written."""
         mkey = f"ranks/{self.rank}.json"
         token = secrets.token_hex(8) if overwrite else ""
         #: This save's data key space: data/<rank>/, or data/<rank>.<token>/ when overwriting.
@@ -259,7 +259,7 @@ class Writer:
             self.storage.delete_prefix(f"{self._dir}/")
 
     def _check_replace(self, old: bytes, mkey: str, overwrite: bool, explicit_id: bool) -> None:
-        """May this writer replace the claim or manifest ``old`` of its rank?"""
+        """May this writer replace the claim or manifest `old` of its rank?"""
         try:
             claim = parse_claim(old, mkey)
             old_id = claim.save_id if claim is not None else Manifest.loads(old, mkey).save_id
@@ -288,7 +288,7 @@ class Writer:
     def abort(self) -> None:
         """Give up this save: withdraw its claim of the location (if still its own) and
         delete its data. Called when a flush or the commit fails; a killed process
-        leaves the claim, which a save with ``overwrite=True`` replaces."""
+        leaves the claim, which a save with `overwrite=True` replaces."""
         if self._claim_gen is None or self._committed:
             return
         gen, self._claim_gen = self._claim_gen, None
@@ -297,7 +297,7 @@ class Writer:
         self.storage.delete_prefix(f"{self._dir}/")
 
     def _failed(self, err: BaseException) -> None:
-        """Withdraw the claim after ``err``; a failure of that is added to ``err``'s notes."""
+        """Withdraw the claim after `err`; a failure of that is added to `err`'s notes."""
         try:
             self.abort()
         except StorageError as e2:
@@ -356,9 +356,9 @@ class Writer:
         value_range: ValueRange | None = None,
         chunk_value_range: tuple[int, int] | None = None,
     ) -> None:
-        """Store ``array`` as the box at ``offset`` of a tensor of ``global_shape``.
+        """Store `array` as the box at `offset` of a tensor of `global_shape`.
 
-        Omitting both means the whole tensor. An empty ``array`` only declares
+        Omitting both means the whole tensor. An empty `array` only declares
         the tensor (an empty shard stores nothing).
         """
         arr = array if type(array) is np.ndarray else np.asarray(array)
@@ -472,7 +472,7 @@ class Writer:
         self, name: str, key: str, gshape: tuple[int, ...], off: tuple[int, ...], shape: tuple[int, ...],
         arr: np.ndarray,
     ) -> bool:
-        """Record the hash of array chunk ``key``; True when the previous step holds the same
+        """Record the hash of array chunk `key`; True when the previous step holds the same
         bytes for this box (it is then recorded as a reference, not written)."""
         digest = chunk_hash(arr)
         self._hashes[key] = digest
@@ -485,9 +485,9 @@ class Writer:
         return True
 
     def _delta(self, name: str, key: str, gshape: tuple[int, ...], off: tuple[int, ...], arr: np.ndarray) -> bool:
-        """Store only the rows of 2-D array chunk ``key`` that changed since the previous step,
+        """Store only the rows of 2-D array chunk `key` that changed since the previous step,
         when worth it (`xckpt.native._refs.Dedup.delta`): its base is referenced and a patch
-        of its changed rows (``key-idx``, ``key-rows``) written; True when so."""
+        of its changed rows (`key-idx`, `key-rows`) written; True when so."""
         dedup = self._dedup
         got = dedup.delta(name, self._tensors[name]["dtype"], gshape, off, arr) if dedup is not None else None
         if got is None or dedup is None:
@@ -509,7 +509,7 @@ class Writer:
         return True
 
     def _array_key(self, name: str) -> str:
-        """The key of a new array chunk of ``name``: ``<dir>/t/<id of the name>`` (``.<j>`` for
+        """The key of a new array chunk of `name`: `<dir>/t/<id of the name>` (`.<j>` for
         the rank's j-th box of it), the same on every rank, so a merged manifest stores a
         tensor's keys by one rule (format version 5). A rare clash of ids takes a counter."""
         key = f"{self._dir}/t/{tensor_key_id(name)}"
@@ -531,7 +531,7 @@ class Writer:
 
     def _seal_packed(self) -> None:
         """Queue the packed small chunks held so far as one byte array; later ones start
-        another (``data/<rank>/p/<n>``), so packed bytes count against the in-flight budget."""
+        another (`data/<rank>/p/<n>`), so packed bytes count against the in-flight budget."""
         if not self._packed:
             return
         # The small chunks (C-contiguous arrays), one byte array, committed with the large
@@ -547,7 +547,7 @@ class Writer:
     def _flush(self) -> None:
         """Open all pending arrays concurrently, write them, wait until durable.
 
-        A storage failure withdraws this save's claim and raises :class:`StorageError`
+        A storage failure withdraws this save's claim and raises [`StorageError`][xckpt.native.writer.StorageError]
         naming the tensors being written."""
         pend = self._pending
         if not pend:
@@ -597,7 +597,7 @@ class Writer:
     # -- objects ------------------------------------------------------------
 
     def write_object(self, name: str, value: Any, per_rank: bool = False) -> None:
-        """Store a non-tensor value: JSON, or bytes. ``per_rank`` keeps each rank's own value.
+        """Store a non-tensor value: JSON, or bytes. `per_rank` keeps each rank's own value.
 
         A replicated object may be written by every rank; it is stored once in
         the merged manifest, and ranks that disagree on its value are an error.
@@ -628,8 +628,8 @@ class Writer:
 
     @paused_gc()
     def commit(self) -> Manifest:
-        """Make all data durable, then write ``ranks/<rank>.json`` (and ``xckpt.json``
-        when ``world_size == 1``). Returns this rank's manifest."""
+        """Make all data durable, then write `ranks/<rank>.json` (and `xckpt.json`
+        when `world_size == 1`). Returns this rank's manifest."""
         if self._committed:
             raise XckptError("commit() was already called on this Writer")
         if self._claim_gen is None:
@@ -733,28 +733,28 @@ def save(
 ) -> Manifest | cf.Future[Manifest]:
     """Save a dict of numpy arrays (tensors) and other values (objects) from one process.
 
-    Data first, location second, as ``xckpt.torch.save(state_dict, path)`` and
-    ``xckpt.jax.save(tree, path)`` (and torch DCP, ``torch.save``, safetensors).
+    Data first, location second, as `xckpt.torch.save(state_dict, path)` and
+    `xckpt.jax.save(tree, path)` (and torch DCP, `torch.save`, safetensors).
 
     Args:
         mapping: names to numpy arrays (stored as tensors) or JSON values / bytes
             (stored as objects).
         path: directory, kvstore URL or kvstore spec dict of the checkpoint.
-        overwrite: replace an existing checkpoint at ``path``.
+        overwrite: replace an existing checkpoint at `path`.
         save_id: id of this save (default: derived from the location; random
             when overwriting).
         show_progress: progress bar (default: when stderr is a TTY).
         async_save: return a future once the arrays are copied; the write runs
-            on the save thread (see :mod:`xckpt._async`).
-        writer_options: go to :class:`Writer` (``storage=``, ``metadata=``, ...).
+            on the save thread (see `xckpt._async`).
+        writer_options: go to [`Writer`][xckpt.native.writer.Writer] (`storage=`, `metadata=`, ...).
 
     Returns:
-        The manifest, or with ``async_save`` a :class:`concurrent.futures.Future`
+        The manifest, or with `async_save` a `concurrent.futures.Future`
         that resolves to it once the checkpoint is complete.
 
     Raises:
         XckptError: the arguments are in the old (path, mapping) order.
-        CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
+        CheckpointExistsError: `path` holds a checkpoint and `overwrite` is False.
         ObjectError: a value cannot be stored.
     """
     if isinstance(path, Mapping) and not isinstance(mapping, Mapping):

@@ -1,28 +1,28 @@
 """Byte-range reads of one stored file, wherever it lives.
 
-A :class:`Blob` is what the foreign-format readers (torch.save zips, DCP ``.distcp``
+A `Blob` is what the foreign-format readers (torch.save zips, DCP `.distcp`
 files, safetensors files) read from: exact byte ranges by absolute offset
-(:meth:`Blob.pread`, :meth:`Blob.readinto`), counted in :attr:`Blob.bytes_read`, so
+(`Blob.pread`, `Blob.readinto`), counted in `Blob.bytes_read`, so
 a load of one eighth of a tensor reads about one eighth of its bytes from any
 location. Three kinds:
 
-* :class:`LocalBlob`: a local file, ``os.pread`` / ``os.preadv`` straight into the
-  caller's buffer (its descriptor is :attr:`Blob.local_fd`, for readers that map it);
-* :class:`KvBlob`: a key of a tensorstore kvstore (``s3://``, ``gs://``, an
-  S3-compatible endpoint given as a spec, ``memory://``, ``file://``): each read is
-  one ranged ``KvStore.read``;
-* :class:`~._http.HttpBlob` (in ``_http``): an ``http(s)://`` URL read with Range
+* `LocalBlob`: a local file, `os.pread` / `os.preadv` straight into the
+  caller's buffer (its descriptor is `Blob.local_fd`, for readers that map it);
+* `KvBlob`: a key of a tensorstore kvstore (`s3://`, `gs://`, an
+  S3-compatible endpoint given as a spec, `memory://`, `file://`): each read is
+  one ranged `KvStore.read`;
+* `HttpBlob` (in `_http`): an `http(s)://` URL read with Range
   requests.
 
 Sizes. A local file and an http file know their size when opened. A kvstore has no
-"stat": :attr:`Blob.size` is None until it is learned. Readers that need the end of
-a file read its :meth:`Blob.tail` (one suffix range), and check a claimed extent with
-:meth:`Blob.reaches` (a one-byte read at its end) before they trust it.
+"stat": `Blob.size` is None until it is learned. Readers that need the end of
+a file read its `Blob.tail` (one suffix range), and check a claimed extent with
+`Blob.reaches` (a one-byte read at its end) before they trust it.
 
 Errors: a range past the end of the file is a
-:class:`~xckpt.errors.CorruptChunkError` (the file is truncated); a file that is
-gone is an :class:`~xckpt.errors.IncompleteCheckpointError`; a storage failure
-(network, permission) is a :class:`~xckpt.errors.StorageError` keeping the
+[`CorruptChunkError`][xckpt.errors.CorruptChunkError] (the file is truncated); a file that is
+gone is an [`IncompleteCheckpointError`][xckpt.errors.IncompleteCheckpointError]; a storage failure
+(network, permission) is a [`StorageError`][xckpt.errors.StorageError] keeping the
 tensorstore or OS error as its cause.
 
 Blobs are thread-safe: readers issue reads from a thread pool.
@@ -66,11 +66,11 @@ class Blob:
     # -- what a kind implements -------------------------------------------------------------
 
     def _read(self, offset: int, n: int) -> bytes:
-        """Exactly ``n`` bytes at ``offset`` (``n > 0``), or a typed error."""
+        """Exactly `n` bytes at `offset` (`n > 0`), or a typed error."""
         raise NotImplementedError
 
     def _read_tail(self, n: int) -> bytes:
-        """The last ``min(n, size)`` bytes (``n > 0``)."""
+        """The last `min(n, size)` bytes (`n > 0`)."""
         raise NotImplementedError
 
     # -- the read protocol --------------------------------------------------------------------
@@ -80,7 +80,7 @@ class Blob:
             self.bytes_read += n
 
     def past_end(self, offset: int, n: int) -> CorruptChunkError:
-        """The error for bytes ``[offset, offset + n)`` that the file does not hold."""
+        """The error for bytes `[offset, offset + n)` that the file does not hold."""
         size = f" ({self.size} bytes)" if self.size is not None else ""
         return CorruptChunkError(
             f"{self.where}: bytes [{offset}, {offset + n}) lie past the end of {self.path!r}{size}; "
@@ -88,7 +88,7 @@ class Blob:
         )
 
     def pread(self, offset: int, n: int) -> bytes:
-        """Exactly ``n`` bytes at ``offset`` (CorruptChunkError if the file is shorter)."""
+        """Exactly `n` bytes at `offset` (CorruptChunkError if the file is shorter)."""
         if offset < 0 or n < 0 or (self.size is not None and offset + n > self.size):
             raise self.past_end(offset, n)
         if n == 0:
@@ -98,13 +98,13 @@ class Blob:
         return data
 
     def readinto(self, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` (a writable byte view) from ``offset``."""
+        """Fill `buf` (a writable byte view) from `offset`."""
         n = buf.nbytes
         if n:
             buf.cast("B")[:] = self.pread(offset, n)
 
     def tail(self, n: int) -> bytes:
-        """The last ``min(n, size)`` bytes of the file (one suffix read)."""
+        """The last `min(n, size)` bytes of the file (one suffix read)."""
         if n <= 0:
             return b""
         if self.size is not None:
@@ -115,7 +115,7 @@ class Blob:
         return data
 
     def head(self, n: int) -> bytes:
-        """The first ``min(n, size)`` bytes of the file."""
+        """The first `min(n, size)` bytes of the file."""
         if n <= 0:
             return b""
         if self.size is not None:
@@ -126,7 +126,7 @@ class Blob:
             return self.tail(n)  # shorter than n bytes: the tail is the whole file
 
     def reaches(self, end: int) -> bool:
-        """Whether the file holds at least ``end`` bytes (a one-byte read where the size is unknown)."""
+        """Whether the file holds at least `end` bytes (a one-byte read where the size is unknown)."""
         if end <= 0:
             return True
         if self.size is not None:
@@ -142,7 +142,7 @@ class Blob:
 
 
 class LocalBlob(Blob):
-    """A local file read by ``os.pread``, counting the bytes read."""
+    """A local file read by `os.pread`, counting the bytes read."""
 
     size: int  # known from the open descriptor
 
@@ -199,9 +199,9 @@ def _out_of_range(e: BaseException) -> bool:
 
 
 class KvBlob(Blob):
-    """Key ``key`` of an open tensorstore ``KvStore``: each read is one ranged ``KvStore.read``.
+    """Key `key` of an open tensorstore `KvStore`: each read is one ranged `KvStore.read`.
 
-    ``size`` is None until learned (a tail read of a file shorter than asked, or ``size=``).
+    `size` is None until learned (a tail read of a file shorter than asked, or `size=`).
     """
 
     def __init__(self, kvstore: Any, key: str, path: str, where: str, size: int | None = None) -> None:

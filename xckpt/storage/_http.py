@@ -1,10 +1,10 @@
-"""``http(s)://`` files read with Range requests (the standard library's ``http.client``).
+"""`http(s)://` files read with Range requests (the standard library's `http.client`).
 
-:class:`HttpBlob` is the :class:`~._blob.Blob` of one URL. Opening it sends one
-request, ``Range: bytes=0-65535``: the answer's ``Content-Range`` gives the file's
+`HttpBlob` is the `Blob` of one URL. Opening it sends one
+request, `Range: bytes=0-65535`: the answer's `Content-Range` gives the file's
 size and its body (the first 64 KiB, where a safetensors header and a torch.save
 zip's first records are) is kept, so a header read costs no second request. Every
-later read is one ``Range: bytes=a-b`` request whose body lands straight in the
+later read is one `Range: bytes=a-b` request whose body lands straight in the
 caller's buffer; nothing else is ever downloaded.
 
 Decisions:
@@ -12,17 +12,17 @@ Decisions:
 * Connections are kept alive, one per thread and host (readers read from a thread
   pool); a connection the server closed is reopened once.
 * Redirects (301, 302, 303, 307, 308) are followed, up to 8, as the Hugging Face
-  hub's ``resolve/<revision>/`` URLs redirect to a CDN; later reads go to the final
+  hub's `resolve/<revision>/` URLs redirect to a CDN; later reads go to the final
   URL, and back to the original once if that one has expired (401, 403, 404, 410).
-  Headers given with the location (``Authorization``) go to the original host only.
-* Proxies come from the environment (``http_proxy``, ``https_proxy``, ``no_proxy``,
-  as :func:`urllib.request.getproxies` reads them): https through a ``CONNECT``
+  Headers given with the location (`Authorization`) go to the original host only.
+* Proxies come from the environment (`http_proxy`, `https_proxy`, `no_proxy`,
+  as `urllib.request.getproxies` reads them): https through a `CONNECT`
   tunnel, http by absolute URL.
-* A server that ignores ``Range`` (answers 200 with the whole file) is refused for
+* A server that ignores `Range` (answers 200 with the whole file) is refused for
   files over 64 KiB, naming the URL: xckpt never downloads what it was not asked for.
-* 404 and 410 are :class:`~xckpt.errors.CheckpointNotFoundError`; other failures
+* 404 and 410 are [`CheckpointNotFoundError`][xckpt.errors.CheckpointNotFoundError]; other failures
   (refused connections, timeouts, 5xx, 401/403) are
-  :class:`~xckpt.errors.StorageError` naming the URL and the status.
+  [`StorageError`][xckpt.errors.StorageError] naming the URL and the status.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ _UNSATISFIED_RE = re.compile(r"bytes \*/(\d+)")
 
 def http_headers(raw: Any, where: str) -> dict[str, str]:
     """Request headers given with an http location: a mapping, or tensorstore's list of
-    ``"Name: value"`` strings (its ``http`` kvstore spec's ``headers``)."""
+    `"Name: value"` strings (its `http` kvstore spec's `headers`)."""
     if raw is None:
         return {}
     if isinstance(raw, Mapping):
@@ -96,7 +96,7 @@ def _proxy_for(scheme: str, host: str) -> str | None:
 
 
 def _connect(scheme: str, netloc: str, proxy: str | None) -> http.client.HTTPConnection:
-    """A new connection to ``netloc``: direct, through a CONNECT tunnel (https via a proxy), or to
+    """A new connection to `netloc`: direct, through a CONNECT tunnel (https via a proxy), or to
     the proxy itself (http via a proxy, which then gets absolute URLs)."""
     if proxy is not None:
         p = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
@@ -113,7 +113,7 @@ def _connect(scheme: str, netloc: str, proxy: str | None) -> http.client.HTTPCon
 
 
 class HttpBlob(Blob):
-    """One ``http(s)://`` file read by Range requests (see the module docstring).
+    """One `http(s)://` file read by Range requests (see the module docstring).
 
     Raises (when opened):
         CheckpointNotFoundError: the server says 404 or 410.
@@ -188,8 +188,8 @@ class HttpBlob(Blob):
         raise self._failed(None, "could not be reached")
 
     def _request(self, rng: str, *, first: bool = False) -> tuple[int, http.client.HTTPMessage, bytes]:
-        """GET with ``Range: rng``, following redirects; (status, headers, body). A 200 answer
-        (Range ignored) is read only when the whole file is at most :data:`HEAD_BYTES`."""
+        """GET with `Range: rng`, following redirects; (status, headers, body). A 200 answer
+        (Range ignored) is read only when the whole file is at most `HEAD_BYTES`."""
         status, hdrs, resp, _ = self._open(rng, first=first)
         try:
             body = resp.read(HEAD_BYTES + 1) if status == 200 else resp.read()
@@ -273,7 +273,7 @@ class HttpBlob(Blob):
         self._fill(offset, view)
 
     def _fill(self, offset: int, view: memoryview) -> None:
-        """One Range request for ``len(view)`` bytes at ``offset``, read straight into ``view``."""
+        """One Range request for `len(view)` bytes at `offset`, read straight into `view`."""
         n = view.nbytes
         status, hdrs, resp, _ = self._open(f"bytes={offset}-{offset + n - 1}")
         try:

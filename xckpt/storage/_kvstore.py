@@ -76,7 +76,7 @@ _UNSAFE = set("%?#\\")
 
 
 def local_root(url: Any) -> str | None:
-    """The directory of a ``file://`` checkpoint URL, or None for other locations."""
+    """The directory of a `file://` checkpoint URL, or None for other locations."""
     if not isinstance(url, str) or not url.startswith("file:///"):
         return None
     path = url[len("file://") :]
@@ -94,7 +94,7 @@ Location = Union[str, "os.PathLike[str]", Mapping[str, Any]]
 
 
 def location_url(path: str | os.PathLike[str]) -> str:
-    """Normalise a directory path or kvstore URL to a URL ending in ``/``."""
+    """Normalise a directory path or kvstore URL to a URL ending in `/`."""
     p = os.fspath(path)
     if "://" in p:
         scheme, rest = p.split("://", 1)
@@ -161,7 +161,7 @@ def location_name(path: Location) -> str:
 
 
 def _child(loc: str | dict[str, Any], sub: str) -> Any:
-    """The location ``sub`` below ``loc`` (a URL or a spec dict)."""
+    """The location `sub` below `loc` (a URL or a spec dict)."""
     if isinstance(loc, dict):
         return {**loc, "path": loc["path"] + sub}
     return loc + sub
@@ -189,10 +189,10 @@ def _default_hint(what: str) -> str:
 
 
 def storage_error(where: str, what: str, err: BaseException) -> StorageError:
-    """A :class:`StorageError` for a tensorstore/OS failure of ``what`` at checkpoint ``where``.
+    """A [`StorageError`][xckpt.storage._kvstore.StorageError] for a tensorstore/OS failure of `what` at checkpoint `where`.
 
-    Raise it ``from err`` so the original error stays the cause. ``errno`` is the
-    OS error when tensorstore reports one (``EFBIG``, ``ENOSPC``, ``EACCES``, ...).
+    Raise it `from err` so the original error stays the cause. `errno` is the
+    OS error when tensorstore reports one (`EFBIG`, `ENOSPC`, `EACCES`, ...).
     """
     msg = _clean(err)
     code = None
@@ -220,9 +220,9 @@ class Storage:
     """One checkpoint location: small keys (manifests) and chunk arrays.
 
     tensorstore is imported and the location's kvstore opened on first use: reading a
-    local directory's manifests (:meth:`read_key`, :meth:`read_keys`, :meth:`list_prefix`)
+    local directory's manifests (`read_key`, `read_keys`, `list_prefix`)
     uses plain file reads, so a process that only loads a local checkpoint, whose chunks
-    :mod:`._fileio` reads, never imports tensorstore (0.11-0.16 s in every fresh
+    `_fileio` reads, never imports tensorstore (0.11-0.16 s in every fresh
     process, cold or warm: bench/io.py and bench/jax_load.py time loads in fresh processes).
     """
 
@@ -275,7 +275,7 @@ class Storage:
             raise storage_error(self.path, f"reading {key}", e) from e
 
     def read_key(self, key: str) -> bytes | None:
-        """The value of ``key``, or None when it does not exist."""
+        """The value of `key`, or None when it does not exist."""
         if self.root is not None:
             return self._read_local(self.root, key)
         r = self._result(self._kv.read(key), f"reading {key}")
@@ -284,13 +284,13 @@ class Storage:
         return bytes(r.value)
 
     def read_stamped(self, key: str) -> tuple[bytes | None, bytes]:
-        """The value of ``key`` (None when missing) and its storage generation, for :meth:`write_if`."""
+        """The value of `key` (None when missing) and its storage generation, for `write_if`."""
         r = self._result(self._kv.read(key), f"reading {key}")
         return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
 
     def write_if(self, key: str, data: bytes | None, generation: bytes) -> bytes | None:
-        """Write (or with ``data=None`` delete) ``key`` only if it is still at ``generation``
-        (as :meth:`read_stamped` or a previous :meth:`write_if` returned it).
+        """Write (or with `data=None` delete) `key` only if it is still at `generation`
+        (as `read_stamped` or a previous `write_if` returned it).
 
         Atomic on the file, memory and S3 kvstores. Returns the new generation, or
         None when the key changed in between (another writer came first).
@@ -300,11 +300,11 @@ class Storage:
         return gen if gen else None
 
     def write_key_stamped(self, key: str, data: bytes) -> bytes:
-        """Write ``key`` and return its new generation."""
+        """Write `key` and return its new generation."""
         return bytes(self._result(self._kv.write(key, data), f"writing {key}").generation)
 
     def unchanged(self, key: str, generation: bytes) -> bool:
-        """Whether ``key`` is still at ``generation`` (a read that transfers no value if so)."""
+        """Whether `key` is still at `generation` (a read that transfers no value if so)."""
         r = self._result(self._kv.read(key, if_not_equal=generation), f"reading {key}")
         return r.state == "unspecified"
 
@@ -325,7 +325,7 @@ class Storage:
         return out
 
     def write_key(self, key: str, data: bytes) -> None:
-        """Write ``key`` atomically (and durably, on local disk)."""
+        """Write `key` atomically (and durably, on local disk)."""
         self._result(self._kv.write(key, data), f"writing {key}")
 
     def delete_key(self, key: str) -> None:
@@ -335,13 +335,13 @@ class Storage:
         self.delete_range(prefix, _prefix_end(prefix))
 
     def delete_range(self, start: str, end: str) -> None:
-        """Delete every key in ``[start, end)``."""
+        """Delete every key in `[start, end)`."""
         self._result(
             self._kv.delete_range(self._ts.KvStore.KeyRange(start, end)), f"deleting {start}..{end}"
         )
 
     def list_prefix(self, prefix: str) -> list[str]:
-        """Every key that starts with ``prefix``, sorted."""
+        """Every key that starts with `prefix`, sorted."""
         if self.root is not None and prefix.endswith("/"):
             return self._list_local(self.root, prefix)
         try:
@@ -354,8 +354,8 @@ class Storage:
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
     def _list_local(self, root: str, prefix: str) -> list[str]:
-        """The files under directory ``prefix`` of a local location, as tensorstore's file
-        kvstore lists them (its ``.__lock`` files left out)."""
+        """The files under directory `prefix` of a local location, as tensorstore's file
+        kvstore lists them (its `.__lock` files left out)."""
         top = os.path.join(root, prefix)
         keys: list[str] = []
         try:
@@ -369,7 +369,7 @@ class Storage:
         return sorted(keys)
 
     def child(self, sub: str) -> Any:
-        """The kvstore spec of directory ``sub`` inside this location."""
+        """The kvstore spec of directory `sub` inside this location."""
         return _child(self.url, sub)
 
 
@@ -394,7 +394,7 @@ def _prefix_end(prefix: str) -> str:
 
 
 def corrupt(where: str, err: Exception) -> CorruptChunkError:
-    """A :class:`CorruptChunkError` for a tensorstore failure while reading a chunk."""
+    """A [`CorruptChunkError`][xckpt.storage._kvstore.CorruptChunkError] for a tensorstore failure while reading a chunk."""
     msg = _clean(err)
     return CorruptChunkError(
         f"{where}: the stored data cannot be read or fails its checksum ({msg}). The checkpoint "

@@ -1,20 +1,20 @@
 """A checkpoint location seen as a tree of files, wherever it is.
 
-Foreign formats are files in directories (DCP's ``.metadata`` beside ``*.distcp``,
+Foreign formats are files in directories (DCP's `.metadata` beside `*.distcp`,
 orbax's item directories, a Hugging Face directory, one torch.save file). A
-:class:`Place` lets their readers detect and open them at any location with one
-code path: it lists, probes and opens files (:class:`~._blob.Blob`) below it, and
+`Place` lets their readers detect and open them at any location with one
+code path: it lists, probes and opens files (`Blob`) below it, and
 gives tensorstore the kvstore spec of a directory (orbax's arrays). Three kinds,
-chosen by :func:`as_place`:
+chosen by `as_place`:
 
-* :class:`LocalPlace`: a local path, or a ``file://`` URL (plain file I/O);
-* :class:`KvPlace`: a tensorstore kvstore URL (``s3://``, ``gs://``, ``memory://``)
+* `LocalPlace`: a local path, or a `file://` URL (plain file I/O);
+* `KvPlace`: a tensorstore kvstore URL (`s3://`, `gs://`, `memory://`)
   or a kvstore spec dict (how an S3-compatible endpoint, a region or credentials are
   given). Listing is the kvstore's (one recursive listing of the location, made once
   and shared with the places below it); a key is probed with a zero-length read;
-* :class:`HttpPlace`: an ``http(s)://`` URL, or ``{"driver": "http", "base_url": ...,
-  "path": ..., "headers": [...]}`` (tensorstore's http kvstore spec, whose headers,
-  e.g. ``Authorization``, go with every request to that host). An http location
+* `HttpPlace`: an `http(s)://` URL, or `{"driver": "http", "base_url": ...,
+  "path": ..., "headers": [...]}` (tensorstore's http kvstore spec, whose headers,
+  e.g. `Authorization`, go with every request to that host). An http location
   cannot be listed: files are found by probing their names.
 
 File or directory: a local path is what the OS says. A kvstore location whose path
@@ -22,7 +22,7 @@ is empty or ends in "/" is a directory; otherwise it is a file when that key exi
 else a directory when keys lie below it. An http URL ending in "/" is a directory;
 otherwise it is a file when the server has it, else a directory.
 
-Paths below a place (``rel``) use "/" and never start with it; "" is the place itself.
+Paths below a place (`rel`) use "/" and never start with it; "" is the place itself.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ._kvstore import checked_spec, default_context, location_name, not_a_locati
 
 __all__ = ["Place", "LocalPlace", "KvPlace", "HttpPlace", "as_place"]
 
-#: Largest file :meth:`Place.read` returns whole (metadata, indexes, manifests).
+#: Largest file `Place.read` returns whole (metadata, indexes, manifests).
 READ_CAP = 1 << 31
 
 
@@ -69,7 +69,7 @@ class Place:
     listable: bool = True
 
     def kind(self) -> str | None:
-        """``"dir"``, ``"file"``, or None when nothing is there."""
+        """`"dir"`, `"file"`, or None when nothing is there."""
         raise NotImplementedError
 
     @property
@@ -78,7 +78,7 @@ class Place:
         raise NotImplementedError
 
     def child(self, rel: str) -> Place:
-        """The place ``rel`` below this one."""
+        """The place `rel` below this one."""
         raise NotImplementedError
 
     def parent(self) -> Place:
@@ -86,12 +86,12 @@ class Place:
         raise NotImplementedError
 
     def entries(self, rel: str = "") -> list[str]:
-        """Names directly below directory ``rel``, sorted ([] when it is not a directory or
+        """Names directly below directory `rel`, sorted ([] when it is not a directory or
         cannot be listed)."""
         raise NotImplementedError
 
     def files(self, rel: str = "") -> list[str]:
-        """Every file below directory ``rel``, as paths relative to it, sorted."""
+        """Every file below directory `rel`, as paths relative to it, sorted."""
         raise NotImplementedError
 
     def isfile(self, rel: str = "") -> bool:
@@ -101,19 +101,19 @@ class Place:
         raise NotImplementedError
 
     def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
-        """File ``rel`` whole (a small file: metadata, an index), or None when it does not exist.
+        """File `rel` whole (a small file: metadata, an index), or None when it does not exist.
 
-        A file over ``limit`` bytes comes back longer than ``limit`` (at least ``limit + 1``
+        A file over `limit` bytes comes back longer than `limit` (at least `limit + 1`
         bytes, where the location can bound a read): the caller refuses it.
         """
         raise NotImplementedError
 
     def open(self, rel: str = "", where: str | None = None) -> Blob:
-        """File ``rel`` for byte-range reads; ``where`` names the reader in messages."""
+        """File `rel` for byte-range reads; `where` names the reader in messages."""
         raise NotImplementedError
 
     def kvstore(self, rel: str = "") -> Any:
-        """The tensorstore kvstore spec of directory ``rel`` (its path ends in "/")."""
+        """The tensorstore kvstore spec of directory `rel` (its path ends in "/")."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -199,7 +199,7 @@ class LocalPlace(Place):
 
 
 class KvPlace(Place):
-    """A location in a tensorstore kvstore: ``spec`` is its kvstore spec (a dict with ``path``)."""
+    """A location in a tensorstore kvstore: `spec` is its kvstore spec (a dict with `path`)."""
 
     def __init__(self, spec: Mapping[str, Any], name: str, context: Any = None, location: Any = None) -> None:
         self.spec = dict(spec)
@@ -219,7 +219,7 @@ class KvPlace(Place):
     # -- tensorstore ------------------------------------------------------------------------
 
     def _store(self, path: str) -> Any:
-        """The kvstore at ``path`` (opened once per place and path)."""
+        """The kvstore at `path` (opened once per place and path)."""
         store = self._stores.get(path)
         if store is None:
             import tensorstore as ts
@@ -232,7 +232,7 @@ class KvPlace(Place):
         return store
 
     def _exists(self, key: str, shown: str) -> bool:
-        """Whether ``key`` (relative to the bucket) exists: a zero-length read (a HEAD on S3)."""
+        """Whether `key` (relative to the bucket) exists: a zero-length read (a HEAD on S3)."""
         try:
             r = self._store("").read(key, byte_range=slice(0, 0)).result()
         except ValueError as e:
@@ -347,7 +347,7 @@ class KvPlace(Place):
 
 
 class HttpPlace(Place):
-    """An ``http(s)://`` location (files probed by name; nothing listed)."""
+    """An `http(s)://` location (files probed by name; nothing listed)."""
 
     listable = False
 
@@ -370,7 +370,7 @@ class HttpPlace(Place):
         self._known = False
 
     def _probe(self, rel: str) -> HttpBlob | None:
-        """File ``rel`` opened (its head read), or None when the server does not have it."""
+        """File `rel` opened (its head read), or None when the server does not have it."""
         if rel not in self._blobs:
             url = self._dir + urllib.parse.quote(rel) if rel else self.url
             try:

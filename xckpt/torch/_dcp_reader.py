@@ -1,6 +1,6 @@
 """`XckptStorageReader`: torch DCP's `dcp.load` reading any checkpoint `xckpt.open` reads.
 
-::
+
 
     dcp.load(state_dict, storage_reader=xckpt.torch.XckptStorageReader(path))
 
@@ -359,7 +359,7 @@ class XckptStorageReader(StorageReader):
 
 
 def _at(value: Any, path: Sequence[Any]) -> Any:
-    """The value at DCP's flattened ``path`` inside ``value`` (DCP names dict keys by ``str``)."""
+    """The value at DCP's flattened `path` inside `value` (DCP names dict keys by `str`)."""
     for p in path:
         if isinstance(value, Mapping):
             if p not in value:

@@ -1,6 +1,6 @@
 """`XckptStorageWriter`: torch DCP's `dcp.save` / `dcp.async_save` writing an ordinary xckpt checkpoint.
 
-A DCP user switches with one argument::
+A DCP user switches with one argument:
 
     dcp.save(state_dict, storage_writer=xckpt.torch.XckptStorageWriter(path))
 
@@ -87,7 +87,7 @@ _JSON_SCALARS = (type(None), bool, int, float, str, bytes)
 class _Place:
     """What one rank's plan carries from the coordinator: the save and the rank's place in it.
 
-    ``rank_local``: no global plan chose one writer per replicated item, so a whole tensor
+    `rank_local`: no global plan chose one writer per replicated item, so a whole tensor
     (which every rank holds, SPMD) is written by the rank `xckpt.layout.choose_writer` picks.
     """
 
@@ -98,7 +98,7 @@ class _Place:
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is built of exactly the types `xckpt.torch.save` stores as JSON
+    """Whether `value` is built of exactly the types `xckpt.torch.save` stores as JSON
     (subclasses such as namedtuples, enums or `torch.Size` are not: they would come back
     as their base type)."""
     if depth > MAX_OBJECT_DEPTH:
@@ -317,7 +317,7 @@ def _np_dtype(dtype: torch.dtype) -> np.dtype[Any]:
 
 
 def _on_cpu(planner: SavePlanner, item: WriteItem) -> bool:
-    """Whether ``item``'s data already lives in host memory (DCP's default planner only)."""
+    """Whether `item`'s data already lives in host memory (DCP's default planner only)."""
     sd = getattr(planner, "state_dict", None)
     v = sd.get(item.index.fqn) if isinstance(sd, Mapping) else None
     return isinstance(v, torch.Tensor) and v.device.type == "cpu"

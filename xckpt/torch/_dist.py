@@ -1,8 +1,8 @@
 """The torch adapter's distributed helpers: who this rank is, and one outcome exchange.
 
-:func:`share_outcome` is the one place ranks tell each other whether their
-part worked. ``xckpt.torch.save`` (after writing), the value-group load (before
-filling any target) and :func:`xckpt.torch.redistribute_by_value` (before
+`share_outcome` is the one place ranks tell each other whether their
+part worked. `xckpt.torch.save` (after writing), the value-group load (before
+filling any target) and [`xckpt.torch.redistribute_by_value`][xckpt.torch.redistribute_by_value] (before
 moving rows) call it on every rank of the group, in the same order as their
 other collectives; every rank returns, or every rank raises (the failing rank
 its own error, the others one naming the failing ranks), so no rank is left
@@ -20,7 +20,7 @@ __all__ = ["distributed", "rank_world", "share_outcome", "raise_for_ranks"]
 
 
 def distributed() -> Any:
-    """``torch.distributed`` when a process group is initialised, else None."""
+    """`torch.distributed` when a process group is initialised, else None."""
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
@@ -55,7 +55,7 @@ def rank_world(process_group: Any) -> tuple[int, int, Callable[[int], int]]:
 
 
 def raise_for_ranks(msgs: Sequence[str | None], error: type[Exception], what: str, fix: str) -> None:
-    """Raise ``error`` naming every rank whose exchanged outcome ``msgs[r]`` is a failure."""
+    """Raise `error` naming every rank whose exchanged outcome `msgs[r]` is a failure."""
     bad = {r: m for r, m in enumerate(msgs) if m is not None}
     if bad:
         raise error(
@@ -74,10 +74,10 @@ def share_outcome(
     what: str,
     fix: str,
 ) -> None:
-    """Exchange this rank's outcome with every rank of ``group``; raise on all if any failed.
+    """Exchange this rank's outcome with every rank of `group`; raise on all if any failed.
 
-    One ``all_gather_object`` of ``None`` or ``"<Type>: <message>"``. With
-    ``world <= 1`` or no initialised process group nothing is sent.
+    One `all_gather_object` of `None` or `"<Type>: <message>"`. With
+    `world <= 1` or no initialised process group nothing is sent.
 
     Args:
         err: this rank's failure, or None.
@@ -87,7 +87,7 @@ def share_outcome(
         what, fix: the message: "<what> failed on ranks [...]: rank r: ... . <fix>".
 
     Raises:
-        BaseException: ``err`` itself on the rank that failed.
+        BaseException: `err` itself on the rank that failed.
         error: on the others, naming every failing rank and its message.
     """
     dist = distributed() if world > 1 else None

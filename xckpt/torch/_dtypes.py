@@ -1,10 +1,10 @@
 """torch dtypes <-> the manifest's dtype names, and zero-copy numpy views of CPU tensors.
 
-One table: every name in :data:`xckpt.manifest.DTYPES` is also the name of a
-torch dtype (``torch.bfloat16``, ``torch.float8_e4m3fn``, ...), so the mapping is
+One table: every name in `xckpt.manifest.DTYPES` is also the name of a
+torch dtype (`torch.bfloat16`, `torch.float8_e4m3fn`, ...), so the mapping is
 built from that tuple, and a dtype added to the manifest is added here too.
 dtypes numpy lacks (bfloat16, the float8s) are viewed through a same-width
-unsigned int, then as their ml_dtypes type (:func:`xckpt.manifest.numpy_dtype`).
+unsigned int, then as their ml_dtypes type (`xckpt.manifest.numpy_dtype`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""``xckpt.torch.load`` and ``load_full``: fill tensors in place, whatever their layout.
+"""`xckpt.torch.load` and `load_full`: fill tensors in place, whatever their layout.
 
 By default loading never talks to other ranks (value groups aside, see
-:mod:`xckpt.torch.value_groups`): each rank opens the checkpoint (manifests
+`xckpt.torch.value_groups`): each rank opens the checkpoint (manifests
 only), computes the boxes its targets hold, and reads only the saved chunks
 that overlap them, straight into the targets' CPU memory. Targets elsewhere
 (CUDA) are read through a bounded ring of pinned host buffers whose copies to
-the device overlap the next reads (:mod:`xckpt.torch._pipeline`). With
-``read_once=True`` the ranks read each stored range once between them and send
-it to the others over the process group (:mod:`xckpt.torch._read_once`).
+the device overlap the next reads (`xckpt.torch._pipeline`). With
+`read_once=True` the ranks read each stored range once between them and send
+it to the others over the process group (`xckpt.torch._read_once`).
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ __all__ = ["LoadResult", "DeviceRing", "load", "load_full"]
 
 @dataclass
 class LoadResult:
-    """What :func:`load` did.
+    """What [`load`][xckpt.torch._load.load] did.
 
     Attributes:
         missing: names the caller asked for that the checkpoint lacks.
         unexpected: names the checkpoint holds that the caller did not ask for.
         evicted: per value group (prefix), entries this rank dropped for capacity.
         skipped: pickled objects left unread (their placeholders untouched)
-            because the load did not pass ``allow_pickle=True``.
+            because the load did not pass `allow_pickle=True`.
     """
 
     missing: list[str] = field(default_factory=list)
@@ -63,7 +63,7 @@ class LoadResult:
 
 
 def _check(ckpt: Any, name: str, target: Any) -> None:
-    """Global shape and dtype of ``target`` against the saved tensor."""
+    """Global shape and dtype of `target` against the saved tensor."""
     t = ckpt.info(name)
     shape, tdtype = global_info(target, name)
     if tuple(shape) != tuple(t.shape):
@@ -106,8 +106,8 @@ def _set(slot: Slot, name: str, value: Any) -> None:
 
 
 class _Reads:
-    """Read requests into targets' CPU memory (``items``), and target parts read through
-    the device ring (``staged``: not in CPU memory, or every tensor when the ring has a
+    """Read requests into targets' CPU memory (`items`), and target parts read through
+    the device ring (`staged`: not in CPU memory, or every tensor when the ring has a
     copy hook)."""
 
     def __init__(self, ring: DeviceRing) -> None:
@@ -146,7 +146,7 @@ class _Reads:
 
 
 def _fill_fresh(ckpt: Source, flat: dict[str, Any], slots: dict[str, Slot], saved_tensors: set[str]) -> None:
-    """A fresh job's empty mappings (a never-stepped optimizer's ``state: {}``) receive
+    """A fresh job's empty mappings (a never-stepped optimizer's `state: {}`) receive
     the stored entries under their names (`xckpt.torch._state_dict.expand`)."""
     if not any(isinstance(v, (Mapping, list, tuple)) for v in flat.values()):
         return
@@ -190,56 +190,56 @@ def load(
     read_once: bool = False,
     ring: DeviceRing | None = None,
 ) -> LoadResult:
-    """Fill ``state_dict``'s tensors in place from a checkpoint; put objects in place.
+    """Fill `state_dict`'s tensors in place from a checkpoint; put objects in place.
 
     Each target may have any layout: a plain tensor (gets the whole tensor), a
-    DTensor on any mesh and placements, a legacy ``ShardedTensor``, a numpy
+    DTensor on any mesh and placements, a legacy `ShardedTensor`, a numpy
     array; on CPU or a CUDA device. Saved objects replace the caller's
     placeholders (a tensor saved where the caller has a non-tensor placeholder
     comes back as a whole CPU tensor).
 
     Args:
-        path: the checkpoint location (any format :func:`xckpt.open` reads), or an
-            open :class:`xckpt.source.Source`.
+        path: the checkpoint location (any format [`xckpt.open`][xckpt.open] reads), or an
+            open [`xckpt.source.Source`][xckpt.source.Source].
         state_dict: the caller's (nested) state dict, flattened with "." as on save.
         process_group: the group whose ranks load together (default: world);
             only used for ranks and value groups.
         strict: raise when the checkpoint lacks a name the caller asks for.
         strict_capacity: value groups: raise instead of evicting when a rank's
             capacity is exceeded.
-        format, allow_pickle, rules, context: as for :func:`xckpt.open`. Without
-            ``allow_pickle`` a pickled object (DCP's non-tensor values) is not
+        format, allow_pickle, rules, context: as for [`xckpt.open`][xckpt.open]. Without
+            `allow_pickle` a pickled object (DCP's non-tensor values) is not
             read: its placeholder is left untouched and its name is reported in
-            :attr:`LoadResult.skipped`. A source opened here is closed before
-            ``load`` returns; an open source passed in stays open.
+            `LoadResult.skipped`. A source opened here is closed before
+            `load` returns; an open source passed in stays open.
         show_progress: progress bar (default: when stderr is a TTY).
-        read_once: every rank of ``process_group`` calls ``load`` with it, and the
+        read_once: every rank of `process_group` calls `load` with it, and the
             ranks read each stored range once between them: a range several ranks
             need (replicated tensors, data-parallel replicas) is read by one of them
             and sent to the others over the group (gloo or NCCL), so storage serves
             about one copy of what the group needs instead of one per replica. A
             failure on any rank (a corrupt chunk it reads, a target that does not
             fit) raises on every rank; a rank that stops answering makes the others
-            raise after ``xckpt.torch._read_once.TIMEOUT_S`` seconds. Off by default,
-            for non-local storage too: it makes ``load`` a collective every rank must
+            raise after `xckpt.torch._read_once.TIMEOUT_S` seconds. Off by default,
+            for non-local storage too: it makes `load` a collective every rank must
             join (a default must not make a load on some ranks wait for the others),
             and it trades storage reads for transfers, which pays only where storage
-            is the bottleneck. Measured (``bench/read_once.py``, 4 gloo ranks, 63 MiB,
+            is the bottleneck. Measured (`bench/read_once.py`, 4 gloo ranks, 63 MiB,
             replicated and dp x tp targets): storage serves 1.00x the checkpoint
             instead of 4x and 3.6x; from an S3 server 3.4-3.9x faster, from a local
             disk 1.8-2.4x slower (docs/guide/loading-at-scale.md).
-        ring: the :class:`DeviceRing` (host buffers) through which target parts that
+        ring: the [`DeviceRing`][xckpt.torch._load.DeviceRing] (host buffers) through which target parts that
             are not in CPU memory are read; pass one to reuse its buffers across
             loads. Default: one made for this load, its buffers no larger than needed.
 
     Returns:
-        :class:`LoadResult` with missing, unexpected, evicted and skipped.
+        [`LoadResult`][xckpt.torch._load.LoadResult] with missing, unexpected, evicted and skipped.
 
     Raises:
-        MissingEntryError: ``strict`` and names are missing (nothing is read then).
+        MissingEntryError: `strict` and names are missing (nothing is read then).
         ShapeMismatchError, DtypeMismatchError: a target differs from the saved tensor.
-        UnsupportedPlacementError: a target DTensor has a ``Partial`` placement.
-        XckptError: with ``read_once``, on every rank when any rank failed.
+        UnsupportedPlacementError: a target DTensor has a `Partial` placement.
+        XckptError: with `read_once`, on every rank when any rank failed.
     """
     with opened(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context) as ckpt:
         return _load(
@@ -387,17 +387,17 @@ def load_full(
     """Whole tensors (and objects) for one process, by flat name.
 
     Args:
-        path: the checkpoint location, any format (or an open :class:`xckpt.source.Source`).
+        path: the checkpoint location, any format (or an open [`xckpt.source.Source`][xckpt.source.Source]).
         names: which entries (default: every tensor and object).
         device: where the tensors go (CUDA: read into pinned memory, then copied).
-        format, allow_pickle, rules, context: as for :func:`xckpt.open` (a source
-            opened here is closed before ``load_full`` returns).
+        format, allow_pickle, rules, context: as for [`xckpt.open`][xckpt.open] (a source
+            opened here is closed before `load_full` returns).
         show_progress: progress bar (default: when stderr is a TTY).
-        ring: the :class:`DeviceRing` through which tensors for a device other than
-            the CPU are read (default: one made for this call); see :func:`load`.
+        ring: the [`DeviceRing`][xckpt.torch._load.DeviceRing] through which tensors for a device other than
+            the CPU are read (default: one made for this call); see [`load`][xckpt.torch._load.load].
 
     Returns:
-        ``{name: torch.Tensor or object}``; a per-rank object comes back as the
+        `{name: torch.Tensor or object}`; a per-rank object comes back as the
         list of every rank's value.
     """
     dev = torch.device(device)

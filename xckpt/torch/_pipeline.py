@@ -1,36 +1,36 @@
 """Device loads as a pipeline: storage reads into a bounded ring of host buffers,
 host-to-device copies on a side stream, the two overlapped.
 
-``xckpt.torch.load`` and ``load_full`` read every part of a target that does not
+`xckpt.torch.load` and `load_full` read every part of a target that does not
 live in CPU memory (a CUDA tensor, a DTensor's CUDA shard) through a
-:class:`DeviceRing`: ``buffers`` host buffers of ``buffer_bytes`` each (pinned when
+[`DeviceRing`][xckpt.torch._pipeline.DeviceRing]: `buffers` host buffers of `buffer_bytes` each (pinned when
 CUDA is available), allocated on first use and reused by every later load that is
-given the same ring. Host memory is ``buffers x buffer_bytes`` whatever the
+given the same ring. Host memory is `buffers x buffer_bytes` whatever the
 checkpoint's size (a load without a ring of its own makes one for itself, whose
 buffers are no larger than the load needs).
 
 Call protocol (all on the loading thread; one load at a time per ring, a lock
 keeps it so):
 
-1. :func:`plan_batches` cuts the parts into pieces of at most ``buffer_bytes``
+1. `plan_batches` cuts the parts into pieces of at most `buffer_bytes`
    (splitting a large box along its leading dims) and packs them, in order, into
    batches that each fill one buffer (offsets aligned to 64 bytes);
 2. per batch, the ring takes its next buffer, first waiting for the events of the
    copies last made out of that buffer, so no buffer is refilled before its
    copies completed; it reads the batch from storage into views of that buffer
-   (``Source.read_into``, concurrent inside), then issues each piece's copy and
-   records the batch's events on the buffer: ``dst.copy_(src, non_blocking=True)``
+   (`Source.read_into`, concurrent inside), then issues each piece's copy and
+   records the batch's events on the buffer: `dst.copy_(src, non_blocking=True)`
    on one side stream per CUDA device, which first waits for the caller's current
    stream (so the copies land after work already queued on the targets); copies
    to other devices are blocking. Reading batch k+1 runs while batch k's copies
    run on the device;
 3. at the end (also when a read raised), the caller's current streams wait for
-   the side streams, and the ring waits for every copy, so when ``load`` returns
+   the side streams, and the ring waits for every copy, so when `load` returns
    the targets hold the data and every buffer is free.
 
-``copy``, when set, replaces step 2's copy for every piece: ``copy(dst, src)``
+`copy`, when set, replaces step 2's copy for every piece: `copy(dst, src)`
 gets the target part and the host view (a CPU tensor) and returns an event
-(anything with ``synchronize()``) or None. Tests use it to check this logic on
+(anything with `synchronize()`) or None. Tests use it to check this logic on
 CPU: with a hook, CPU tensor targets go through the ring too.
 """
 
@@ -61,8 +61,8 @@ _MIN_BUFFER = 1 << 20
 
 @dataclass(frozen=True)
 class StagedSlice:
-    """Slice ``box`` (global coordinates) of item ``item``, at ``slices`` of the item's
-    target, staged at ``offset`` (``nbytes`` long) of its batch's buffer."""
+    """Slice `box` (global coordinates) of item `item`, at `slices` of the item's
+    target, staged at `offset` (`nbytes` long) of its batch's buffer."""
 
     item: int
     box: L.Box
@@ -72,10 +72,10 @@ class StagedSlice:
 
 
 def split_box(box: L.Box, itemsize: int, limit: int) -> list[L.Box]:
-    """``box`` cut into row-major pieces of at most ``limit`` bytes (``limit >= itemsize``).
+    """`box` cut into row-major pieces of at most `limit` bytes (`limit >= itemsize`).
 
-    A box that fits is returned whole. Otherwise the first dim ``d`` whose trailing
-    block (dims after ``d``) fits is cut into runs of as many indices as fit, and
+    A box that fits is returned whole. Otherwise the first dim `d` whose trailing
+    block (dims after `d`) fits is cut into runs of as many indices as fit, and
     every earlier dim into single indices.
     """
     if box.volume * itemsize <= limit:
@@ -102,7 +102,7 @@ def _product(ranges: Sequence[range]) -> list[tuple[int, ...]]:
 
 
 def plan_batches(items: Sequence[tuple[L.Box, int]], buffer_bytes: int) -> list[list[StagedSlice]]:
-    """Items ``(box, itemsize)`` as batches of :class:`StagedSlice`, each batch fitting one buffer.
+    """Items `(box, itemsize)` as batches of `StagedSlice`, each batch fitting one buffer.
 
     Pure arithmetic: pieces keep the items' order; empty boxes are skipped.
     """
@@ -130,10 +130,10 @@ def plan_batches(items: Sequence[tuple[L.Box, int]], buffer_bytes: int) -> list[
 
 
 class Copier:
-    """Host-to-target copies: the ``copy`` hook, or CUDA side streams, or blocking copies.
+    """Host-to-target copies: the `copy` hook, or CUDA side streams, or blocking copies.
 
-    :meth:`copy` issues one; :meth:`mark` returns the events of the copies issued
-    since the last mark (one per side stream, or the hook's); :meth:`finish` makes
+    `copy` issues one; `mark` returns the events of the copies issued
+    since the last mark (one per side stream, or the hook's); `finish` makes
     the caller's current streams wait for the side streams.
     """
 
@@ -184,12 +184,12 @@ class DeviceRing:
     """A bounded ring of host buffers through which loads copy to a device (see the module).
 
     Pass one ring to every load that should reuse its buffers
-    (``xckpt.torch.load(path, sd, ring=ring)``); a load given none makes its own.
+    (`xckpt.torch.load(path, sd, ring=ring)`); a load given none makes its own.
 
     Args:
         buffers: how many host buffers (2 or more overlap reads with copies).
         buffer_bytes: each buffer's size; a larger piece is read in parts.
-        copy: replaces the device copy (see the module): ``copy(dst, src) -> event | None``.
+        copy: replaces the device copy (see the module): `copy(dst, src) -> event | None`.
 
     Attributes:
         allocations: host buffers allocated so far (a reused ring stops counting up).
@@ -226,7 +226,7 @@ class DeviceRing:
         return self.copy is None and torch.cuda.is_available()
 
     def _take(self, need: int) -> tuple[int, torch.Tensor]:
-        """The next buffer, its earlier copies waited for, holding at least ``need`` bytes."""
+        """The next buffer, its earlier copies waited for, holding at least `need` bytes."""
         i = self._next
         self._next = (i + 1) % self.buffers
         wait_all(self._pending[i])
@@ -258,7 +258,7 @@ class DeviceRing:
         items: Sequence[tuple[str, L.Box, torch.Tensor]],
         show_progress: bool | None = None,
     ) -> None:
-        """Fill each ``dst`` (of box ``box``'s shape) with box ``box`` of tensor ``name``."""
+        """Fill each `dst` (of box `box`'s shape) with box `box` of tensor `name`."""
         sizes = [(box, dst.element_size()) for _name, box, dst in items]
         batches = plan_batches(sizes, self.buffer_bytes)
         total = sum(p.nbytes for batch in batches for p in batch)

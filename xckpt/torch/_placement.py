@@ -1,13 +1,13 @@
-"""DTensor and ShardedTensor placements -> :mod:`xckpt.layout` boxes.
+"""DTensor and ShardedTensor placements -> `xckpt.layout` boxes.
 
-The torch counterpart of :mod:`xckpt.jax._sharding`. The box arithmetic lives
-in :mod:`xckpt.layout`; this module only maps torch objects onto it:
+The torch counterpart of `xckpt.jax._sharding`. The box arithmetic lives
+in `xckpt.layout`; this module only maps torch objects onto it:
 
-* :func:`torch_to_layout` turns DTensor placements into layout descriptors;
-* :func:`local_pieces` says which global box each part of a rank's local
-  tensor holds, for a plain tensor, a DTensor or a legacy ``ShardedTensor``,
+* `torch_to_layout` turns DTensor placements into layout descriptors;
+* `local_pieces` says which global box each part of a rank's local
+  tensor holds, for a plain tensor, a DTensor or a legacy `ShardedTensor`,
   checking the local shard's real shape against the computed boxes;
-* :func:`placement_info` records a tensor's placement in the manifest.
+* `placement_info` records a tensor's placement in the manifest.
 
 Nothing here talks to other ranks.
 """
@@ -63,10 +63,10 @@ def is_sharded_tensor(v: Any) -> bool:
 
 
 def torch_to_layout(placements: Sequence[Any], name: str) -> list[L.Placement]:
-    """DTensor placements -> :mod:`xckpt.layout` descriptors.
+    """DTensor placements -> `xckpt.layout` descriptors.
 
     Raises:
-        UnsupportedPlacementError: ``Partial`` (and anything unknown), naming the tensor.
+        UnsupportedPlacementError: `Partial` (and anything unknown), naming the tensor.
     """
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
@@ -94,7 +94,7 @@ def torch_to_layout(placements: Sequence[Any], name: str) -> list[L.Placement]:
 
 @dataclass(frozen=True)
 class LocalBox:
-    """Part ``slices`` of local tensor ``tensor`` holds global box ``box``."""
+    """Part `slices` of local tensor `tensor` holds global box `box`."""
 
     box: L.Box
     tensor: Any
@@ -107,7 +107,7 @@ def pieces_from_indices(idx: Sequence[Sequence[int]], tensor: Any) -> list[Local
 
 
 def pieces_from_runs(runs: Sequence[Sequence[tuple[int, int]]], tensor: Any) -> list[LocalBox]:
-    """Boxes of per-dim sorted runs ``(start, length)``, with their slices of the local tensor."""
+    """Boxes of per-dim sorted runs `(start, length)`, with their slices of the local tensor."""
     if any(len(r) == 0 for r in runs):
         return []
     per_dim = []
@@ -128,9 +128,9 @@ def pieces_from_runs(runs: Sequence[Sequence[tuple[int, int]]], tensor: Any) -> 
 class Local:
     """What a rank holds of one tensor.
 
-    ``pieces``: the boxes with their local tensor parts. ``holders``: for
+    `pieces`: the boxes with their local tensor parts. `holders`: for
     DTensors, the ranks (of the process group) holding the same pieces
-    (replicas), so one of them writes each. ``layout``: "placements", "fsdp2",
+    (replicas), so one of them writes each. `layout`: "placements", "fsdp2",
     "sharded_tensor" or "replicated".
     """
 
@@ -160,7 +160,7 @@ def mesh_group_ranks(mesh: Any, group_rank: Any, name: str) -> np.ndarray:
 
 
 class _MeshInfo:
-    """What one load or save needs of a device mesh, computed once per mesh (``mesh.mesh``
+    """What one load or save needs of a device mesh, computed once per mesh (`mesh.mesh`
     builds a tensor on every access: about 50 us, twice per DTensor before)."""
 
     __slots__ = ("shape", "names", "coord", "granks")
@@ -177,11 +177,11 @@ class _MeshInfo:
 def dtensor_local(dt: Any, name: str, group_rank: Any, meshes: dict[int, Any] | None = None) -> Local:
     """Boxes of a DTensor's local shard, checked against its real local shape.
 
-    For the FSDP2 + TP pattern ``(_StridedShard(d, sf), ..., Shard(d))`` the
-    storage rule of FSDP2 (:func:`xckpt.layout.fsdp_boxes_for_coordinate`) is
+    For the FSDP2 + TP pattern `(_StridedShard(d, sf), ..., Shard(d))` the
+    storage rule of FSDP2 ([`xckpt.layout.fsdp_boxes_for_coordinate`][xckpt.layout.fsdp_boxes_for_coordinate]) is
     preferred when the local shape fits it; otherwise the placement semantics.
-    A shape that fits neither is a :class:`LayoutError`. ``meshes``: a cache of
-    mesh facts by ``id(mesh)`` shared by the calls of one load or save (the
+    A shape that fits neither is a [`LayoutError`][xckpt.torch._placement.LayoutError]. `meshes`: a cache of
+    mesh facts by `id(mesh)` shared by the calls of one load or save (the
     state dict keeps its meshes alive meanwhile), or None.
     """
     mesh = dt.device_mesh
@@ -256,8 +256,8 @@ def global_info(v: Any, name: str) -> tuple[tuple[int, ...], torch.dtype]:
 
 
 def local_pieces(v: Any, name: str, group_rank: Any, meshes: dict[int, Any] | None = None) -> Local:
-    """What this rank holds of tensor-like ``v`` (tensor, DTensor, ShardedTensor, ndarray);
-    ``meshes``: see :func:`dtensor_local`."""
+    """What this rank holds of tensor-like `v` (tensor, DTensor, ShardedTensor, ndarray);
+    `meshes`: see `dtensor_local`."""
     if is_dtensor(v):
         return dtensor_local(v, name, group_rank, meshes)
     if is_sharded_tensor(v):

@@ -1,8 +1,8 @@
-"""``xckpt.torch.load(..., read_once=True)``: each stored range read by one rank, sent to the others.
+"""`xckpt.torch.load(..., read_once=True)`: each stored range read by one rank, sent to the others.
 
 When several ranks need the same stored bytes (replicated tensors, data-parallel
 replicas of a sharded layout), reading them from storage once per rank multiplies
-what storage serves by the replication factor. With ``read_once`` the ranks of the
+what storage serves by the replication factor. With `read_once` the ranks of the
 process group agree on a plan in which every stored range is read by exactly one
 of the ranks that need it, which sends it to the others over the process group;
 storage serves about one copy of what the group needs.
@@ -10,23 +10,23 @@ storage serves about one copy of what the group needs.
 The plan is `xckpt.sharing.make_plan` (pure arithmetic over boxes, no torch; see that
 module for what it decides).
 
-Call protocol (:func:`load_once`, every rank of the group, same order):
+Call protocol (`load_once`, every rank of the group, same order):
 
 1. one exchange of every rank's requests, or of its failure so far (a target that
-   does not fit, a missing name, ...), with a :func:`fingerprint` of the checkpoint
+   does not fit, a missing name, ...), with a `fingerprint` of the checkpoint
    it opened: all ranks raise if any rank failed or opened another checkpoint;
 2. each rank reads its solo parts;
 3. per round: the reader of each group reads it and copies its cells to its own
    targets and to one send buffer per destination; one exchange of outcomes (a
    failed read, e.g. a corrupt chunk, fails every rank); one batch of
-   point-to-point sends and receives (``batch_isend_irecv``: measured faster than
-   ``all_to_all_single`` and than one broadcast per reader on gloo, and a buffer
+   point-to-point sends and receives (`batch_isend_irecv`: measured faster than
+   `all_to_all_single` and than one broadcast per reader on gloo, and a buffer
    every destination needs alike is sent from one copy); each rank copies what it
    received into its targets;
 4. a last exchange of outcomes.
 
-Every collective is waited for with ``TIMEOUT_S``: a rank that stops (killed, or
-stuck outside ``load``) makes the others raise an :class:`~xckpt.errors.XckptError`
+Every collective is waited for with `TIMEOUT_S`: a rank that stops (killed, or
+stuck outside `load`) makes the others raise an [`XckptError`][xckpt.errors.XckptError]
 instead of hanging. The exchanges carry bytes and int64 arrays, never pickles. On
 NCCL the buffers travel through the current CUDA device.
 """
@@ -61,7 +61,7 @@ Target = tuple[str, L.Box, Any]
 
 
 def _layout(cells: Sequence[Cell]) -> tuple[list[int], int]:
-    """Offsets of ``cells`` packed in one message (aligned), and its length."""
+    """Offsets of `cells` packed in one message (aligned), and its length."""
     offs, pos = [], 0
     for c in cells:
         pos = -(-pos // ALIGN) * ALIGN
@@ -112,7 +112,7 @@ def _decode_needs(data: bytes, names: Sequence[str], rank: int, where: str) -> l
 
 
 class _Comm:
-    """The collectives of one read_once load, each waited for with ``TIMEOUT_S``."""
+    """The collectives of one read_once load, each waited for with `TIMEOUT_S`."""
 
     def __init__(self, group: Any, rank: int, world: int, where: str) -> None:
         dist = distributed()
@@ -177,8 +177,8 @@ class _Comm:
         what: str,
         pin: bool,
     ) -> dict[int, torch.Tensor]:
-        """Send each ``(rank, buffer)``; receive ``(rank, nbytes)``; the received buffers (CPU,
-        pinned when ``pin`` and they arrive in host memory)."""
+        """Send each `(rank, buffer)`; receive `(rank, nbytes)`; the received buffers (CPU,
+        pinned when `pin` and they arrive in host memory)."""
         dist = self.dist
         ops, got = [], {}
         on_host = self.device.type == "cpu"
@@ -209,7 +209,7 @@ class _Targets:
         self.dtypes = dtypes
 
     def part(self, name: str, box: L.Box) -> Any:
-        """The view of this rank's target where ``box`` of ``name`` goes."""
+        """The view of this rank's target where `box` of `name` goes."""
         out = self.exact.get((name, box))
         if out is not None:
             return out
@@ -219,7 +219,7 @@ class _Targets:
         raise XckptError(f"internal: read_once has no target for {name!r} {box}")
 
     def fill(self, name: str, box: L.Box, src: np.ndarray) -> None:
-        """Copy ``src`` (a numpy array of host memory) where ``box`` of ``name`` goes."""
+        """Copy `src` (a numpy array of host memory) where `box` of `name` goes."""
         dst = self.part(name, box)
         if isinstance(dst, np.ndarray):
             np.copyto(dst, src, casting="no")
@@ -228,24 +228,24 @@ class _Targets:
 
 
 def _at(out: Any, slices: tuple[slice, ...]) -> Any:
-    """``out[slices]`` as a view, also for a 0-d numpy array (whose ``a[()]`` is a scalar)."""
+    """`out[slices]` as a view, also for a 0-d numpy array (whose `a[()]` is a scalar)."""
     return out[slices] if slices else out[...]
 
 
 def _view(buf: np.ndarray, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Bytes ``offset:`` of ``buf`` (uint8) as an array of ``shape`` and ``dtype``."""
+    """Bytes `offset:` of `buf` (uint8) as an array of `shape` and `dtype`."""
     return buf[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def _torch_view(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """``a`` as a torch tensor of ``dtype`` sharing its memory (ml_dtypes types included)."""
+    """`a` as a torch tensor of `dtype` sharing its memory (ml_dtypes types included)."""
     if a.dtype.type.__module__.startswith("ml_dtypes"):
         return torch.from_numpy(a.view(np.dtype(f"u{a.dtype.itemsize}"))).view(dtype)
     return torch.from_numpy(a)
 
 
 def _host(nbytes: int, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
-    """A host buffer (pinned when ``pin``) as a uint8 tensor and its numpy view."""
+    """A host buffer (pinned when `pin`) as a uint8 tensor and its numpy view."""
     t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     return t, t.numpy()
 
@@ -266,7 +266,7 @@ def load_once(
     Args:
         ckpt: the checkpoint (opened alike on every rank).
         targets: this rank's target parts; a numpy view is filled with numpy copies, a
-            torch tensor through ``ring`` (its copy hook or the device's side stream).
+            torch tensor through `ring` (its copy hook or the device's side stream).
         err: this rank's failure before loading, shared with the others first.
         group, rank, world: the process group, this rank in it, its size.
         ring: the device pipeline for this rank's own (solo) reads.

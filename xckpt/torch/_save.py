@@ -1,31 +1,31 @@
-"""``xckpt.torch.save``: every rank writes its own boxes; replicas are written once.
+"""`xckpt.torch.save`: every rank writes its own boxes; replicas are written once.
 
-Call protocol (every rank of the process group calls ``save`` with its own
+Call protocol (every rank of the process group calls `save` with its own
 state dict, in the same order as its other collectives):
 
-Coordinated mode (``rank_local=False`` and a process group is initialised):
+Coordinated mode (`rank_local=False` and a process group is initialised):
 
-1. rank 0 draws a random save_id and broadcasts it (skipped when ``save_id=``
+1. rank 0 draws a random save_id and broadcasts it (skipped when `save_id=`
    is given);
-2. each rank plans locally (no collective), opens ``xckpt.Writer`` with that
+2. each rank plans locally (no collective), opens `xckpt.Writer` with that
    save_id, writes the boxes it owns and its objects, and commits
-   (``ranks/<rank>.json``);
-3. all ranks exchange success or failure (one ``all_gather_object``);
-4. rank 0 calls :func:`xckpt.finalize` (writes ``xckpt.json``) and broadcasts
+   (`ranks/<rank>.json`);
+3. all ranks exchange success or failure (one `all_gather_object`);
+4. rank 0 calls [`xckpt.finalize`][xckpt.finalize] (writes `xckpt.json`) and broadcasts
    its outcome, which doubles as the final barrier.
 
 A failure on any rank makes every rank raise (the failing rank its own error,
-the others :class:`~xckpt.errors.XckptError` naming it), so no rank is left
+the others [`XckptError`][xckpt.errors.XckptError] naming it), so no rank is left
 waiting in a collective.
 
-Rank-local mode (``rank_local=True``, or no process group): steps 1, 3 and 4
+Rank-local mode (`rank_local=True`, or no process group): steps 1, 3 and 4
 are skipped; nothing is sent between ranks. The save_id is the caller's
-``save_id=`` or derived from the location, and readers merge the rank
+`save_id=` or derived from the location, and readers merge the rank
 manifests themselves.
 
-Dedup: a box held by several ranks (``Replicate()`` axes, or a plain tensor
+Dedup: a box held by several ranks (`Replicate()` axes, or a plain tensor
 that every rank holds) is written by the one rank
-:func:`xckpt.layout.choose_writer` picks; every rank computes the same answer.
+[`xckpt.layout.choose_writer`][xckpt.layout.choose_writer] picks; every rank computes the same answer.
 Plans are recomputed on every call, so a state dict whose structure changed is
 always saved whole.
 """
@@ -112,7 +112,7 @@ def _plan(
 
 
 def _host(part: Any, copy: bool) -> tuple[np.ndarray, Any]:
-    """numpy data of a box part; a copy when ``copy`` (async) or the tensor is on a device.
+    """numpy data of a box part; a copy when `copy` (async) or the tensor is on a device.
 
     Returns (array, event to wait on before the array is read, or None).
     """
@@ -133,7 +133,7 @@ def _host(part: Any, copy: bool) -> tuple[np.ndarray, Any]:
 
 
 class _CopyingWriter:
-    """Writer proxy for async saves: arrays handed to ``write`` are copied first."""
+    """Writer proxy for async saves: arrays handed to `write` are copied first."""
 
     def __init__(self, writer: Any) -> None:
         self._w = writer
@@ -146,7 +146,7 @@ class _CopyingWriter:
 
 
 def _side_group(dist: Any, pg: Any) -> Any:
-    """A gloo group over ``pg``'s ranks for the background thread's collectives."""
+    """A gloo group over `pg`'s ranks for the background thread's collectives."""
     key = id(pg) if pg is not None else None
     grp = _side_groups.get(key)
     if grp is None:
@@ -178,45 +178,45 @@ def save(
 
     Args:
         state_dict: nested dicts of tensors (plain: replicated, written once),
-            DTensors (any mesh and placements except ``Partial``), legacy
-            ``ShardedTensor``s, numpy arrays, and objects (JSON values, bytes;
-            :class:`PerRank` for per-rank values). Nested names join with ".".
-        path: a directory, kvstore URL or kvstore spec dict (as :func:`xckpt.save`).
+            DTensors (any mesh and placements except `Partial`), legacy
+            `ShardedTensor`s, numpy arrays, and objects (JSON values, bytes;
+            [`PerRank`][xckpt.torch._save.PerRank] for per-rank values). Nested names join with ".".
+        path: a directory, kvstore URL or kvstore spec dict (as [`xckpt.save`][xckpt.save]).
         process_group: the group whose ranks save together (default: world).
         rank_local: no rank talks to another; each writes its data and its manifest.
         async_save: return a future once device tensors are copied to host;
             the write runs in a background thread.
         value_groups: value-partitioned groups to declare (see
-            :mod:`xckpt.torch.value_groups`).
+            `xckpt.torch.value_groups`).
         save_id: id shared by all ranks (default: random in coordinated mode,
             derived from the location in rank-local mode).
-        overwrite: replace an existing checkpoint at ``path``.
+        overwrite: replace an existing checkpoint at `path`.
         show_progress: progress bar (default: when stderr is a TTY).
-        storage, metadata: as for :class:`xckpt.Writer` (how ``data/<rank>/`` is
+        storage, metadata: as for [`xckpt.Writer`][xckpt.Writer] (how `data/<rank>/` is
             organised; JSON metadata recorded in the manifest). The key
-            ``"torch_keys"`` is the save's own: the key types of containers whose
+            `"torch_keys"` is the save's own: the key types of containers whose
             keys are not plain strings (an optimizer's int parameter ids), so a
             load can rebuild them in a fresh job's empty mappings.
-        staging: host buffers reused across saves (:class:`xckpt.manager.HostBuffers`,
-            what :class:`xckpt.CheckpointManager` passes): each box is copied into
+        staging: host buffers reused across saves (`xckpt.manager.HostBuffers`,
+            what [`xckpt.CheckpointManager`][xckpt.CheckpointManager] passes): each box is copied into
             its buffer instead of a fresh host copy; CUDA tensors on a side stream,
             without waiting for the GPU (the write thread waits; see
-            :mod:`xckpt.torch._staging`). The pool must not be passed to another
-            save before this one's write has finished (``save`` itself waits for
+            `xckpt.torch._staging`). The pool must not be passed to another
+            save before this one's write has finished (`save` itself waits for
             the previous async save first).
         compression, dedup: as for [Writer][xckpt.Writer] (array chunks' codec: None,
-            ``"zstd"`` or ``"shuffle-zstd"``; a manager's previous step to reference).
+            `"zstd"` or `"shuffle-zstd"`; a manager's previous step to reference).
 
     Returns:
-        This rank's manifest, or with ``async_save`` a
-        :class:`concurrent.futures.Future` that resolves to it once the
+        This rank's manifest, or with `async_save` a
+        `concurrent.futures.Future` that resolves to it once the
         checkpoint is complete (on every rank).
 
     Raises:
-        UnsupportedPlacementError: a DTensor has a ``Partial`` placement.
+        UnsupportedPlacementError: a DTensor has a `Partial` placement.
         LayoutError: a local shard does not match its placements.
         ObjectError: a value cannot be stored.
-        CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
+        CheckpointExistsError: `path` holds a checkpoint and `overwrite` is False.
     """
     wait_pending()
     rank, world, group_rank = rank_world(process_group)

@@ -1,28 +1,28 @@
-"""Staging for ``xckpt.torch.save(..., staging=buffers)``: copies into reusable host buffers.
+"""Staging for `xckpt.torch.save(..., staging=buffers)`: copies into reusable host buffers.
 
-``staging`` is a pool of host buffers the caller owns and passes to every save
+`staging` is a pool of host buffers the caller owns and passes to every save
 (`xckpt.manager.HostBuffers`, the checkpoint manager's staging memory; any
 object with the `xckpt._staging.StagingPool` protocol). Instead of a fresh host copy of each
 box per save, a save copies each box into the pool's buffer for it, allocated once
 (pinned when the tensor is on CUDA) and reused while the box keeps its shape and dtype.
 
-Call protocol (``xckpt.torch.save`` on the calling thread, then its write thread):
+Call protocol (`xckpt.torch.save` on the calling thread, then its write thread):
 
-1. ``Stager(buffers)`` calls ``buffers.begin()``;
-2. ``stage(key, part)`` per box this rank writes, returning the numpy view the
+1. `Stager(buffers)` calls `buffers.begin()`;
+2. `stage(key, part)` per box this rank writes, returning the numpy view the
    writer reads: numpy arrays and CPU tensors are copied at once; CUDA tensors are
-   copied with ``non_blocking=True`` on a side stream of their device (one per device,
+   copied with `non_blocking=True` on a side stream of their device (one per device,
    made once per process), which first waits for the caller's current stream, so the
-   copies see the state as it was when ``save`` was called; each source tensor is
-   ``record_stream``-ed so the caching allocator keeps its memory until its copy ran;
-3. ``finish()`` records one event per side stream and makes the caller's current
-   stream wait for it, so kernels queued after ``save`` returns (an optimizer step
-   updating parameters in place) run after the copies: ``save`` returns without
-   waiting for the GPU. It calls ``buffers.end()`` and returns the events;
-4. the write thread calls :func:`wait_events` before it reads any buffer.
+   copies see the state as it was when `save` was called; each source tensor is
+   `record_stream`-ed so the caching allocator keeps its memory until its copy ran;
+3. `finish()` records one event per side stream and makes the caller's current
+   stream wait for it, so kernels queued after `save` returns (an optimizer step
+   updating parameters in place) run after the copies: `save` returns without
+   waiting for the GPU. It calls `buffers.end()` and returns the events;
+4. the write thread calls `wait_events` before it reads any buffer.
 
-``buffers.device_copy``, when set, replaces steps 2-3's copy for every tensor:
-``device_copy(host, tensor)`` returns an event (anything with ``synchronize()``) or
+`buffers.device_copy`, when set, replaces steps 2-3's copy for every tensor:
+`device_copy(host, tensor)` returns an event (anything with `synchronize()`) or
 None, and the writer waits for each event. Tests use it to check this logic on CPU.
 """
 
@@ -45,8 +45,8 @@ _side_streams: dict[Any, Any] = {}
 
 
 def side_stream(device: Any) -> Any:
-    """This process's side stream on CUDA ``device`` (made once; saves' staging copies and
-    loads' device copies, :mod:`xckpt.torch._pipeline`, run on it)."""
+    """This process's side stream on CUDA `device` (made once; saves' staging copies and
+    loads' device copies, `xckpt.torch._pipeline`, run on it)."""
     stream = _side_streams.get(device)
     if stream is None:
         stream = _side_streams[device] = torch.cuda.Stream(device)
@@ -54,7 +54,7 @@ def side_stream(device: Any) -> Any:
 
 
 class Stager:
-    """One save's staging into ``buffers`` (see the module for the protocol)."""
+    """One save's staging into `buffers` (see the module for the protocol)."""
 
     def __init__(self, buffers: StagingPool) -> None:
         self.buffers = buffers
@@ -63,7 +63,7 @@ class Stager:
         buffers.begin()
 
     def stage(self, key: Hashable, part: Any) -> np.ndarray:
-        """Copy ``part`` (a tensor or numpy array) into its buffer; the numpy view to write."""
+        """Copy `part` (a tensor or numpy array) into its buffer; the numpy view to write."""
         if isinstance(part, np.ndarray):
             buf = self.buffers.take(
                 key, tuple(part.shape), part.dtype, lambda: np.empty(part.shape, part.dtype)

@@ -38,10 +38,10 @@ KEYS_META = "torch_keys"
 class PerRank:
     """Wrap a non-tensor value that differs between ranks (e.g. a data-loader state).
 
-    On save each rank's own ``value`` is stored. On load, a ``PerRank`` placeholder
-    receives ``PerRank(<this rank's saved value>)``; at another world size that is
-    an error unless the placeholder is ``PerRank(all_ranks=True)``, which receives
-    ``PerRank([value of rank 0, value of rank 1, ...], all_ranks=True)``.
+    On save each rank's own `value` is stored. On load, a `PerRank` placeholder
+    receives `PerRank(<this rank's saved value>)`; at another world size that is
+    an error unless the placeholder is `PerRank(all_ranks=True)`, which receives
+    `PerRank([value of rank 0, value of rank 1, ...], all_ranks=True)`.
     """
 
     value: Any = None
@@ -160,7 +160,7 @@ def _check_keys(keys: Any, where: str) -> Mapping[str, Any]:
 
 
 def _split(prefix: str, name: str, spec: Any) -> tuple[Any, str]:
-    """The key under ``prefix`` that stored ``name`` sits at, and that child's name."""
+    """The key under `prefix` that stored `name` sits at, and that child's name."""
     rest = name[len(prefix) + 1 :] if prefix else name
     if spec == "leaves":
         return rest, name
@@ -187,7 +187,7 @@ def _build(
     flat: dict[str, Any],
     slots: dict[str, Slot],
 ) -> None:
-    """Put the stored entries ``names`` (all under ``prefix``) into the empty ``into``."""
+    """Put the stored entries `names` (all under `prefix`) into the empty `into`."""
     spec = keys.get(prefix)
     groups: dict[Any, tuple[str, list[str]]] = {}
     for n in names:
@@ -207,7 +207,7 @@ def _build(
 
 
 def _device_near(flat: Mapping[str, Any], name: str) -> Any:
-    """The device of the target tensors nearest ``name`` (same parent first); None: CPU."""
+    """The device of the target tensors nearest `name` (same parent first); None: CPU."""
     tensors = [(n, v) for n, v in flat.items() if isinstance(v, torch.Tensor)]
     parts = name.split(".")
     for j in range(len(parts) - 1, -1, -1):

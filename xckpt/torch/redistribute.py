@@ -1,15 +1,15 @@
 """Moving a managed-collision group held in memory to a new layout, by value.
 
-:func:`redistribute_by_value` is the in-memory twin of loading a value group:
+[`redistribute_by_value`][xckpt.torch.redistribute.redistribute_by_value] is the in-memory twin of loading a value group:
 every rank of the process group calls it with its current tensors; entries go
 to the input owner of their raw id and the weight rows follow, with
-``all_to_all_single``; each rank then applies the core's steps
-(:func:`xckpt.values.ranges.assemble_rank`), so the result equals
-``xckpt.torch.load`` of a checkpoint of the same state. Collectives, in order,
-on every rank: split sizes and entries (two ``all_to_all_single``), one outcome
-exchange (:func:`xckpt.torch._dist.share_outcome`; all ranks raise together),
-row requests and replies (two ``all_to_all_single`` per row tensor), and an
-``all_reduce`` (max) of the current iteration.
+`all_to_all_single`; each rank then applies the core's steps
+(`xckpt.values.ranges.assemble_rank`), so the result equals
+`xckpt.torch.load` of a checkpoint of the same state. Collectives, in order,
+on every rank: split sizes and entries (two `all_to_all_single`), one outcome
+exchange (`xckpt.torch._dist.share_outcome`; all ranks raise together),
+row requests and replies (two `all_to_all_single` per row tensor), and an
+`all_reduce` (max) of the current iteration.
 """
 
 from __future__ import annotations
@@ -59,20 +59,20 @@ def redistribute_by_value(
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Move a managed-collision group held in memory to a new layout, by value.
 
-    Every rank of ``process_group`` calls it with its current tensors. Entries
+    Every rank of `process_group` calls it with its current tensors. Entries
     go to the input owner of their raw id and weight rows (and the declared
-    row-aligned tensors) follow, with ``all_to_all_single`` (split sizes
+    row-aligned tensors) follow, with `all_to_all_single` (split sizes
     exchanged first); each rank then applies the same steps as the read path
-    (:func:`xckpt.values.ranges.assemble_rank`), so the result equals
-    ``xckpt.torch.load`` of a checkpoint of the same state.
+    (`xckpt.values.ranges.assemble_rank`), so the result equals
+    `xckpt.torch.load` of a checkpoint of the same state.
 
     Args:
-        state: this rank's tensors by name (names as in ``group``); the buffers
-            may hold any entries, the weight holds rows ``held_row_bounds[r:r+2]``.
+        state: this rank's tensors by name (names as in `group`); the buffers
+            may hold any entries, the weight holds rows `held_row_bounds[r:r+2]`.
         group: the group declaration (prefix, weight, input size, row-aligned).
         row_bounds: the new row split (default: torchrec's ceil split over the group).
         held_row_bounds: which weight rows each rank holds now (default: the
-            state's ``_output_segments_tensor``).
+            state's `_output_segments_tensor`).
         process_group: gloo on CPU, NCCL on GPU (default: world).
         strict_capacity: raise on every rank instead of evicting.
 
@@ -80,7 +80,7 @@ def redistribute_by_value(
         (new tensors by name on this rank, entries this rank evicted).
 
     Raises:
-        ValueRangeError: duplicates, or an overflow with ``strict_capacity``.
+        ValueRangeError: duplicates, or an overflow with `strict_capacity`.
     """
     import torch.distributed as dist
 

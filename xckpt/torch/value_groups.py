@@ -1,29 +1,29 @@
 """Value groups in the PyTorch adapter: tensors to numpy, collectives, torchrec introspection.
 
-The value-group logic is the core's (:mod:`xckpt.values.ranges`: the annotation
-model and read plans; :mod:`xckpt.values.save`: save plans;
-:mod:`xckpt.values.load`: the read driver). This module finds the groups of a
+The value-group logic is the core's (`xckpt.values.ranges`: the annotation
+model and read plans; `xckpt.values.save`: save plans;
+`xckpt.values.load`: the read driver). This module finds the groups of a
 state dict (declared, or torchrec MCH buffers by name), turns their tensors
 into numpy (local shard and row offset of plain tensors, ShardedTensors and
 DTensors), reads the target's row split off the torch targets, shares the
 outcome between ranks and fills the targets.
 
-Call protocol (the adapter's ``save`` / ``load`` make these calls, on every rank):
+Call protocol (the adapter's `save` / `load` make these calls, on every rank):
 
-1. ``save``: :func:`split_value_groups` (no I/O, no collectives) finds the groups
-   and returns their resolved names (:class:`MCNames` / :class:`ValueGroup`) and
+1. `save`: `split_value_groups` (no I/O, no collectives) finds the groups
+   and returns their resolved names (`MCNames` / [`ValueGroup`][xckpt.torch.value_groups.ValueGroup]) and
    the flat names they own; the adapter saves everything else. Then
-   :func:`save_value_groups` builds each group's annotation, has the core plan
-   this rank's part and writes it through the rank's :class:`xckpt.Writer`
+   `save_value_groups` builds each group's annotation, has the core plan
+   this rank's part and writes it through the rank's [`xckpt.Writer`][xckpt.Writer]
    (no collectives).
-2. ``load``: :func:`load_value_groups` finds the groups of the checkpoint whose
+2. `load`: `load_value_groups` finds the groups of the checkpoint whose
    key tensor the caller asks for, has the core plan and read every group
    tensor of this rank, exchanges the outcome with the other ranks (one
-   ``all_gather_object``), and only when every rank succeeded fills the
+   `all_gather_object`), and only when every rank succeeded fills the
    targets in place. It returns the names it handled and
-   ``{group prefix: entries this rank evicted}``.
+   `{group prefix: entries this rank evicted}`.
 
-Declaring groups (names as in the saved state dict)::
+Declaring groups (names as in the saved state dict):
 
     xckpt.torch.save(sd, path, value_groups=[
         ManagedCollision("mc", weight="emb.weight", input_size=2**20, row_aligned=["mom"]),
@@ -32,15 +32,15 @@ Declaring groups (names as in the saved state dict)::
     xckpt.torch.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, path,
                      value_groups=managed_collision_groups(dmp, dmp.fused_optimizer))
 
-torchrec MCH buffers under ``..._managed_collision_modules.<t>.`` are found
+torchrec MCH buffers under `..._managed_collision_modules.<t>.` are found
 without a declaration (input size 2**63-1, weight by torchrec's name rule, no
 row-aligned tensors). Loading needs no declaration: the manifest has it all.
-Moving a group held in memory is :func:`xckpt.torch.redistribute.redistribute_by_value`.
+Moving a group held in memory is [`xckpt.torch.redistribute.redistribute_by_value`][xckpt.torch.redistribute.redistribute_by_value].
 
 Group tensors may be plain per-rank tensors (each rank's own rows), row-wise
-``ShardedTensor``s (``DistributedModelParallel`` state dicts) or DTensors
+`ShardedTensor`s (`DistributedModelParallel` state dicts) or DTensors
 sharded on dim 0; the local shard and its offset are used. The on-disk layout
-and the decisions behind it are in :mod:`xckpt.values.ranges`.
+and the decisions behind it are in `xckpt.values.ranges`.
 """
 
 from __future__ import annotations
@@ -90,14 +90,14 @@ class ManagedCollision:
     """Declares a torchrec managed-collision module's state as a value group.
 
     Args:
-        prefix: the module's buffers' prefix as saved (names ``prefix._mch_...``),
+        prefix: the module's buffers' prefix as saved (names `prefix._mch_...`),
             with or without the trailing "." state-dict keys show; stored without it.
         weight: the embedding weight's name (default: torchrec's name rule).
-        input_size: the module's ``input_hash_size`` (torchrec's default 2**63-1).
+        input_size: the module's `input_hash_size` (torchrec's default 2**63-1).
         row_aligned: names of tensors row-aligned with the weight (row-wise
             optimizer state), moved with re-slotted rows.
-        rank_by: eviction columns in priority order (default: ``_mch_counts``
-            then ``_mch_last_access_iter``, those present).
+        rank_by: eviction columns in priority order (default: `_mch_counts`
+            then `_mch_last_access_iter`, those present).
         chunk_rows: at most this many used entries per saved chunk.
     """
 
@@ -115,11 +115,11 @@ class ManagedCollision:
 
 @dataclass(frozen=True)
 class ValueGroup:
-    """A generic value group: rows go to the rank whose block of ``domain`` holds their key.
+    """A generic value group: rows go to the rank whose block of `domain` holds their key.
 
     Args:
         key: name of the key tensor (one dimension, integer).
-        domain: ``(lo, hi)`` or ``hi`` of the key values.
+        domain: `(lo, hi)` or `hi` of the key values.
         columns: names of tensors row-aligned with the key.
         empty_marker: key value of unused rows (None: every row is used).
         rank_by: columns ranking rows when a rank overflows (highest kept).
@@ -204,7 +204,7 @@ def split_value_groups(flat: dict[str, Any], value_groups: Sequence[Any] | None)
     """Plans of the declared groups plus torchrec MCH modules found by name.
 
     Returns:
-        (plans, names of ``flat`` the groups own; the adapter does not save those).
+        (plans, names of `flat` the groups own; the adapter does not save those).
 
     Raises:
         ValueRangeError: a declaration names tensors the state dict lacks.
@@ -308,7 +308,7 @@ def save_value_groups(writer: Any, flat: dict[str, Any], plans: list[Any], rank:
     """Check and write this rank's part of every group (no collectives).
 
     Each group's annotation and save plan come from the core
-    (:mod:`xckpt.values.save`); this only turns the members into numpy.
+    (`xckpt.values.save`); this only turns the members into numpy.
 
     Raises:
         ValueRangeError: a used raw id or row lies outside this rank's ranges,
@@ -403,15 +403,15 @@ def _fill(target: Any, arr: np.ndarray, name: str, where: str) -> None:
 def load_value_groups(
     ckpt: Source, flat: dict[str, Any], rank: int, world_size: int, process_group: Any, strict_capacity: bool
 ) -> tuple[set[str], dict[str, int]]:
-    """Fill the group tensors of ``flat`` in place; every rank calls it.
+    """Fill the group tensors of `flat` in place; every rank calls it.
 
     For each group whose key the caller asks for: the annotation is checked
     once, the target's row split read off the torch targets, and the core
-    plans (:func:`xckpt.values.ranges.plan_rank_read`) and reads
-    (:func:`xckpt.values.load.load_rank`) this rank's arrays. Nothing is filled
+    plans (`xckpt.values.ranges.plan_rank_read`) and reads
+    (`xckpt.values.load.load_rank`) this rank's arrays. Nothing is filled
     unless every rank computed its part: the outcome is exchanged first
-    (:func:`xckpt.torch._dist.share_outcome`), so a bad checkpoint or (with
-    ``strict_capacity``) an overflow raises :class:`ValueRangeError` on every rank.
+    (`xckpt.torch._dist.share_outcome`), so a bad checkpoint or (with
+    `strict_capacity`) an overflow raises [`ValueRangeError`][xckpt.torch.value_groups.ValueRangeError] on every rank.
 
     Returns:
         (names handled, {group prefix: entries this rank evicted}).
@@ -473,21 +473,21 @@ def managed_collision_groups(
     model_key: str | None = None,
     optim_key: str | None = None,
 ) -> list[ManagedCollision]:
-    """Declarations for every torchrec MCH module of ``model`` (plain or ``DistributedModelParallel``).
+    """Declarations for every torchrec MCH module of `model` (plain or `DistributedModelParallel`).
 
-    Names are as in ``model.state_dict()``; with an ``optimizer`` (a fused
-    optimizer whose ``state_dict()["state"]`` is keyed by weight FQN, as DMP's)
-    they are as saved in ``{"model": model_sd, "optim": optim_sd}``, and its
+    Names are as in `model.state_dict()`; with an `optimizer` (a fused
+    optimizer whose `state_dict()["state"]` is keyed by weight FQN, as DMP's)
+    they are as saved in `{"model": model_sd, "optim": optim_sd}`, and its
     per-row state of each weight is declared row-aligned.
 
     Args:
-        model: a module holding ``MCHManagedCollisionModule``s.
-        optimizer: optional fused optimizer (e.g. ``dmp.fused_optimizer``).
+        model: a module holding `MCHManagedCollisionModule`s.
+        optimizer: optional fused optimizer (e.g. `dmp.fused_optimizer`).
         model_key, optim_key: top-level keys (default "model" / "optim" with an
             optimizer, none without).
 
     Returns:
-        One :class:`ManagedCollision` per module, with its input size, weight,
+        One [`ManagedCollision`][xckpt.torch.value_groups.ManagedCollision] per module, with its input size, weight,
         row-aligned optimizer state and its eviction policy's metadata columns.
     """
     if optimizer is not None:

@@ -2,13 +2,13 @@
 
 The framework-free core of value-aware resharding, one module a job:
 
-* :mod:`.ranges`: the annotation model and the pure arithmetic (owners, row
+* `ranges`: the annotation model and the pure arithmetic (owners, row
   ranges, the managed-collision redistribution, read plans);
-* :mod:`.save`: what a saving rank writes under which annotation;
-* :mod:`.load`: the read driver that gives a rank at W' its rows by value.
+* [`save`][xckpt.save]: what a saving rank writes under which annotation;
+* [`load`][xckpt.load]: the read driver that gives a rank at W' its rows by value.
 
-The torch and JAX adapters (:mod:`xckpt.torch.value_groups`,
-:mod:`xckpt.jax`) add only tensors, collectives and torchrec introspection.
+The torch and JAX adapters (`xckpt.torch.value_groups`,
+`xckpt.jax`) add only tensors, collectives and torchrec introspection.
 """
 
 from __future__ import annotations

@@ -3,19 +3,19 @@
 Call protocol (every loading rank, no collective; the torch and JAX adapters
 both call it, so both load the same arrays):
 
-1. :func:`xckpt.values.ranges.group_annotations` (or ``GroupAnnotation.from_manifest``)
+1. `xckpt.values.ranges.group_annotations` (or `GroupAnnotation.from_manifest`)
    parses and checks each group once;
-2. :func:`xckpt.values.ranges.plan_rank_read` plans the rank's read: the path
+2. `xckpt.values.ranges.plan_rank_read` plans the rank's read: the path
    (value or position) and why, and the key chunks to read;
-3. :func:`load_rank` carries the plan out: reads those chunks of the key and its
+3. `load_rank` carries the plan out: reads those chunks of the key and its
    columns (checking every key against its chunk's range), assembles the rank's
-   slots (:func:`~xckpt.values.ranges.assemble_rank` or
-   :func:`~xckpt.values.ranges.position_rank`), reads the weight rows the new
-   rows come from in runs (:func:`~xckpt.values.ranges.row_runs`), rebuilds the
+   slots (`assemble_rank` or
+   `position_rank`), reads the weight rows the new
+   rows come from in runs (`row_runs`), rebuilds the
    segments and takes the max current iteration.
 
-:func:`read_group_rank` does all three for one group. Nothing here mutates
-shared state: the bytes read come back in :class:`ReadStats`.
+`read_group_rank` does all three for one group. Nothing here mutates
+shared state: the bytes read come back in `ReadStats`.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class ReadStats:
 class RankArrays:
     """What one new rank loads of a group: arrays by tensor name, evictions, the path taken.
 
-    ``source_rows`` (managed collision): the saved global row each new row's
-    weight comes from. ``read``: the bytes read.
+    `source_rows` (managed collision): the saved global row each new row's
+    weight comes from. `read`: the bytes read.
     """
 
     arrays: dict[str, np.ndarray]
@@ -87,7 +87,7 @@ def _rows_box(t: TensorEntry, start: int, stop: int) -> Box:
 
 
 def _read_key_chunks(src: Source, g: GroupAnnotation, chunks: Sequence[Chunk]) -> tuple[dict[str, np.ndarray], int]:
-    """Read ``chunks`` (boxes of the key) of the key and every column, checking keys; -> (arrays, bytes)."""
+    """Read `chunks` (boxes of the key) of the key and every column, checking keys; -> (arrays, bytes)."""
     where = str(src.path)
     names = [g.key, *g.columns()]
     items = []
@@ -120,11 +120,11 @@ def _read_key_chunks(src: Source, g: GroupAnnotation, chunks: Sequence[Chunk]) -
 def load_rank(
     src: Source, plan: RankReadPlan, *, strict_capacity: bool = False, box_cost: int = BOX_COST
 ) -> RankArrays:
-    """Carry out ``plan``: every planned tensor of the group as the new rank holds it.
+    """Carry out `plan`: every planned tensor of the group as the new rank holds it.
 
     Managed collision: key, rows, metadata (zch' each), weight and row-aligned
     tensors (zch' rows), segments (rebuilt, padded with -1 as saved), current
-    iter (1,). Generic: the key and its columns, ``capacity`` rows.
+    iter (1,). Generic: the key and its columns, `capacity` rows.
 
     Args:
         src: the open checkpoint the plan was made from.
@@ -135,7 +135,7 @@ def load_rank(
 
     Raises:
         ValueRangeError: bad keys, duplicates, a disagreeing annotation, or a
-            capacity overflow with ``strict_capacity``.
+            capacity overflow with `strict_capacity`.
     """
     if plan.annotation.kind == GENERIC_KIND:
         return _generic_rank(src, plan, strict_capacity)
@@ -252,10 +252,10 @@ def read_group_rank(
     force_path: str | None = None,
     box_cost: int = BOX_COST,
 ) -> RankArrays:
-    """Every tensor of the group keyed by ``key`` as new rank ``rank`` of ``world`` holds it.
+    """Every tensor of the group keyed by `key` as new rank `rank` of `world` holds it.
 
-    Parses and checks the group, plans the read (:func:`~xckpt.values.ranges.plan_rank_read`:
-    the arguments are its) and carries it out (:func:`load_rank`).
+    Parses and checks the group, plans the read (`plan_rank_read`:
+    the arguments are its) and carries it out (`load_rank`).
     """
     tensors = {n: src.info(n) for n in src.names()}
     ann = GroupAnnotation.from_manifest(tensors, key, str(src.path))

@@ -2,53 +2,53 @@
 
 Framework-free core of value-aware resharding, pure (no I/O, no collectives):
 
-* the model: :class:`GroupAnnotation` (with :class:`Members`), the one typed
+* the model: `GroupAnnotation` (with `Members`), the one typed
   form of the on-disk annotation, built to save or parsed and checked against
-  the chunks once (:meth:`GroupAnnotation.from_manifest`);
-* the arithmetic: input owners and row ranges (:class:`MCLayout`), the
+  the chunks once (`GroupAnnotation.from_manifest`);
+* the arithmetic: input owners and row ranges (`MCLayout`), the
   five-step redistribution of torchrec's managed-collision (MCH/ZCH) state
-  (:func:`assemble_rank`), the position path where it is equivalent
-  (:func:`position_rank`), chunking and key checks, row runs;
-* the read plan: :func:`plan_rank_read` says, for a rank at W', which chunks
+  (`assemble_rank`), the position path where it is equivalent
+  (`position_rank`), chunking and key checks, row runs;
+* the read plan: `plan_rank_read` says, for a rank at W', which chunks
   it reads, by which path (value or position) and why (a frozen value).
 
-Beside it, by job: :mod:`xckpt.values.save` plans what a saving rank writes
-under which annotation, :mod:`xckpt.values.load` is the read driver. The adapters only turn tensors
+Beside it, by job: `xckpt.values.save` plans what a saving rank writes
+under which annotation, `xckpt.values.load` is the read driver. The adapters only turn tensors
 into numpy, run collectives and introspect torchrec
-(:mod:`xckpt.torch.value_groups`, :mod:`xckpt.torch.redistribute`,
-:mod:`xckpt.jax._value_groups`).
+(`xckpt.torch.value_groups`, `xckpt.torch.redistribute`,
+`xckpt.jax._value_groups`).
 
 Saved layout (decided here; the design leaves it open):
 
-* A managed-collision group saves each MCH buffer (``_mch_sorted_raw_ids``,
-  ``_mch_remapped_ids_mapping`` and every ``_mch_<metadata>`` column) as one
+* A managed-collision group saves each MCH buffer (`_mch_sorted_raw_ids`,
+  `_mch_remapped_ids_mapping` and every `_mch_<metadata>` column) as one
   global int64 tensor of N = sum(zch) rows; rank r's slots sit at its row
-  offset ``off_r`` (row r of ``row_bounds``), so a slot's position is in its
+  offset `off_r` (row r of `row_bounds`), so a slot's position is in its
   rank's row range and positions stay meaningful. Each rank's slots are cut
-  into chunks of at most ``chunk_rows`` used entries; a chunk's
-  ``value_range`` is the sub-range ``[lo, hi)`` of the rank's input block that
+  into chunks of at most `chunk_rows` used entries; a chunk's
+  `value_range` is the sub-range `[lo, hi)` of the rank's input block that
   it covers (the used chunks of a rank tile its block), and the tail of empty
   slots is one chunk with no value range (it holds only the empty marker).
   Every column has the same chunk boxes and ranges as the key.
 * The weight and the declared row-aligned tensors (row-wise optimizer state)
-  are global tensors of N rows, one chunk per rank (rows ``[off_r, off_r +
-  zch_r)``), role "weight" / "row_aligned".
-* ``_current_iter_tensor`` is saved as a (W,) tensor (rank r's value at r; the
-  loader takes the max), ``_output_segments_tensor`` once as saved (it must
-  agree with ``row_bounds``).
-* The key tensor's :class:`~xckpt.manifest.ValueRange` (kind
-  "managed_collision", role "key", domain ``[0, I)``, empty marker int64 max)
-  carries in ``attrs``: ``input_size``, ``input_bounds`` and ``row_bounds`` of
-  the saved ranks, ``members`` (names by role), ``rank_by`` (metadata columns
-  used for eviction, in priority order) and ``miss_row`` = "last". Only
+  are global tensors of N rows, one chunk per rank (rows `[off_r, off_r +
+  zch_r)`), role "weight" / "row_aligned".
+* `_current_iter_tensor` is saved as a (W,) tensor (rank r's value at r; the
+  loader takes the max), `_output_segments_tensor` once as saved (it must
+  agree with `row_bounds`).
+* The key tensor's `ValueRange` (kind
+  "managed_collision", role "key", domain `[0, I)`, empty marker int64 max)
+  carries in `attrs`: `input_size`, `input_bounds` and `row_bounds` of
+  the saved ranks, `members` (names by role), `rank_by` (metadata columns
+  used for eviction, in priority order) and `miss_row` = "last". Only
   globally known facts go in attrs (manifests of ranks are merged by taking
   the first), per-rank facts are the chunks'.
 
 Decisions where the design is silent:
 
-* Input split: torchrec's ``block = ceil(I / B)`` with B = W buckets, one per
+* Input split: torchrec's `block = ceil(I / B)` with B = W buckets, one per
   rank (ZCH buckets finer than ranks are not modelled).
-* Eviction (step 3) keeps the entries ranked highest by the ``rank_by``
+* Eviction (step 3) keeps the entries ranked highest by the `rank_by`
   columns, lexicographically (LFU: counts, then last access), ties to the
   smaller raw id. Re-slotted entries take, in ascending raw id order, the free
   usable rows of the owner in ascending order.
@@ -58,27 +58,27 @@ Decisions where the design is silent:
   slicing. A rank reads exactly the saved rows its new rows come from (its
   own rows kept in place and the rows moved in); those are scattered
   (torchrec assigns rows in random order), so they are read in runs chosen by
-  a cost model (:func:`row_runs`: one more box costs about as much as 512 KiB
+  a cost model (`row_runs`: one more box costs about as much as 512 KiB
   more bytes), not one box per row.
 * The position path is taken iff every new row boundary and every new input
   boundary is a saved one (each new rank's ranges are unions of whole saved
-  ranks' ranges); it reads the rows ``[lo', hi')`` by position, concatenates
+  ranks' ranges); it reads the rows `[lo', hi')` by position, concatenates
   and re-sorts (free slots: empty marker, metadata 0, rows ascending, the miss
   row last) and provably equals the value path (tests check it).
-* Generic groups: a key tensor with a domain ``[lo, hi)``, row-aligned
+* Generic groups: a key tensor with a domain `[lo, hi)`, row-aligned
   columns, an empty marker. Saved rows need not be partitioned by key: each
   rank's rows are sorted by key and cut into chunks with tight ranges
-  ``[first, last + 1)``. At W' rank r' takes the keys in its ceil block of the
+  `[first, last + 1)`. At W' rank r' takes the keys in its ceil block of the
   domain, sorted, empty rows after them (columns 0); overflow keeps the
-  highest by ``rank_by`` (else the smallest keys). Plain per-rank tensors must
-  have the same length on every rank (rank r's rows sit at ``r * n``).
+  highest by `rank_by` (else the smallest keys). Plain per-rank tensors must
+  have the same length on every rank (rank r's rows sit at `r * n`).
 * Checks that need every rank's data (a row or id duplicated between two
   chunks that different new ranks read) are not made; each rank checks what
   it reads, and the torch adapter shares the outcome so all ranks fail together.
-* The annotation is validated strictly: ``members`` may name only the roles
+* The annotation is validated strictly: `members` may name only the roles
   above (a string or null for rows, weight, segments, current_iter; a list for
   metadata, columns, row_aligned).
-* Group tensors given as DTensors must be ``Shard(0)`` on a 1-D mesh of the
+* Group tensors given as DTensors must be `Shard(0)` on a 1-D mesh of the
   loading ranks (torch.chunk split = torchrec's ceil split).
 """
 
@@ -133,7 +133,7 @@ BOX_COST = 512 << 10
 
 
 def ceil_bounds(n: int, world: int) -> tuple[int, ...]:
-    """torchrec's ceil split of ``n`` over ``world``: boundaries ``[0, ..., n]``."""
+    """torchrec's ceil split of `n` over `world`: boundaries `[0, ..., n]`."""
     if world < 1:
         raise ValueRangeError(f"cannot split a domain over {world} ranks")
     block = -(-n // world)
@@ -171,7 +171,7 @@ class MCLayout:
 class Assembled:
     """One new rank's managed-collision slots (steps 2-4) and where its rows come from.
 
-    ``source_rows[i]``: the saved global row whose weight new row ``lo + i`` takes.
+    `source_rows[i]`: the saved global row whose weight new row `lo + i` takes.
     """
 
     raw: np.ndarray
@@ -182,7 +182,7 @@ class Assembled:
 
 
 def evict_order(raw: np.ndarray, meta: Mapping[str, np.ndarray], rank_by: Sequence[str]) -> np.ndarray:
-    """Entry order, best first: highest ``rank_by`` columns (in priority), then smaller raw id."""
+    """Entry order, best first: highest `rank_by` columns (in priority), then smaller raw id."""
     keys: list[np.ndarray] = [raw]
     for name in reversed(list(rank_by)):
         keys.append(-meta[name].astype(np.int64))
@@ -206,18 +206,18 @@ def assemble_rank(
     name: str = "<group>",
     strict_capacity: bool = False,
 ) -> Assembled:
-    """Steps 2-4 of DESIGN section 4 for new rank ``rank``, given the used entries it owns.
+    """Steps 2-4 of DESIGN section 4 for new rank `rank`, given the used entries it owns.
 
     Args:
         raw: used raw ids routed to this rank (step 1 done by the caller).
-        rows: their saved global rows; ``meta``: their metadata columns.
-        layout: the new layout; ``rank_by``: eviction columns, priority order.
+        rows: their saved global rows; `meta`: their metadata columns.
+        layout: the new layout; `rank_by`: eviction columns, priority order.
         name: the key tensor, for messages.
         strict_capacity: raise instead of evicting.
 
     Raises:
         ValueRangeError: a raw id or row appears twice, an id is not owned by
-            ``rank``, or (strict) the entries exceed the rank's capacity.
+            `rank`, or (strict) the entries exceed the rank's capacity.
     """
     lo, hi = layout.rows(rank)
     zch = hi - lo
@@ -279,11 +279,11 @@ def position_rank(
     *,
     name: str = "<group>",
 ) -> Assembled:
-    """The position path: rank's saved slots ``[lo, hi)`` concatenated, then re-sorted.
+    """The position path: rank's saved slots `[lo, hi)` concatenated, then re-sorted.
 
     Free slots get metadata 0 and their rows in ascending order (the miss row,
     the largest, last), then everything is stable-sorted by raw id. Valid only
-    where :func:`position_equivalent` holds.
+    where `position_equivalent` holds.
     """
     lo, hi = layout.rows(rank)
     raw = np.asarray(raw, np.int64)
@@ -316,10 +316,10 @@ def position_equivalent(saved: MCLayout, new: MCLayout) -> bool:
 
 
 def value_chunks(keys: np.ndarray, lo: int, hi: int, chunk_rows: int, empty: int = INT64_MAX) -> list[Any]:
-    """Cut one rank's sorted keys into chunks: ``(start, stop, (vlo, vhi) | None)``.
+    """Cut one rank's sorted keys into chunks: `(start, stop, (vlo, vhi) | None)`.
 
-    Used entries (``key != empty``) come first and are cut every ``chunk_rows``;
-    their ranges tile ``[lo, hi)``. The empty tail is one chunk with no range.
+    Used entries (`key != empty`) come first and are cut every `chunk_rows`;
+    their ranges tile `[lo, hi)`. The empty tail is one chunk with no range.
     """
     used = int(np.count_nonzero(keys != empty))
     out: list[Any] = []
@@ -335,7 +335,7 @@ def value_chunks(keys: np.ndarray, lo: int, hi: int, chunk_rows: int, empty: int
 
 
 def generic_chunks(keys: np.ndarray, chunk_rows: int, empty: int | None) -> list[Any]:
-    """Like :func:`value_chunks` for a generic group: tight ranges ``[first, last + 1)``."""
+    """Like `value_chunks` for a generic group: tight ranges `[first, last + 1)`."""
     used = int(keys.size if empty is None else np.count_nonzero(keys != empty))
     out: list[Any] = []
     for s in range(0, used, max(1, chunk_rows)):
@@ -349,10 +349,10 @@ def generic_chunks(keys: np.ndarray, chunk_rows: int, empty: int | None) -> list
 def check_keys(
     keys: np.ndarray, vrange: tuple[int, int] | None, name: str, where: str, empty: int | None = INT64_MAX
 ) -> None:
-    """Every used key in ``[lo, hi)``, ascending and unique; a range-less chunk holds only empties.
+    """Every used key in `[lo, hi)`, ascending and unique; a range-less chunk holds only empties.
 
     Raises:
-        ValueRangeError: naming ``name`` and ``where`` (the checkpoint / chunk).
+        ValueRangeError: naming `name` and `where` (the checkpoint / chunk).
     """
     used_mask = keys != empty if empty is not None else np.ones(keys.shape, bool)
     used = keys[used_mask]
@@ -380,10 +380,10 @@ def row_runs(
 ) -> list[tuple[int, int]]:
     """Rows -> (start, stop) runs covering them at the least estimated cost.
 
-    Reading k runs costs ``rows read * row_bytes + k * box_cost``; for k runs the
+    Reading k runs costs `rows read * row_bytes + k * box_cost`; for k runs the
     fewest rows are read by merging the smallest gaps between needed rows, so
     the cost of every k is known from the sorted gaps and the cheapest k (at most
-    ``max_runs``) is taken. ``box_cost=0`` reads exactly the needed rows.
+    `max_runs`) is taken. `box_cost=0` reads exactly the needed rows.
     """
     if rows.size == 0:
         return []
@@ -427,7 +427,7 @@ class Members:
     current_iter: str | None = None
 
     def of(self, role: str) -> tuple[str, ...]:
-        """The names holding ``role`` (none, one or several)."""
+        """The names holding `role` (none, one or several)."""
         v = getattr(self, role)
         return tuple(v) if isinstance(v, tuple) else (() if v is None else (v,))
 
@@ -444,12 +444,12 @@ class Members:
 class GroupAnnotation:
     """A value group as the manifest records it, checked against its chunks once.
 
-    The key tensor's :class:`~xckpt.manifest.ValueRange` carries it (``attrs``:
-    ``members``, ``input_bounds``, ``rank_by``, and for managed collision
-    ``input_size``, ``row_bounds``, ``miss_row``); every member's own
-    ``ValueRange`` names the group and its role. Build one with
-    :meth:`managed_collision` / :meth:`generic` to save, or read it with
-    :meth:`from_manifest`, which is the only parser and validator.
+    The key tensor's `ValueRange` carries it (`attrs`:
+    `members`, `input_bounds`, `rank_by`, and for managed collision
+    `input_size`, `row_bounds`, `miss_row`); every member's own
+    `ValueRange` names the group and its role. Build one with
+    `managed_collision` / `generic` to save, or read it with
+    `from_manifest`, which is the only parser and validator.
     """
 
     group: str
@@ -468,7 +468,7 @@ class GroupAnnotation:
         cls, group: str, key: str, members: Members, *, input_size: int, row_bounds: Sequence[int],
         rank_by: Sequence[str] = (),
     ) -> GroupAnnotation:
-        """A managed-collision group saved with rows split at ``row_bounds``."""
+        """A managed-collision group saved with rows split at `row_bounds`."""
         lay = MCLayout(int(input_size), tuple(int(b) for b in row_bounds))
         return cls(
             group=group, kind=MC_KIND, key=key, members=members, domain=(0, lay.input_size),
@@ -520,7 +520,7 @@ class GroupAnnotation:
         raise ValueRangeError(f"tensor {name!r} is not a member of value group {self.group!r}")
 
     def value_range(self, name: str) -> ValueRange:
-        """The :class:`ValueRange` to save ``name`` under (attrs on the key only)."""
+        """The `ValueRange` to save `name` under (attrs on the key only)."""
         role = self.role_of(name)
         if role != "key":
             return ValueRange(group=self.group, role=role, kind=self.kind)
@@ -543,7 +543,7 @@ class GroupAnnotation:
 
     @classmethod
     def from_manifest(cls, tensors: Mapping[str, TensorEntry], key: str, where: str) -> GroupAnnotation:
-        """Parse the group whose key tensor is ``key`` and check it against every member's chunks.
+        """Parse the group whose key tensor is `key` and check it against every member's chunks.
 
         Raises:
             ValueRangeError: the annotation is inconsistent with itself or the chunks.
@@ -559,9 +559,9 @@ def group_keys(tensors: Mapping[str, TensorEntry]) -> list[str]:
 
 
 def group_annotations(src: Source) -> dict[str, GroupAnnotation]:
-    """Every value group of ``src``, by key name, each validated.
+    """Every value group of `src`, by key name, each validated.
 
-    (Not named ``annotations``: that name is the module's ``from __future__`` import.)
+    (Not named `annotations`: that name is the module's `from __future__` import.)
     """
     tensors = {n: src.info(n) for n in src.names()}
     return {k: GroupAnnotation.from_manifest(tensors, k, str(src.path)) for k in group_keys(tensors)}
@@ -664,10 +664,10 @@ def _check_chunks(tensors: Mapping[str, TensorEntry], g: GroupAnnotation, where:
 
 
 def target_layout(g: GroupAnnotation, world: int, row_bounds: Sequence[int] | None = None) -> MCLayout:
-    """The managed-collision layout at ``world`` ranks (default rows: torchrec's ceil split).
+    """The managed-collision layout at `world` ranks (default rows: torchrec's ceil split).
 
     Raises:
-        ShapeMismatchError: ``row_bounds`` does not split the saved rows.
+        ShapeMismatchError: `row_bounds` does not split the saved rows.
     """
     saved = g.saved
     if saved is None:
@@ -684,12 +684,12 @@ def target_layout(g: GroupAnnotation, world: int, row_bounds: Sequence[int] | No
 
 @dataclass(frozen=True)
 class RankReadPlan:
-    """What new rank ``rank`` of ``world`` reads of a group, by which path, and why.
+    """What new rank `rank` of `world` reads of a group, by which path, and why.
 
-    ``key_chunks``: the chunks of the key (the same boxes of every column) it
+    `key_chunks`: the chunks of the key (the same boxes of every column) it
     reads. The weight rows follow from the key chunks' contents: after
-    :func:`assemble_rank` they are ``source_rows``, read in :func:`row_runs`.
-    ``layout``: the new managed-collision layout; ``capacity``: a generic
+    `assemble_rank` they are `source_rows`, read in `row_runs`.
+    `layout`: the new managed-collision layout; `capacity`: a generic
     group's rows per rank.
     """
 
@@ -716,10 +716,10 @@ def plan_rank_read(
     names: Sequence[str] | None = None,
     force_path: str | None = None,
 ) -> RankReadPlan:
-    """Plan new rank ``rank`` of ``world``'s read of a group (a pure function of the manifest).
+    """Plan new rank `rank` of `world`'s read of a group (a pure function of the manifest).
 
     Args:
-        ann: the group; ``key_entry``: its key tensor's manifest entry.
+        ann: the group; `key_entry`: its key tensor's manifest entry.
         row_bounds: managed collision: the new row boundaries (default ceil split).
         capacity: generic: rows of the rank's key tensor.
         names: restrict to these tensors (default: all of the group).
@@ -728,8 +728,8 @@ def plan_rank_read(
 
     Raises:
         ValueRangeError: "position" forced where it is not equivalent; a generic
-            group without ``capacity``.
-        ShapeMismatchError: ``row_bounds`` do not split the saved rows.
+            group without `capacity`.
+        ShapeMismatchError: `row_bounds` do not split the saved rows.
     """
     want = tuple(ann.names() if names is None else [n for n in ann.names() if n in set(names)])
 

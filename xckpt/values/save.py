@@ -1,12 +1,12 @@
 """Saving a value group: what each rank writes, under which annotation (pure plans).
 
 Call protocol (every saving rank, no collective): the adapter builds the
-group's :class:`~xckpt.values.ranges.GroupAnnotation` (the same on every rank),
-turns the members this rank holds into :class:`LocalRows` (numpy), calls
-:func:`plan_mc_save` or :func:`plan_generic_save` (checks, sorting, chunking:
-a frozen :class:`GroupSavePlan` and the arrays it writes), then
-:func:`write_group` on the rank's :class:`xckpt.writer.Writer`. The on-disk
-layout this produces is described in :mod:`xckpt.values.ranges`.
+group's `GroupAnnotation` (the same on every rank),
+turns the members this rank holds into `LocalRows` (numpy), calls
+`plan_mc_save` or `plan_generic_save` (checks, sorting, chunking:
+a frozen `GroupSavePlan` and the arrays it writes), then
+`write_group` on the rank's `xckpt.writer.Writer`. The on-disk
+layout this produces is described in `xckpt.values.ranges`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = ["LocalRows", "ChunkWrite", "GroupSavePlan", "plan_mc_save", "plan_gen
 class LocalRows:
     """What a saving rank holds of one member: its rows, their global row offset and count.
 
-    ``offset`` / ``global_rows`` are None for a plain per-rank tensor (no
+    `offset` / `global_rows` are None for a plain per-rank tensor (no
     sharding metadata says where its rows sit).
     """
 
@@ -46,7 +46,7 @@ class LocalRows:
 
 @dataclass(frozen=True)
 class ChunkWrite:
-    """Rows ``[start, stop)`` of a member's planned local array, stored at global ``offset``."""
+    """Rows `[start, stop)` of a member's planned local array, stored at global `offset`."""
 
     name: str
     start: int
@@ -58,11 +58,11 @@ class ChunkWrite:
 
 @dataclass(frozen=True)
 class GroupSavePlan:
-    """One rank's part of a group: what to declare and write, under ``annotation``.
+    """One rank's part of a group: what to declare and write, under `annotation`.
 
-    ``declares`` lists (name, dtype name, global shape) of every member this
-    rank declares, ``writes`` the boxes it stores. The arrays come beside the
-    plan (:func:`plan_mc_save` returns them sorted by key); :func:`write_group`
+    `declares` lists (name, dtype name, global shape) of every member this
+    rank declares, `writes` the boxes it stores. The arrays come beside the
+    plan (`plan_mc_save` returns them sorted by key); `write_group`
     carries it out.
     """
 
@@ -83,10 +83,10 @@ def _sort_by_key(keys: np.ndarray, cols: dict[str, np.ndarray], empty: int | Non
 def plan_mc_save(
     ann: GroupAnnotation, rank: int, local: Mapping[str, LocalRows], chunk_rows: int = DEFAULT_CHUNK_ROWS
 ) -> tuple[GroupSavePlan, dict[str, np.ndarray]]:
-    """Check rank ``rank``'s managed-collision state and plan its part (layout: module docstring).
+    """Check rank `rank`'s managed-collision state and plan its part (layout: module docstring).
 
     Args:
-        ann: the group (its ``row_bounds`` split the rows over the saving ranks).
+        ann: the group (its `row_bounds` split the rows over the saving ranks).
         local: every member this rank holds, by name.
         chunk_rows: at most this many used entries per chunk.
 
@@ -169,9 +169,9 @@ def plan_mc_save(
 def plan_generic_save(
     ann: GroupAnnotation, rank: int, world: int, local: Mapping[str, LocalRows], chunk_rows: int = DEFAULT_CHUNK_ROWS
 ) -> tuple[GroupSavePlan, dict[str, np.ndarray]]:
-    """Check rank ``rank``'s rows of a generic group and plan its part.
+    """Check rank `rank`'s rows of a generic group and plan its part.
 
-    A plain per-rank key (no offset) puts rank r's rows at ``r * n_local``.
+    A plain per-rank key (no offset) puts rank r's rows at `r * n_local`.
 
     Raises:
         ValueRangeError: the key is not a 1-D integer tensor, a column is not
@@ -210,7 +210,7 @@ def plan_generic_save(
 
 
 def write_group(writer: Any, plan: GroupSavePlan, arrays: Mapping[str, np.ndarray]) -> None:
-    """Carry out ``plan`` on a rank's :class:`xckpt.writer.Writer` (no collectives)."""
+    """Carry out `plan` on a rank's `xckpt.writer.Writer` (no collectives)."""
     ann = plan.annotation
     for name, dtype, shape in plan.declares:
         writer.declare(name, numpy_dtype(dtype), shape, value_range=ann.value_range(name))
