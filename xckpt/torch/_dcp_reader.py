@@ -68,7 +68,7 @@ from xckpt.layout import Box
 from xckpt.rules import Rules
 from xckpt.source import Source
 from xckpt.storage import Location
-from xckpt.torch._dcp_writer import PICKLED_KEY
+from xckpt.torch._dcp_writer import PICKLED_KEY, Located
 from xckpt.torch._dist import distributed
 from xckpt.torch._dtypes import as_numpy, known_dtype_name, torch_dtype
 from xckpt.views import SourceView
@@ -127,7 +127,7 @@ def _world() -> int:
     return dist.get_world_size() if dist is not None else 1
 
 
-class XckptStorageReader(StorageReader):
+class XckptStorageReader(Located, StorageReader):
     """A torch DCP `StorageReader` over any checkpoint `xckpt.open` reads (see the module docstring).
 
     Args:
@@ -348,14 +348,6 @@ class XckptStorageReader(StorageReader):
             buf.seek(0)
             planner.load_bytes(it, buf)
 
-    @property
-    def checkpoint_id(self) -> Location:
-        """The location this reader loads from."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike, Mapping))
 
 
 def _at(value: Any, path: Sequence[Any]) -> Any:

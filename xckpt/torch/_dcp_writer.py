@@ -125,7 +125,23 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return as_numpy(t)
 
 
-class XckptStorageWriter(StorageWriter):
+class Located:
+    """What DCP asks of a storage layer about its location: the `checkpoint_id` it was given
+    (a path, a URL or a kvstore spec dict), and which ids it takes."""
+
+    path: Location
+
+    @property
+    def checkpoint_id(self) -> Location:
+        """The location this storage layer saves to or loads from."""
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike, Mapping))
+
+
+class XckptStorageWriter(Located, StorageWriter):
     """A torch DCP `StorageWriter` that writes an xckpt checkpoint (see the module docstring).
 
     Args:
@@ -302,14 +318,6 @@ class XckptStorageWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path if isinstance(self.path, (str, os.PathLike)) else None)
 
-    @property
-    def checkpoint_id(self) -> Location:
-        """The location this writer saves to."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike, Mapping))
 
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype[Any]:
