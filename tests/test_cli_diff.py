@@ -53,7 +53,7 @@ def test_one_changed_element_is_found_exit_1(tmp_path, arrays, capsys, monkeypat
     capsys.readouterr()
     assert main(["diff", "--values", a, b]) == 1
     out = capsys.readouterr().out
-    assert "~ w: values differ, first at [37, 5]" in out and "1 tensors and 0 objects differ" in out
+    assert "~ w: values differ, first at [37, 5]" in out and "1 tensor and 0 objects differ" in out
 
 
 def test_nan_payloads_compare_bit_for_bit(tmp_path, capsys):
