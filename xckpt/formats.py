@@ -80,8 +80,9 @@ class Format:
     suffixes: tuple[str, ...] = ()
     http_probes: tuple[str, ...] = ()
 
-    def why_not(self, place: Place) -> str:
-        """Why `detect` said no at `place`, in words."""
+    def why_not(self, where: Location | Place) -> str:
+        """Why `detect` said no at `where` (a location or its place), in words."""
+        place = as_place(where, probes=HTTP_PROBES)
         kind = place.kind()
         if kind is not None and kind not in self.kinds:
             want = "directories" if self.kinds == {"dir"} else "files"
