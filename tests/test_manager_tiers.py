@@ -452,3 +452,32 @@ def test_cuda_local_steps_pinned_and_restored_onto_the_device(tmp_path):
     assert torch.equal(target["w"].cpu(), want["w"])
     assert torch.equal(target["b"].cpu().view(torch.int16), want["b"].view(torch.int16))
     m.close()
+
+
+def test_ranks_of_a_node_deleting_one_local_step_at_once_never_fail(tmp_path):
+    """Every rank of a node prunes the same old local step at the same time (the full suite
+    once caught rank 3's delete failing on a file rank 2 had just removed)."""
+    import threading
+
+    from xckpt.manager._tiers import _rmtree
+
+    for trial in range(20):
+        step = tmp_path / str(trial)
+        for sub in ("ranks", "data/0/t/a", "data/1/t/b", "data/2/packed"):
+            (step / sub).mkdir(parents=True)
+            for i in range(20):
+                (step / sub / f"f{i}").write_bytes(b"x")
+        errors: list[BaseException] = []
+
+        def delete(path=str(step), errors=errors):
+            try:
+                _rmtree(path)
+            except BaseException as e:  # recorded for the assertion below
+                errors.append(e)
+
+        threads = [threading.Thread(target=delete) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and not step.exists()

@@ -90,18 +90,22 @@ class Held:
 
 def _rmtree(path: str) -> None:
     """Delete a step directory, its manifests first. The other ranks of the node delete it
-    too, at the same time: what they removed first is no error, and this returns once the
-    directory is gone."""
+    too, at the same time: an entry one of them removed first is no error, and this
+    returns once the directory is gone (any other failure is raised)."""
+
+    def gone_meanwhile(fn: Any, p: str, exc: Any) -> None:
+        err = exc[1] if isinstance(exc, tuple) else exc
+        if not isinstance(err, FileNotFoundError):
+            raise err
+
     for sub in (os.path.join(path, "ranks"), path):
-        for _ in range(5):
-            try:
-                shutil.rmtree(sub)
-            except FileNotFoundError:
-                pass  # an entry another rank removed meanwhile: look again
+        for _ in range(50):
+            shutil.rmtree(sub, onerror=gone_meanwhile)
             if not os.path.exists(sub):
                 break
+            time.sleep(0.01)  # another rank's delete of an entry is under way
         else:
-            shutil.rmtree(sub)  # still there: the error, if any, is a real one
+            raise XckptError(f"local step {path!r}: {sub!r} could not be deleted (something keeps writing it)")
 
 
 class Tiers:
