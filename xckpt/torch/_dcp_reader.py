@@ -29,7 +29,8 @@ Call protocol (DCP's, numbered as in `torch.distributed.checkpoint.StorageReader
    straight into the tensor `planner.resolve_tensor` returns (a view of the caller's
    tensor or DTensor shard) when that lives in host memory, through a bounded host buffer
    otherwise; then `planner.commit_tensor`. Objects go to `planner.load_bytes` as
-   `torch.save` bytes of their value.
+   `torch.save` bytes of their value; a value stored as `torch.save` bytes goes as stored
+   (xckpt never unpickles it: DCP's planner does, as for its own checkpoints).
 
 Errors inside steps 1-5 reach the caller as DCP wraps them: a `CheckpointException` whose
 `failures[rank][0]` is the typed xckpt error. A target whose dtype differs from the stored
@@ -79,11 +80,16 @@ __all__ = ["XckptStorageReader"]
 STAGING_BYTES = 256 << 20
 
 
+class _SavedBytes(bytes):
+    """A value's `torch.save` bytes as stored: handed to DCP's planner as they are (DCP
+    unpickles them, as it does its own checkpoints' `BYTE_IO` items); xckpt never does."""
+
+
 class _DcpPickles(SourceView):
     """An xckpt checkpoint whose objects listed under `torch_dcp.pickled/<rank>` in its
     metadata are `torch.save` bytes (what [XckptStorageWriter][xckpt.torch.XckptStorageWriter]
-    stores for values that are not JSON): they count as pickles, read (unpickled) only
-    with `allow_pickle=True`."""
+    stores for values that are not JSON): they count as pickles, and only with
+    `allow_pickle=True` are their bytes passed on (as `_SavedBytes`) for DCP to load."""
 
     def __init__(self, source: Source, pickled: set[str], allow_pickle: bool) -> None:
         super().__init__(source)
@@ -107,7 +113,7 @@ class _DcpPickles(SourceView):
             raise self._pickle_refused(refused)
         got = super().objects(wanted, rank=rank, world_size=world_size, per_rank=per_rank)
         for n in refused:
-            got[n] = torch.load(io.BytesIO(got[n]), weights_only=False)  # allowed by the caller
+            got[n] = _SavedBytes(got[n])
         return got
 
 
@@ -343,6 +349,9 @@ class XckptStorageReader(Located, StorageReader):
         for it in items:
             obj, path = self._objects.get(it.storage_index.fqn, (it.storage_index.fqn, ()))
             value = _at(values[obj], path)
+            if type(value) is _SavedBytes:  # already torch.save bytes (a pickle, allowed by the caller)
+                planner.load_bytes(it, io.BytesIO(value))
+                continue
             buf = io.BytesIO()
             torch.save(value, buf)
             buf.seek(0)
