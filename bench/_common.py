@@ -357,3 +357,38 @@ def from_torch(t: Any) -> Any:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np_dtype("bfloat16"))
     return t.numpy()
+
+
+def run_ranks(target: Any, world: int, cfg: dict[str, Any], timeout: float) -> list[Any]:
+    """Spawn `world` processes running `target(rank, world, port, cfg, queue)` on a free
+    127.0.0.1 port; each puts `(rank, ok, value)` on the queue. Returns the values by rank;
+    exits with the failing rank's traceback, or when they do not finish in `timeout` s."""
+    import multiprocessing as mp
+    import queue
+    import socket
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(r, world, port, cfg, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world:
+            try:
+                rank, ok, value = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise SystemExit(f"ranks did not finish in {timeout} s; finished: {sorted(got)}") from None
+            if not ok:
+                raise SystemExit(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(world)]

@@ -37,10 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
-import socket
 import sys
 import time
 from typing import Any
@@ -52,6 +49,7 @@ from _common import (
     median,
     out_dir,
     remove,
+    run_ranks,
     spec_bytes,
     to_torch,
     workload_spec,
@@ -169,34 +167,6 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) -> No
         out.put((rank, False, traceback.format_exc()))
 
 
-def _run_ranks(world: int, cfg: dict[str, Any], timeout: float) -> list[list[dict[str, Any]]]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < world:
-            try:
-                rank, ok, value = q.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise SystemExit(f"ranks did not finish in {timeout} s; finished: {sorted(got)}") from None
-            if not ok:
-                raise SystemExit(f"rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [got[r] for r in range(world)]
-
-
 def _save(spec: Any, location: Any) -> None:
     import xckpt.torch as xt
 
@@ -257,7 +227,7 @@ def main() -> None:
                 "temps": [t for t in temps if storage == "local" or t == "warm"],
                 "env": env,
             }
-            per_rank = _run_ranks(args.ranks, cfg, timeout=3600)
+            per_rank = run_ranks(_rank, args.ranks, cfg, timeout=3600)
         finally:
             if server is not None:
                 gen.close()

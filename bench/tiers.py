@@ -42,11 +42,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -59,6 +56,7 @@ from _common import (
     markdown_table,
     median,
     out_dir,
+    run_ranks,
     spec_bytes,
     to_torch,
     workload_spec,
@@ -232,34 +230,6 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) -> No
         out.put((rank, False, traceback.format_exc()))
 
 
-def _run_ranks(world: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < world:
-            try:
-                rank, ok, value = q.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise SystemExit(f"ranks did not finish in {timeout} s; finished: {sorted(got)}") from None
-            if not ok:
-                raise SystemExit(f"rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [got[r] for r in range(world)]
-
-
 def _one(spec: Any, s3: Any) -> dict[str, Any]:
     """One repeat in fresh processes; rank 0's figures (byte counts summed over ranks)."""
     shm = tempfile.mkdtemp(prefix="xckpt-bench-tiers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -272,7 +242,7 @@ def _one(spec: Any, s3: Any) -> dict[str, Any]:
         "env": {k: os.environ[k] for k in AWS},
     }
     try:
-        per = _run_ranks(4, cfg, timeout=3600)
+        per = run_ranks(_rank, 4, cfg, timeout=3600)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
