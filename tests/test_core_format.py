@@ -88,6 +88,19 @@ def test_scalars_empty_tensors_and_objects(tmp_path, storage):
     assert xckpt.open(tmp_path / "c").info("empty").chunks == ()
 
 
+@pytest.mark.parametrize("storage", ["ocdbt", "plain", "files"])
+def test_unpacked_scalar_chunks_read_into_a_callers_0d_buffer(tmp_path, storage):
+    """A 0-d chunk stored as an array (pack_threshold=0) fills a caller's 0-d buffer:
+    `out[()]` is a scalar copy, so every read path must write through a view."""
+    data = {"s": np.array(3.5, dtype=np.float32), "b": np.array(-2, dtype=np.int8)}
+    xckpt.save(data, tmp_path / "c", storage=storage, pack_threshold=0)
+    ck = xckpt.open(tmp_path / "c")
+    assert ck.info("s").chunks[0].form != "packed"
+    outs = {k: np.zeros((), dtype=v.dtype) for k, v in data.items()}
+    ck.read_into([(k, Box((), ()), outs[k]) for k in data])
+    assert outs == data
+
+
 def write_ranks(path, full: np.ndarray, boxes_per_rank, save_id="s1", **kw):
     world = len(boxes_per_rank)
     for r, boxes in enumerate(boxes_per_rank):

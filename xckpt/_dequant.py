@@ -376,7 +376,7 @@ class Dequantized(SourceView):
                 passed.append(job)
                 continue
             box = job.chunk.box if job.req is None else job.req.box
-            target = job.out if job.req is None else job.out[job.req.target_slices]
+            target = job.out if job.req is None else job.req.target_view(job.out)
             for piece in q.pieces(box):
                 dst = target if piece == box else target[piece.slices(box)]
                 work.append((q, piece, dst))

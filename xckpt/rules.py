@@ -388,7 +388,7 @@ class RuledSource(SourceView):
                 continue
             name, chunk, req, out = job
             box = chunk.box if req is None else req.box
-            target = out if req is None else out[req.target_slices]
+            target = out if req is None else req.target_view(out)
             ci, src_chunk, part = v.source_chunk(chunk.offset)
             for sbox, obox in part.to_sources(box):
                 dst = part.source_view(target if obox == box else target[obox.slices(box)])

@@ -91,7 +91,7 @@ def slice_pairs(group: Sequence[ChunkRead]) -> list[tuple[tuple[slice, ...], np.
     out = []
     for job in group:
         req = job.req if job.req is not None else whole_request(job.chunk)
-        view = job.out[req.target_slices] if job.out.ndim else job.out  # 0-d: a view, not a scalar
+        view = req.target_view(job.out)
         out.append((req.chunk_slices, view))
     return out
 

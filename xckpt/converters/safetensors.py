@@ -346,7 +346,7 @@ class SafetensorsSource(Source):
         else:
             start = tuple(s.indices(n)[0] for s, n in zip(req.chunk_slices, shape))
             box = req.box.shape
-            dst = out[req.target_slices]
+            dst = req.target_view(out)
         buf = dst if dst.flags.c_contiguous else np.empty(box, dtype=out.dtype)
         self._fill(name, f, f.reader(self.path, name), t, start, box, buf)
         if buf is not dst:

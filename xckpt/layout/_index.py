@@ -12,6 +12,7 @@ import itertools
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from xckpt.errors import LayoutError
 from xckpt.layout._boxes import Box
@@ -314,6 +315,10 @@ class ReadRequest:
     box: Box
     chunk_slices: tuple[slice, ...]
     target_slices: tuple[slice, ...]
+
+    def target_view(self, out: Any) -> Any:
+        """`out[target_slices]` as a view, also for a 0-d `out` (where `out[()]` is a scalar copy)."""
+        return out[self.target_slices] if out.ndim else out[...]
 
 
 def plan_reads(chunks: Sequence[Box] | ChunkIndex, target: Box) -> tuple[ReadRequest, ...]:

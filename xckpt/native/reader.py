@@ -198,7 +198,7 @@ class Checkpoint(Source):
         for name, c, req, out in jobs:
             chain = deltas.get(c.key)
             if chain and req is not None:
-                self._patches.apply(chain, c.shape, self.info(name).dtype, req.chunk_slices, out[req.target_slices])
+                self._patches.apply(chain, c.shape, self.info(name).dtype, req.chunk_slices, req.target_view(out))
 
     def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
         """A packed chunk is one read of its bytes; an array chunk reads every inner zarr
@@ -284,7 +284,7 @@ class Checkpoint(Source):
             req = whole_request(c)
         w = self._where_of.where(c)
         return w.root or self._dir, _fileio.ChunkRead(
-            w.key, c.shape, c.grid or c.shape, req.chunk_slices, job.out[req.target_slices], w.kind, w.codec
+            w.key, c.shape, c.grid or c.shape, req.chunk_slices, req.target_view(job.out), w.kind, w.codec
         )
 
     def _read_arrays(self, jobs: list[ChunkRead], bar: Any) -> None:
@@ -298,7 +298,7 @@ class Checkpoint(Source):
             except ValueError as e:
                 raise corrupt(self._where(name, c), e) from None
             # tensorstore decodes straight into the caller's buffer: no extra copy.
-            writes.append((name, c, req, out.itemsize, self.storage.wrap(out[req.target_slices]).write(src)))
+            writes.append((name, c, req, out.itemsize, self.storage.wrap(req.target_view(out)).write(src)))
         for name, c, req, itemsize, fut in writes:
             try:
                 fut.result()
@@ -450,7 +450,7 @@ class Checkpoint(Source):
             return c.nbytes
         req = req or whole_request(c)
         src = np.frombuffer(raw, out.dtype).reshape(c.shape)
-        out[req.target_slices] = src[req.chunk_slices]
+        req.target_view(out)[...] = src[req.chunk_slices]
         return req.box.volume * out.itemsize
 
     def _open_checked(self, name: str, c: Chunk) -> Any:
