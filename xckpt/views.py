@@ -16,7 +16,7 @@ from typing import Any
 
 from xckpt.layout import Box
 from xckpt.manifest import Chunk, TensorEntry
-from xckpt.source import ChunkRead, Source
+from xckpt.source import ChunkRead, ObjectQuery, Source
 
 __all__ = ["SourceView", "Selected"]
 
@@ -70,24 +70,12 @@ class SourceView(Source):
     def object_names(self) -> list[str]:
         return list(self._objects)
 
-    def objects(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int | None = None,
-        per_rank: str = "error",
-    ) -> dict[str, Any]:
-        wanted = list(self._objects) if names is None else list(names)
-        for n in wanted:
-            if n not in self._objects:
-                raise self._missing_object(n)
-        if not wanted:
-            return {}
-        got = self.source.objects(
-            [self._objects[n] for n in wanted], rank=rank, world_size=world_size, per_rank=per_rank
-        )
-        return {n: got[self._objects[n]] for n in wanted}
+    def _has_object(self, name: str) -> bool:
+        return name in self._objects
+
+    def _get_objects(self, names: list[str], query: ObjectQuery) -> dict[str, Any]:
+        got = self.source.objects([self._objects[n] for n in names], **query._asdict())
+        return {n: got[self._objects[n]] for n in names}
 
     def pickled_objects(self) -> set[str]:
         inner = self.source.pickled_objects()
