@@ -11,7 +11,7 @@ it wraps.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from xckpt.layout import Box
@@ -34,6 +34,15 @@ class SourceView(Source):
         self.path = source.path
         self._objects: dict[str, str] = {n: n for n in source.object_names()}
 
+    #: The view's tensor names, when it changes them (`_show`); None: the source's.
+    _names: list[str] | None = None
+    _name_set: frozenset[str] = frozenset()
+
+    def _show(self, names: Iterable[str]) -> None:
+        """Make `names`, in this order, the view's tensor names instead of its source's."""
+        self._names = list(names)
+        self._name_set = frozenset(self._names)
+
     # -- metadata -----------------------------------------------------------------
 
     @property
@@ -49,10 +58,10 @@ class SourceView(Source):
         return self.source.metadata
 
     def names(self) -> list[str]:
-        return self.source.names()
+        return self.source.names() if self._names is None else list(self._names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.source
+        return name in self.source if self._names is None else name in self._name_set
 
     def info(self, name: str) -> TensorEntry:
         return self.source.info(name)
@@ -110,15 +119,8 @@ class Selected(SourceView):
 
     def __init__(self, source: Source, names: Sequence[str], objects: Sequence[str]) -> None:
         super().__init__(source)
-        self._names = list(names)
-        self._name_set = set(names)
+        self._show(names)
         self._objects = {n: n for n in objects}
-
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._name_set
 
     def info(self, name: str) -> TensorEntry:
         if name not in self._name_set:
