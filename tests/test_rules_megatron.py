@@ -11,21 +11,21 @@ logits; and back, bit for bit.
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from array_source import ArraySource
 from conformance import same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xckpt
 from xckpt.layout import Box, box_from_index, check_coverage
-from xckpt.manifest import Chunk, TensorEntry, dtype_name
 from xckpt.rules import RuleError, apply_rules, load_rule_set
-from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.source import Source
 
 FIX = Path(__file__).parent / "fixtures_foreign" / "megatron"
 GPT = str(FIX / "gpt_tp2dp2")
@@ -37,46 +37,6 @@ PARAMS = {
     "hidden_size": 32,
     "ffn_hidden_size": 64,
 }
-
-
-class ArraySource(Source):
-    """numpy arrays stored as the given chunk boxes; counts the elements each read copies."""
-
-    format = "arrays"
-
-    def __init__(
-        self, arrays: dict[str, np.ndarray], boxes: dict[str, list[Box]], objects: Any = None
-    ) -> None:
-        self.path = "arrays"
-        self.arrays = arrays
-        self.read_elements = 0
-        self._objs = dict(objects or {})
-        self._entries = {}
-        for n, a in arrays.items():
-            bs = boxes.get(n) or [Box.full(a.shape)]
-            check_coverage(a.shape, bs)
-            chunks = tuple(
-                Chunk(offset=b.offset, shape=b.shape, key=f"{n}{b}", rank=i, nbytes=b.volume * a.itemsize)
-                for i, b in enumerate(bs)
-            )
-            self._entries[n] = TensorEntry(name=n, dtype=dtype_name(a.dtype), shape=a.shape, chunks=chunks)
-
-    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
-        for job in jobs:
-            req = job.req if job.req is not None else whole_request(job.chunk)
-            part = self.arrays[job.name][req.box.slices()]
-            job.out[req.target_slices] = part
-            self.read_elements += part.size
-            bar.update(part.nbytes)
-
-    def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
-        return {(name, box.offset, box.shape): box.volume * itemsize}
-
-    def object_names(self) -> list[str]:
-        return list(self._objs)
-
-    def _object_value(self, name: str, rank: int | None) -> Any:
-        return self._objs[name]
 
 
 def _rows(shape: tuple[int, ...], cuts: Sequence[int], axis: int = 0) -> list[Box]:

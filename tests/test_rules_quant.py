@@ -8,7 +8,7 @@ the blocks and scales they need; the block and box arithmetic under hypothesis; 
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from array_source import ArraySource
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -27,10 +28,9 @@ from xckpt import _dequant
 from xckpt._dequant import dequant_fp8_block, dequant_mxfp4, mxfp4_boxes, scale_box
 from xckpt.cli import main
 from xckpt.errors import XckptError
-from xckpt.layout import Box, check_coverage
-from xckpt.manifest import Chunk, TensorEntry, dtype_name
+from xckpt.layout import Box
 from xckpt.rules import RuleError, apply_rules
-from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.source import ChunkRead, Source
 
 TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 NUMPY = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
@@ -265,38 +265,6 @@ def test_a_box_reads_only_its_blocks(fp8_file: Any, mxfp4_file: Any) -> None:
 
 # ---------------------------------------------------------------------------
 # Block and box arithmetic (hypothesis), over stored chunks of any layout
-
-
-class ArraySource(Source):
-    """numpy arrays stored as the given chunk boxes, with objects."""
-
-    format = "arrays"
-
-    def __init__(self, arrays: dict[str, np.ndarray], boxes: dict[str, list[Box]], objects: Any = None) -> None:
-        self.path, self.arrays, self._objs = "arrays", arrays, dict(objects or {})
-        self._entries = {}
-        for n, a in arrays.items():
-            bs = boxes.get(n) or [Box.full(a.shape)]
-            check_coverage(a.shape, bs)
-            chunks = tuple(
-                Chunk(offset=b.offset, shape=b.shape, key=f"{n}{b}", rank=i, nbytes=b.volume * a.itemsize)
-                for i, b in enumerate(bs)
-            )
-            self._entries[n] = TensorEntry(name=n, dtype=dtype_name(a.dtype), shape=a.shape, chunks=chunks)
-
-    def _read_chunks(self, jobs: Sequence[ChunkRead], bar: Any) -> None:
-        for job in jobs:
-            req = job.req if job.req is not None else whole_request(job.chunk)
-            job.out[req.target_slices] = self.arrays[job.name][req.box.slices()]
-
-    def read_units(self, name: str, chunk: Chunk, box: Box, itemsize: int) -> dict[Hashable, int]:
-        return {(name, box.offset, box.shape): box.volume * itemsize}
-
-    def object_names(self) -> list[str]:
-        return list(self._objs)
-
-    def _object_value(self, name: str, rank: int | None) -> Any:
-        return self._objs[name]
 
 
 def _cuts(draw: Any, n: int) -> list[int]:

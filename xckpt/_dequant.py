@@ -333,8 +333,7 @@ class Dequantized(SourceView):
                 f"tensor {both[0]!r} is both dequantized and the scale of {scales[both[0]]!r}; make the dequant "
                 "rules' patterns exclude scale tensors"
             )
-        self._names = [n for n in source.names() if n not in scales]
-        self._name_set = set(self._names)
+        self._show(n for n in source.names() if n not in scales)
 
     @staticmethod
     def _first(source: Source, rules: Sequence[_Rule], name: str) -> tuple[_Rule, re.Match[str], TensorEntry] | None:
@@ -352,12 +351,6 @@ class Dequantized(SourceView):
                     continue
             return rule, m, entry or source.info(name)
         return None
-
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._name_set
 
     def info(self, name: str) -> TensorEntry:
         q = self._quant.get(name)

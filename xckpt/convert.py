@@ -47,6 +47,7 @@ import secrets
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,7 @@ from xckpt.source import Source, local_path
 from xckpt.storage import as_place
 from xckpt.views import Selected
 
-__all__ = ["convert", "VerifyMismatchError", "guess_format", "parse_size", "destination", "DEFAULT_SHARD_SIZE"]
+__all__ = ["convert_one", "ConvertOptions", "VerifyMismatchError", "guess_format", "parse_size", "destination", "DEFAULT_SHARD_SIZE"]
 
 #: huggingface_hub's default shard size.
 DEFAULT_SHARD_SIZE = 5 * 10**9
@@ -83,6 +84,24 @@ _UNITS = {
     "TIB": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
+    """One conversion's options: the keyword arguments of [`xckpt.convert`][xckpt.convert]
+    but `workers` and `resume`, each as documented there."""
+
+    from_format: str | None = None
+    to_format: str | None = None
+    rules: Any = None
+    include: str | Sequence[str] | None = None
+    exclude: str | Sequence[str] | None = None
+    overwrite: bool = False
+    verify: bool = True
+    max_shard_size: int | str | None = None
+    allow_pickle: bool = False
+    show_progress: bool | None = None
+    compression: str | None = None
 
 
 def parse_size(size: int | str) -> int:
@@ -384,14 +403,7 @@ def _check_structure(job: WriteJob, out: Source) -> None:
 
 
 def destination(
-    src: Any,
-    dst: Any,
-    *,
-    from_format: str | None,
-    to_format: str | None,
-    max_shard_size: int | str | None,
-    overwrite: bool,
-    parts: bool = False,
+    src: Any, dst: Any, opts: ConvertOptions, *, parts: bool = False
 ) -> tuple[str, str, Format, bool, int | None, bool]:
     """The checks before a conversion writes anything: `(out, format name, format,
     Hugging Face directory?, shard or part size, replace?)`.
@@ -399,6 +411,7 @@ def destination(
     `parts`: a parallel conversion, where `max_shard_size` is also the part size of
     xckpt and torch DCP outputs (None here: the caller's default).
     """
+    from_format, to_format, max_shard_size = opts.from_format, opts.to_format, opts.max_shard_size
     out = local_path(dst)
     if out is None:
         raise XckptError(
@@ -425,68 +438,21 @@ def destination(
         shard = DEFAULT_SHARD_SIZE
     if from_format is not None:
         _check_from_format(src, from_format)
-    replace = _check_dst(out, src, overwrite)
+    replace = _check_dst(out, src, opts.overwrite)
     return out, fmt, out_fmt, hf_dir, shard, replace
 
 
-def convert(
-    src: Any,
-    dst: str | os.PathLike[str],
-    *,
-    from_format: str | None = None,
-    to_format: str | None = None,
-    rules: Any = None,
-    include: str | Sequence[str] | None = None,
-    exclude: str | Sequence[str] | None = None,
-    overwrite: bool = False,
-    verify: bool = True,
-    max_shard_size: int | str | None = None,
-    allow_pickle: bool = False,
-    show_progress: bool | None = None,
-    compression: str | None = None,
-) -> str:
-    """Convert the checkpoint at `src` (any format) into `dst`, chunk by chunk.
-
-    Args:
-        src: checkpoint location of any format: a local path, a kvstore URL or spec
-            (`s3://`, `gs://`, an S3-compatible endpoint, `memory://`), or an
-            `http(s)://` URL (safetensors, Hugging Face directories, torch.save).
-        dst: local output path. Format from `to_format`, else from the name:
-            `*.safetensors` one safetensors file, `*.pt|*.pth|*.bin` torch.save,
-            anything else xckpt (`to_format="safetensors"` with another name
-            writes a Hugging Face directory: index and shards).
-        from_format: force the source format; one that does not fit is an error.
-        to_format: `xckpt`, `safetensors`, `torch`, `torch-dcp` or `orbax`.
-        rules: rename/transpose/stack rules (list of dicts, or a JSON/TOML file).
-        include, exclude: shell globs (`fnmatch`: `*` crosses dots) on the
-            source's names, tensors and objects, applied before rules.
-        overwrite: replace an existing checkpoint at `dst` (whole, after the new
-            one is written and verified).
-        verify: re-read every written box and compare crc32s with the source's.
-        max_shard_size: bytes or a size string (`"5GB"`, `"500MiB"`) per shard
-            of a Hugging Face directory; default 5 GB.
-        allow_pickle: convert pickled objects (DCP's non-tensor values); without
-            it they are skipped with a warning naming them.
-        show_progress: progress bar (default: when stderr is a TTY).
-        compression: xckpt output only: the codec of its array chunks, None (raw),
-            `"zstd"` or `"shuffle-zstd"` (format version 6).
-
-    Returns:
-        The output path.
-
-    Raises:
-        CheckpointExistsError: `dst` exists and `overwrite` is not set.
-        CorruptChunkError: `verify` read back bytes that differ from the source's.
-        XckptError: the source cannot be read as asked, or the output cannot hold it.
+def convert_one(src: Any, dst: str | os.PathLike[str], opts: ConvertOptions) -> str:
+    """Convert the checkpoint at `src` into `dst` in this process, chunk by chunk:
+    [`xckpt.convert`][xckpt.convert] without `workers` or `resume` (its arguments are `opts`).
     """
-    out, fmt, out_fmt, hf_dir, shard, replace = destination(
-        src, dst, from_format=from_format, to_format=to_format, max_shard_size=max_shard_size, overwrite=overwrite
-    )
+    out, fmt, out_fmt, hf_dir, shard, replace = destination(src, dst, opts)
+    compression, allow_pickle, rules = opts.compression, opts.allow_pickle, opts.rules
     if compression is not None and fmt != "xckpt":
         raise XckptError(
             f"compression={compression!r} is for xckpt output; {out!r} is written as {fmt}, which has no codecs"
         )
-    source = _open(src, from_format, rules, include, exclude, allow_pickle)
+    source = _open(src, opts.from_format, rules, opts.include, opts.exclude, allow_pickle)
     try:
         names = tuple(source.names())
         obj_names = source.object_names()
@@ -504,19 +470,20 @@ def convert(
         tmp = os.path.join(parent, f".{base}.xckpt-tmp-{secrets.token_hex(4)}")
         total = sum(source.info(n).nbytes for n in names)
         try:  # the Sink call protocol, steps 2 to 4
-            with progress(total, f"convert to {fmt}", show_progress) as bar:
-                opts = options_of(fmt, hf_dir=hf_dir, part_size=shard, rules=rules, include=include, exclude=exclude,
-                                  allow_pickle=allow_pickle, layout="writers",
-                                  compression=compression)
-                save_id = save_id_for(fmt, fingerprint(source, names, objects, opts))
-                job = WriteJob(source, tmp, names, objects, shard, bar, per_rank, record=verify and fmt != "xckpt",
+            with progress(total, f"convert to {fmt}", opts.show_progress) as bar:
+                fp = options_of(fmt, hf_dir=hf_dir, part_size=shard, rules=rules, include=opts.include,
+                                exclude=opts.exclude, allow_pickle=allow_pickle, layout="writers",
+                                compression=compression)
+                save_id = save_id_for(fmt, fingerprint(source, names, objects, fp))
+                job = WriteJob(source, tmp, names, objects, shard, bar, per_rank,
+                               record=opts.verify and fmt != "xckpt",
                                save_id=save_id, compression=compression)
                 _check(out_fmt, job)
                 os.makedirs(parent, exist_ok=True)
                 out_fmt.sink.write(job)
             if not os.path.lexists(tmp):
                 raise XckptError(f"the {fmt} sink wrote nothing at {tmp!r}")
-            if verify:
+            if opts.verify:
                 _verify(job, out_fmt)
             _commit(tmp, os.path.abspath(out), replace)
         except BaseException:

@@ -66,6 +66,7 @@ from xckpt._parts import (
 from xckpt._progress import progress
 from xckpt._stream import crc32c
 from xckpt.convert import (
+    ConvertOptions,
     VerifyMismatchError,
     _check,
     _check_from_format,
@@ -75,11 +76,11 @@ from xckpt.convert import (
     _open,
     _read_back,
     _remove,
+    convert_one,
     destination,
     guess_format,
     parse_size,
 )
-from xckpt.convert import convert as convert_one
 from xckpt.converters.safetensors_write import metadata_of
 from xckpt.errors import CheckpointExistsError, CorruptChunkError, XckptError
 from xckpt.layout import Box
@@ -631,22 +632,21 @@ def convert(
         and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1)
     ):
         raise XckptError(f"workers must be a positive number of processes or 'torchrun', got {workers!r}")
+    opts = ConvertOptions(
+        from_format=from_format,
+        to_format=to_format,
+        rules=rules,
+        include=include,
+        exclude=exclude,
+        overwrite=overwrite,
+        verify=verify,
+        max_shard_size=max_shard_size,
+        allow_pickle=allow_pickle,
+        show_progress=show_progress,
+        compression=compression,
+    )
     if workers is None and not resume:
-        return convert_one(
-            src,
-            dst,
-            from_format=from_format,
-            to_format=to_format,
-            rules=rules,
-            include=include,
-            exclude=exclude,
-            overwrite=overwrite,
-            verify=verify,
-            max_shard_size=max_shard_size,
-            allow_pickle=allow_pickle,
-            show_progress=show_progress,
-            compression=compression,
-        )
+        return convert_one(src, dst, opts)
     if compression is not None and (to_format or guess_format(str(dst))) != "xckpt":
         raise XckptError(f"compression={compression!r} is for xckpt output; {dst!r} is not written as xckpt")
     if local_path(dst) is None:  # xckpt in object storage: written in place, each worker its own connections
@@ -660,15 +660,7 @@ def convert(
         else:
             _local(spec, int(workers or 1), "", False, False, show_progress)
         return dst
-    out, fmt, _, hf_dir, size, replace = destination(
-        src,
-        dst,
-        from_format=from_format,
-        to_format=to_format,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        parts=True,
-    )
+    out, fmt, _, hf_dir, size, replace = destination(src, dst, opts, parts=True)
     if size is None and fmt in ("xckpt", "torch-dcp"):
         size = DEFAULT_PART_SIZE
     tmp, journal = _siblings(out)

@@ -229,8 +229,7 @@ class RuledSource(SourceView):
                 raise RuleError(_collision(out, who, set(self._objects.values())))
         for out, ps in pieces.items():
             self._views[out] = self._build(out, ps)
-        self._names = order
-        self._name_set = set(order)
+        self._show(order)  # the source's order; a stack where its first piece was
 
     # -- construction -----------------------------------------------------------
 
@@ -356,13 +355,6 @@ class RuledSource(SourceView):
         return _View(entry, first.np_dtype, src_chunks)
 
     # -- metadata ---------------------------------------------------------------
-
-    def names(self) -> list[str]:
-        """Tensor names after the rules, in the source's order (a stack where its first piece was)."""
-        return list(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._name_set
 
     def info(self, name: str) -> TensorEntry:
         """The transformed tensor: dtype, shape and chunk boxes in the view's axes."""

@@ -66,7 +66,7 @@ from xckpt.errors import (
 from xckpt.layout import Box, ReadRequest, box_from_index, plan_reads
 from xckpt.manifest import Chunk, TensorEntry, paused_gc
 
-__all__ = ["Source", "ChunkRead", "whole_request", "local_path", "readable_objects"]
+__all__ = ["Source", "ChunkRead", "ObjectQuery", "whole_request", "local_path", "readable_objects"]
 
 
 class ChunkRead(NamedTuple):
@@ -105,6 +105,15 @@ def whole_request(chunk: Chunk) -> ReadRequest:
     """The request that reads all of `chunk` into an output of its shape."""
     full = tuple(slice(0, s) for s in chunk.shape)
     return ReadRequest(0, chunk.box, full, full)
+
+
+class ObjectQuery(NamedTuple):
+    """What `Source.objects` was asked besides the names: its `rank`, `world_size` and
+    `per_rank` arguments, passed on whole to `Source._get_objects`."""
+
+    rank: int = 0
+    world_size: int | None = None
+    per_rank: str = "error"
 
 
 class Source:
@@ -331,21 +340,31 @@ class Source:
                 raise self._missing_object(n)
         if not wanted:
             return {}
+        return self._get_objects(wanted, ObjectQuery(rank, world_size, per_rank))
+
+    def _get_objects(self, names: list[str], query: ObjectQuery) -> dict[str, Any]:
+        """The values of `names` (checked to be objects, at least one) as `query` asks.
+
+        Called by `objects` only, after its checks. A view overrides this (not `objects`)
+        to ask its source's `objects` under the source's names; the default refuses
+        pickles without `allow_pickle`, then reads through `_object_value` and
+        `_per_rank_values`.
+        """
         if not self.allow_pickle:
             pickled = self.pickled_objects()
-            refused = [n for n in wanted if n in pickled]
+            refused = [n for n in names if n in pickled]
             if refused:
                 raise self._pickle_refused(refused)
-        world = self.world_size if world_size is None else world_size
+        world = self.world_size if query.world_size is None else query.world_size
         per = self.per_rank_objects()
         out: dict[str, Any] = {}
-        for n in wanted:
+        for n in names:
             if n not in per:
                 out[n] = self._object_value(n, None)
-            elif per_rank == "list":
+            elif query.per_rank == "list":
                 out[n] = self._per_rank_values(n)
             elif world == self.world_size:
-                out[n] = self._object_value(n, rank)
+                out[n] = self._object_value(n, query.rank)
             else:
                 raise self._per_rank_mismatch(n, world)
         return out

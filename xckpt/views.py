@@ -11,12 +11,12 @@ it wraps.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from xckpt.layout import Box
 from xckpt.manifest import Chunk, TensorEntry
-from xckpt.source import ChunkRead, Source
+from xckpt.source import ChunkRead, ObjectQuery, Source
 
 __all__ = ["SourceView", "Selected"]
 
@@ -34,6 +34,15 @@ class SourceView(Source):
         self.path = source.path
         self._objects: dict[str, str] = {n: n for n in source.object_names()}
 
+    #: The view's tensor names, when it changes them (`_show`); None: the source's.
+    _names: list[str] | None = None
+    _name_set: frozenset[str] = frozenset()
+
+    def _show(self, names: Iterable[str]) -> None:
+        """Make `names`, in this order, the view's tensor names instead of its source's."""
+        self._names = list(names)
+        self._name_set = frozenset(self._names)
+
     # -- metadata -----------------------------------------------------------------
 
     @property
@@ -49,10 +58,10 @@ class SourceView(Source):
         return self.source.metadata
 
     def names(self) -> list[str]:
-        return self.source.names()
+        return self.source.names() if self._names is None else list(self._names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.source
+        return name in self.source if self._names is None else name in self._name_set
 
     def info(self, name: str) -> TensorEntry:
         return self.source.info(name)
@@ -70,24 +79,12 @@ class SourceView(Source):
     def object_names(self) -> list[str]:
         return list(self._objects)
 
-    def objects(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int | None = None,
-        per_rank: str = "error",
-    ) -> dict[str, Any]:
-        wanted = list(self._objects) if names is None else list(names)
-        for n in wanted:
-            if n not in self._objects:
-                raise self._missing_object(n)
-        if not wanted:
-            return {}
-        got = self.source.objects(
-            [self._objects[n] for n in wanted], rank=rank, world_size=world_size, per_rank=per_rank
-        )
-        return {n: got[self._objects[n]] for n in wanted}
+    def _has_object(self, name: str) -> bool:
+        return name in self._objects
+
+    def _get_objects(self, names: list[str], query: ObjectQuery) -> dict[str, Any]:
+        got = self.source.objects([self._objects[n] for n in names], **query._asdict())
+        return {n: got[self._objects[n]] for n in names}
 
     def pickled_objects(self) -> set[str]:
         inner = self.source.pickled_objects()
@@ -122,15 +119,8 @@ class Selected(SourceView):
 
     def __init__(self, source: Source, names: Sequence[str], objects: Sequence[str]) -> None:
         super().__init__(source)
-        self._names = list(names)
-        self._name_set = set(names)
+        self._show(names)
         self._objects = {n: n for n in objects}
-
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._name_set
 
     def info(self, name: str) -> TensorEntry:
         if name not in self._name_set:

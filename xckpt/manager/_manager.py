@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from xckpt.convert import convert
+from xckpt.convert_parallel import convert
 from xckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, XckptError
 from xckpt.manifest import Manifest
 from xckpt.native._codecs import check_compression

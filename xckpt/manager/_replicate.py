@@ -29,7 +29,6 @@ raise instead of hanging. Bytes travel as uint8 tensors, never pickles.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from xckpt._wait import wait_works
 from xckpt.errors import ManifestError, XckptError
 from xckpt.manifest import parse_document
 
@@ -151,20 +151,16 @@ class Replicator:
         self.rank, self.world = rank, world
         self.dsts = [d for s, d in pairs if s == rank]
         self.srcs = [s for s, d in pairs if d == rank]
-        self.timeout = datetime.timedelta(seconds=TIMEOUT_S)
         #: Bytes this rank sent in its last replication (benchmarks read it).
         self.sent_bytes = 0
 
     def _wait(self, works: Sequence[Any], step: int, what: str) -> None:
-        for w in works:
-            try:
-                w.wait(timeout=self.timeout)
-            except RuntimeError as e:
-                raise XckptError(
-                    f"replicating local step {step}: rank {self.rank} got no {what} within {TIMEOUT_S:g} s "
-                    f"({e}): another rank stopped (failed or was killed); the previous local step stays "
-                    "restorable"
-                ) from e
+        wait_works(
+            works,
+            TIMEOUT_S,
+            lambda e: f"replicating local step {step}: rank {self.rank} got no {what} within {TIMEOUT_S:g} s "
+            f"({e}): another rank stopped (failed or was killed); the previous local step stays restorable",
+        )
 
     def _agree(self, err: BaseException | None, step: int, what: str, size: int = 0) -> list[int]:
         """Every rank returns every rank's `size`, or every rank raises (this rank its own error)."""

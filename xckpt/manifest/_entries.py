@@ -53,6 +53,33 @@ from xckpt.manifest._objects import decode_checked
 __all__ = ["Chunk", "PlacementInfo", "ValueRange", "TensorEntry", "ObjectEntry", "paused_gc"]
 
 
+def _json_object(required: dict[str, Any], **optional: Any) -> dict[str, Any]:
+    """An entry's JSON object: `required`, then each `optional` member that is set (not None),
+    in order; an unset member is left out, so a reader takes its default."""
+    required.update((k, v) for k, v in optional.items() if v is not None)
+    return required
+
+
+def _check_named(d: Any, key: str, message: str) -> None:
+    """Refuse `d` (with `message`) unless it is a JSON object whose member `key` is a string."""
+    if not isinstance(d, dict) or not isinstance(d.get(key), str):
+        raise ManifestError(message)
+
+
+def _itemsize(dtype: Any, shape: tuple[int, ...], w: str) -> tuple[str, int]:
+    """A tensor entry's dtype and item size, once `dtype` is known and `shape` of it within the bounds."""
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise ManifestError(f"{w}: unknown dtype {dtype!r}"[:300])
+    itemsize = numpy_dtype(dtype).itemsize
+    elements = math.prod(shape)
+    if elements > MAX_ELEMENTS or elements * itemsize > MAX_TENSOR_BYTES:
+        raise ManifestError(
+            f"{w}: shape {list(shape)} ({dtype}) claims {elements * itemsize} bytes, over the "
+            f"limit of {MAX_TENSOR_BYTES}; the manifest is corrupt or hostile"
+        )
+    return dtype, itemsize
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlacementInfo:
     """Provenance of a tensor's sharding; loading never depends on it."""
@@ -65,21 +92,18 @@ class PlacementInfo:
     layout: str | None = None  # "placements" or "fsdp2": which storage rule the boxes follow
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"framework": self.framework, "mesh_shape": list(self.mesh_shape)}
-        if self.axis_names is not None:
-            d["axis_names"] = list(self.axis_names)
-        if self.placements is not None:
-            d["placements"] = list(self.placements)
-        if self.partition_spec is not None:
-            d["partition_spec"] = [list(p) if isinstance(p, tuple) else p for p in self.partition_spec]
-        if self.layout is not None:
-            d["layout"] = self.layout
-        return d
+        ps = self.partition_spec
+        return _json_object(
+            {"framework": self.framework, "mesh_shape": list(self.mesh_shape)},
+            axis_names=None if self.axis_names is None else list(self.axis_names),
+            placements=None if self.placements is None else list(self.placements),
+            partition_spec=None if ps is None else [list(p) if isinstance(p, tuple) else p for p in ps],
+            layout=self.layout,
+        )
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> PlacementInfo:
-        if not isinstance(d, dict) or not isinstance(d.get("framework"), str):
-            raise ManifestError(f"{where}: placement must be an object with a framework")
+        _check_named(d, "framework", f"{where}: placement must be an object with a framework")
         names = d.get("axis_names")
         pl = d.get("placements")
         ps = d.get("partition_spec")
@@ -132,19 +156,16 @@ class ValueRange:
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"group": self.group, "role": self.role, "kind": self.kind}
-        if self.domain is not None:
-            d["domain"] = list(self.domain)
-        if self.empty_marker is not None:
-            d["empty_marker"] = self.empty_marker
-        if self.attrs:
-            d["attrs"] = dict(self.attrs)
-        return d
+        return _json_object(
+            {"group": self.group, "role": self.role, "kind": self.kind},
+            domain=None if self.domain is None else list(self.domain),
+            empty_marker=self.empty_marker,
+            attrs=dict(self.attrs) or None,
+        )
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> ValueRange:
-        if not isinstance(d, dict) or not isinstance(d.get("group"), str):
-            raise ManifestError(f"{where}: value_range must be an object with a group")
+        _check_named(d, "group", f"{where}: value_range must be an object with a group")
         w = f"{where}, value_range"
         dom = d.get("domain")
         em = d.get("empty_marker")
@@ -318,17 +339,8 @@ class TensorEntry:
             raise ManifestError(f"{w}: a grid entry in a manifest older than version 5; the file was edited")
         if "chunks" in d:
             raise ManifestError(f"{w}: an entry has chunks or a grid, not both")
-        dtype = d.get("dtype")
-        if type(dtype) is not str or dtype not in DTYPES:
-            raise ManifestError(f"{w}: unknown dtype {dtype!r}"[:300])
         shape = _shape(d.get("shape"), "shape", w)
-        itemsize = numpy_dtype(dtype).itemsize
-        elements = math.prod(shape)
-        if elements > MAX_ELEMENTS or elements * itemsize > MAX_TENSOR_BYTES:
-            raise ManifestError(
-                f"{w}: shape {list(shape)} ({dtype}) claims {elements * itemsize} bytes, over the "
-                f"limit of {MAX_TENSOR_BYTES}; the manifest is corrupt or hostile"
-            )
+        dtype, itemsize = _itemsize(d.get("dtype"), shape, w)
         grid = GridChunks.from_json(d["grid"], shape, itemsize, world_size, dirs, w, version)
         pl, vr = d.get("placement"), d.get("value_range")
         return cls(
@@ -351,17 +363,9 @@ class TensorEntry:
             raw_chunks = d["chunks"]
         except KeyError as e:
             raise ManifestError(f"{w}: entry lacks field {e.args[0]!r}") from None
-        if type(dtype) is not str or dtype not in DTYPES:
-            raise ManifestError(f"{w}: unknown dtype {dtype!r}"[:300])
+        dtype, itemsize = _itemsize(dtype, shape, w)
         if not isinstance(raw_chunks, list):
             raise ManifestError(f"{w}: chunks must be a list")
-        itemsize = numpy_dtype(dtype).itemsize
-        elements = math.prod(shape)
-        if elements > MAX_ELEMENTS or elements * itemsize > MAX_TENSOR_BYTES:
-            raise ManifestError(
-                f"{w}: shape {list(shape)} ({dtype}) claims {elements * itemsize} bytes, over the "
-                f"limit of {MAX_TENSOR_BYTES}; the manifest is corrupt or hostile"
-            )
         if len(raw_chunks) > MAX_CHUNKS:
             raise ManifestError(f"{w}: {len(raw_chunks)} chunks, over the limit of {MAX_CHUNKS}")
         chunks = tuple(Chunk.from_json_unchecked(c, w) for c in raw_chunks)
@@ -438,9 +442,7 @@ class ObjectEntry:
     crc32: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"name": self.name, "kind": self.kind, "rank": self.rank}
-        if self.per_rank:
-            d["per_rank"] = True
+        d = _json_object({"name": self.name, "kind": self.kind, "rank": self.rank}, per_rank=self.per_rank or None)
         if self.kind == "json":
             d["value"] = self.value
         else:
@@ -449,8 +451,7 @@ class ObjectEntry:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> ObjectEntry:
-        if not isinstance(d, dict) or not isinstance(d.get("name"), str):
-            raise ManifestError(f"{where}: an object entry must have a name")
+        _check_named(d, "name", f"{where}: an object entry must have a name")
         w = f"{where}, object {_str(d['name'], 'an object name', where)!r}"
         kind = d.get("kind")
         per_rank = d.get("per_rank", False)

@@ -23,7 +23,7 @@ merge by union, and grids, packed rows and chunk lists stay as version 5 has the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,16 @@ def _object(raw: Any, what: str, where: str, most: int) -> dict[str, Any]:
     return raw
 
 
+def _by_chunk_key(raw: Any, what: str, where: str) -> Iterator[tuple[str, Any]]:
+    """The members of `what`, an object by chunk key (absent: none): at most `MAX_CHUNKS`,
+    each key as strict as chunk keys (checked as it comes)."""
+    if raw is None:
+        return
+    for k, v in _object(raw, what, where, MAX_CHUNKS).items():
+        _check_key(k, where)
+        yield k, v
+
+
 def check_codecs(raw: Any, where: str, world_size: int) -> dict[int, str]:
     """The `codecs` member, checked (absent: `{}`)."""
     if raw is None:
@@ -101,11 +111,8 @@ def check_codecs(raw: Any, where: str, world_size: int) -> dict[int, str]:
 
 def check_refs(raw: Any, where: str) -> dict[str, Ref]:
     """The `refs` member, checked (absent: `{}`): every key as strict as chunk keys."""
-    if raw is None:
-        return {}
     out = {}
-    for k, v in _object(raw, "refs", where, MAX_CHUNKS).items():
-        _check_key(k, where)
+    for k, v in _by_chunk_key(raw, "refs", where):
         if not isinstance(v, dict) or set(v) - {"step", "key", "storage", "codec"}:
             raise ManifestError(f"{where}: reference of {k[:80]!r} must be {{step, key, storage, codec?}}")
         step, key, storage, codec = v.get("step"), v.get("key"), v.get("storage"), v.get("codec")
@@ -119,11 +126,8 @@ def check_refs(raw: Any, where: str) -> dict[str, Ref]:
 
 def check_hashes(raw: Any, where: str) -> dict[str, str]:
     """The `hashes` member, checked (absent: `{}`)."""
-    if raw is None:
-        return {}
     out = {}
-    for k, h in _object(raw, "hashes", where, MAX_CHUNKS).items():
-        _check_key(k, where)
+    for k, h in _by_chunk_key(raw, "hashes", where):
         if not (isinstance(h, str) and len(h) == 32 and set(h) <= _HEX):
             raise ManifestError(f"{where}: hash of {k[:80]!r} must be 32 lowercase hex digits"[:300])
         out[k] = h
@@ -132,11 +136,8 @@ def check_hashes(raw: Any, where: str) -> dict[str, str]:
 
 def check_deltas(raw: Any, where: str, refs: Mapping[str, Ref]) -> dict[str, tuple[Patch, ...]]:
     """The `deltas` member, checked (absent: `{}`): each chunk with deltas has a base in `refs`."""
-    if raw is None:
-        return {}
     out = {}
-    for k, chain in _object(raw, "deltas", where, MAX_CHUNKS).items():
-        _check_key(k, where)
+    for k, chain in _by_chunk_key(raw, "deltas", where):
         if k not in refs or not isinstance(chain, list) or not 0 < len(chain) <= MAX_PATCHES:
             raise ManifestError(f"{where}: deltas of {k[:80]!r} must be a list of patches over a base in refs")
         patches = []

@@ -67,7 +67,7 @@ from xckpt.errors import DtypeMismatchError, ManifestError, ShapeMismatchError, 
 from xckpt.formats import open as open_source
 from xckpt.layout import Box
 from xckpt.rules import Rules
-from xckpt.source import Source
+from xckpt.source import ObjectQuery, Source
 from xckpt.storage import Location
 from xckpt.torch._dcp_writer import PICKLED_KEY, Located
 from xckpt.torch._dist import distributed
@@ -99,19 +99,11 @@ class _DcpPickles(SourceView):
     def pickled_objects(self) -> set[str]:
         return super().pickled_objects() | self._pickles
 
-    def objects(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int | None = None,
-        per_rank: str = "error",
-    ) -> dict[str, Any]:
-        wanted = self.object_names() if names is None else list(names)
-        refused = [n for n in wanted if n in self._pickles]
+    def _get_objects(self, names: list[str], query: ObjectQuery) -> dict[str, Any]:
+        refused = [n for n in names if n in self._pickles]
         if refused and not self.allow_pickle:
             raise self._pickle_refused(refused)
-        got = super().objects(wanted, rank=rank, world_size=world_size, per_rank=per_rank)
+        got = super()._get_objects(names, query)
         for n in refused:
             got[n] = _SavedBytes(got[n])
         return got

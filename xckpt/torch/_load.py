@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -161,6 +161,18 @@ def _fill_fresh(ckpt: Source, flat: dict[str, Any], slots: dict[str, Slot], save
     expand(flat, slots, stored, ckpt.metadata.get(KEYS_META), leaf, str(ckpt.path))
 
 
+class _Request(NamedTuple):
+    """One `load` call's arguments that its steps (`_load`, `_prepare`) use, as given."""
+
+    state_dict: Mapping[str, Any]
+    process_group: Any
+    strict: bool
+    strict_capacity: bool
+    allow_pickle: bool
+    show_progress: bool | None
+    read_once: bool
+
+
 @dataclass
 class _Prepared:
     """One rank's load, worked out and not yet read."""
@@ -242,41 +254,23 @@ def load(
         XckptError: with `read_once`, on every rank when any rank failed.
     """
     with opened(path, format=format, allow_pickle=allow_pickle, rules=rules, context=context) as ckpt:
-        return _load(
-            ckpt,
-            state_dict,
-            process_group,
-            strict,
-            strict_capacity,
-            allow_pickle,
-            show_progress,
-            read_once,
-            ring,
-        )
+        req = _Request(state_dict, process_group, strict, strict_capacity, allow_pickle, show_progress, read_once)
+        return _load(ckpt, req, ring)
 
 
-def _load(
-    ckpt: Source,
-    state_dict: Mapping[str, Any],
-    process_group: Any,
-    strict: bool,
-    strict_capacity: bool,
-    allow_pickle: bool,
-    show_progress: bool | None,
-    read_once: bool = False,
-    ring: DeviceRing | None = None,
-) -> LoadResult:
+def _load(ckpt: Source, req: _Request, ring: DeviceRing | None) -> LoadResult:
+    process_group, show_progress = req.process_group, req.show_progress
     rank, world, group_rank = rank_world(process_group)
     ring = ring if ring is not None else DeviceRing.for_load()
-    if not (read_once and world > 1):
-        prep = _prepare(ckpt, state_dict, process_group, strict, strict_capacity, allow_pickle, ring)
+    if not (req.read_once and world > 1):
+        prep = _prepare(ckpt, req, ring)
         prep.reads.run(ckpt, show_progress)
     else:
         # Every rank reaches the first exchange, its failure so far in hand, so a rank
         # that cannot load makes the others raise instead of waiting for it.
         err: Exception | None = None
         try:
-            prep = _prepare(ckpt, state_dict, process_group, strict, strict_capacity, allow_pickle, ring)
+            prep = _prepare(ckpt, req, ring)
             targets = prep.reads.targets()
         except Exception as e:
             err, targets = e, []
@@ -302,18 +296,10 @@ def _load(
     )
 
 
-def _prepare(
-    ckpt: Source,
-    state_dict: Mapping[str, Any],
-    process_group: Any,
-    strict: bool,
-    strict_capacity: bool,
-    allow_pickle: bool,
-    ring: DeviceRing,
-) -> _Prepared:
+def _prepare(ckpt: Source, req: _Request, ring: DeviceRing) -> _Prepared:
     """Check the targets and work out every read; objects read here, tensors not yet."""
-    rank, world, group_rank = rank_world(process_group)
-    flat, slots = flatten(state_dict)
+    rank, world, group_rank = rank_world(req.process_group)
+    flat, slots = flatten(req.state_dict)
     handled: set[str] = set()
     evicted: dict[str, int] = {}
     saved_tensors = set(ckpt.names())
@@ -321,15 +307,15 @@ def _prepare(
     # Only a checkpoint with value groups needs them (their load may exchange
     # outcomes between ranks); the test is on the manifest, so all ranks agree.
     if any(ckpt.info(n).value_range is not None for n in saved_tensors):
-        names, evicted = load_value_groups(ckpt, flat, rank, world, process_group, strict_capacity)
+        names, evicted = load_value_groups(ckpt, flat, rank, world, req.process_group, req.strict_capacity)
         handled = set(names)
     saved_objects = set(ckpt.object_names())
-    pickled = ckpt.pickled_objects() if not allow_pickle else set()
+    pickled = ckpt.pickled_objects() if not req.allow_pickle else set()
     skipped: list[str] = []
     missing = [n for n in flat if n not in handled and n not in saved_tensors and n not in saved_objects]
     missing_set = set(missing)
     unexpected = [n for n in ckpt.names() + sorted(saved_objects) if n not in flat and n not in handled]
-    if strict and missing:
+    if req.strict and missing:
         raise MissingEntryError(
             f"checkpoint {str(ckpt.path)!r} lacks {len(missing)} requested entries: {missing[:10]}"
             f"{' ...' if len(missing) > 10 else ''}. Load with strict=False to skip them, or "

@@ -49,7 +49,7 @@ from xckpt._progress import progress
 from xckpt.errors import XckptError
 from xckpt.source import Source
 from xckpt.torch._dtypes import as_numpy
-from xckpt.torch._staging import side_stream
+from xckpt.torch._staging import side_copy
 
 __all__ = ["DeviceRing", "StagedSlice", "plan_batches", "split_box", "Copier"]
 
@@ -152,13 +152,7 @@ class Copier:
         if dst.device.type != "cuda":
             dst.copy_(src)  # CPU memory or another device: a blocking copy
             return
-        stream = self._streams.get(dst.device)
-        if stream is None:
-            stream = side_stream(dst.device)
-            stream.wait_stream(torch.cuda.current_stream(dst.device))
-            self._streams[dst.device] = stream
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        side_copy(self._streams, dst.device, dst, src)
         self._dirty.add(dst.device)
 
     def mark(self) -> list[Any]:

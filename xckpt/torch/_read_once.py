@@ -33,7 +33,6 @@ NCCL the buffers travel through the current CUDA device.
 
 from __future__ import annotations
 
-import datetime
 import math
 import zlib
 from collections.abc import Mapping, Sequence
@@ -44,6 +43,7 @@ import torch
 
 from xckpt import layout as L
 from xckpt._progress import progress
+from xckpt._wait import wait_works
 from xckpt.errors import XckptError
 from xckpt.sharing import Cell, Group, Need, Plan, make_plan, messages
 from xckpt.source import Source
@@ -121,22 +121,18 @@ class _Comm:
         self.dist, self.group, self.rank, self.world, self.where = dist, group, rank, world, where
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.timeout = datetime.timedelta(seconds=TIMEOUT_S)
 
     def _global(self, r: int) -> int:
         return r if self.group is None else int(self.dist.get_global_rank(self.group, r))
 
     def _wait(self, works: Sequence[Any], what: str) -> None:
-        for w in works:
-            try:
-                w.wait(timeout=self.timeout)
-            except RuntimeError as e:
-                raise XckptError(
-                    f"{self.where}: loading with read_once, rank {self.rank} got no {what} within "
-                    f"{TIMEOUT_S:g} s ({type(e).__name__}: {e}): another rank stopped (it failed outside "
-                    "xckpt.torch.load, was killed, or did not call load with read_once=True); see "
-                    "the other ranks' logs"
-                ) from e
+        wait_works(
+            works,
+            TIMEOUT_S,
+            lambda e: f"{self.where}: loading with read_once, rank {self.rank} got no {what} within "
+            f"{TIMEOUT_S:g} s ({type(e).__name__}: {e}): another rank stopped (it failed outside "
+            "xckpt.torch.load, was killed, or did not call load with read_once=True); see the other ranks' logs",
+        )
 
     def gather_ints(self, value: int, what: str) -> list[int]:
         out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]

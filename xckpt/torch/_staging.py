@@ -38,7 +38,7 @@ from xckpt._staging import StagingPool
 from xckpt.errors import XckptError
 from xckpt.torch._dtypes import as_numpy
 
-__all__ = ["Stager", "side_stream", "wait_events"]
+__all__ = ["Stager", "side_copy", "side_stream", "wait_events"]
 
 #: One side stream per CUDA device for this process's staging and load copies.
 _side_streams: dict[Any, Any] = {}
@@ -50,6 +50,23 @@ def side_stream(device: Any) -> Any:
     stream = _side_streams.get(device)
     if stream is None:
         stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def side_copy(streams: dict[Any, Any], device: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    """Copy `src` into `dst` without blocking, on `device`'s side stream; returns the stream.
+
+    `streams` holds the side streams one job (a save's staging, a load's copies) has used,
+    by device: a stream's first use in the job waits for the device's current stream, so
+    the copy sees the caller's work on `src` before it.
+    """
+    stream = streams.get(device)
+    if stream is None:
+        stream = side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        streams[device] = stream
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
     return stream
 
 
@@ -93,13 +110,7 @@ class Stager:
         return as_numpy(host)
 
     def _cuda_copy(self, host: torch.Tensor, t: torch.Tensor) -> None:
-        stream = self._streams.get(t.device)
-        if stream is None:
-            stream = side_stream(t.device)
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            self._streams[t.device] = stream
-        with torch.cuda.stream(stream):
-            host.copy_(t, non_blocking=True)
+        stream = side_copy(self._streams, t.device, host, t)
         t.record_stream(stream)
 
     def finish(self) -> list[Any]:
