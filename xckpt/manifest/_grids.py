@@ -553,12 +553,31 @@ def _rank_rule(index: GridIndex, ranks: np.ndarray) -> tuple[int, tuple[int, ...
     return (base, strides) if (pred == ranks).all() else None
 
 
+def _row_keys(rows: np.ndarray) -> np.ndarray | None:
+    """One int64 per row of non-negative `rows`, equal exactly for equal rows (mixed radix),
+    or None when the radices overflow 2^62."""
+    key = np.zeros(len(rows), np.int64)
+    span = 1
+    for col in rows.T:
+        m = int(col.max()) + 1 if len(col) else 1
+        span *= m
+        if span >= 1 << 62:
+            return None
+        key = key * m + col
+    return key
+
+
 def _inner_grids(
     shapes: np.ndarray, ids: np.ndarray, table: Sequence[tuple[int, ...] | None]
 ) -> dict[tuple[int, ...], tuple[int, ...] | None] | None:
     """The zarr chunk shape of the array cells of each cell shape, or None when cells of one
     shape differ (or there are too many shapes to list)."""
-    groups, g = np.unique(shapes, axis=0, return_inverse=True)
+    key = _row_keys(shapes)
+    if key is None:
+        groups, g = np.unique(shapes, axis=0, return_inverse=True)
+    else:  # (one int64 per shape: a plain sort, where axis=0 sorts rows as bytes, 10x slower)
+        _, at, g = np.unique(key, return_index=True, return_inverse=True)
+        groups = shapes[at]
     g = g.reshape(-1)
     first = np.full(len(groups), -1, np.int64)
     first[g] = ids
