@@ -7,7 +7,7 @@ Layouts (simulated writers in one process; manifests only, on ``/dev/shm``):
   fewer rows or none); every writer's box is an array chunk (over the packing threshold),
   keyed as ``xckpt.Writer`` keys it.
 - ``regular-packed``: the same with 256 columns: every box is small, so it is a packed chunk
-  with its own byte offset and crc32 (a cost per cell that no rule removes).
+  (its crc32 after its bytes in the data, format version 6: the grid lists only byte offsets).
 - ``packed-256``: 4,096 writers x 100 tensors of ``(16384, 16)`` float32: 4 rows a writer, 256-byte
   cells, every one packed (the smallest cells a split leaves; issue 28).
 - ``regular`` at 16,384 writers (the layout of a 16k-GPU job): one rank's plan at 12,000 target
@@ -151,7 +151,7 @@ def rank_manifest(r: int, writers: int, lay: dict[str, Any]) -> Manifest:
             if nbytes <= PACK_THRESHOLD:
                 chunks.append(Chunk(offset=b.offset, shape=b.shape, key=f"data/{r}/packed", rank=r, nbytes=nbytes,
                                     form="packed", byte_offset=packed_at, crc32=(r * 2654435761 + packed_at) % (1 << 32)))
-                packed_at += nbytes
+                packed_at += nbytes + 4  # (its crc32 follows its bytes: format version 6)
             else:
                 key = f"data/{r}/t/{tensor_key_id(name)}" + (f".{j}" if j else "")
                 chunks.append(Chunk(offset=b.offset, shape=b.shape, key=key, rank=r, nbytes=nbytes,

@@ -12,6 +12,7 @@ chunk list, gaps and overlaps are still LayoutErrors, and the checked-in v5 gold
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -554,7 +555,9 @@ def test_columnar_merge_equals_the_object_merge(ten_ranks: list[bytes], tmp_path
     for n, t in want.tensors.items():
         g = got_m.tensors[n]
         assert (g.dtype, g.shape, g.placement, g.value_range) == (t.dtype, t.shape, t.placement, t.value_range)
-        assert sorted(g.chunks, key=lambda c: c.offset) == sorted(t.chunks, key=lambda c: c.offset)
+        # a grid leaves its packed cells' crc32s out (version 6: they follow the cells' bytes)
+        want_chunks = [dataclasses.replace(c, crc32=None) if g.is_grid else c for c in t.chunks]
+        assert sorted(g.chunks, key=lambda c: c.offset) == sorted(want_chunks, key=lambda c: c.offset)
 
 
 # -- binary columns (format version 6) --------------------------------------------------------
@@ -562,7 +565,7 @@ def test_columnar_merge_equals_the_object_merge(ten_ranks: list[bytes], tmp_path
 
 def _packed_grid_doc(version: int, crc: Any, bo: Any = 0, ranks: Any = None) -> bytes:
     grid = {"splits": [2, 4], "ranks": {"base": 0, "strides": [1, 0]} if ranks is None else ranks,
-            "packed": {"key": "packed", "byte_offset": bo, "crc32": crc}}
+            "packed": {"key": "packed", "byte_offset": bo, **({} if crc is None else {"crc32": crc})}}
     doc: dict[str, Any] = {"format": "xckpt", "version": version, "save_id": "s", "world_size": 8, "rank": None,
                            "storage": {"0": "files"}, "tensors": {"w": {"dtype": "float32", "shape": [16, 4], "grid": grid}},
                            "objects": []}
@@ -585,6 +588,15 @@ def test_binary_columns_are_read_and_lists_still_are() -> None:
         assert out["ranks"] == _b64(ranks, "<u4") and orjson.loads(m.dumps())["version"] == xckpt.manifest.VERSION
 
 
+def test_grid_without_crc32s_takes_them_from_the_data() -> None:
+    """Version 6: a grid's packed cells may leave their crc32s out (they follow the cells'
+    bytes); the cells' `crc32` is None and the grid is written back without them."""
+    m = Manifest.loads(_packed_grid_doc(6, None, _b64(list(range(0, 288, 36)), "<u8")), "x.json")
+    assert [(c.crc32, c.byte_offset) for c in m.tensors["w"].chunks] == [(None, b) for b in range(0, 288, 36)]
+    assert "crc32" not in orjson.loads(m.dumps())["tensors"]["w"]["grid"]["packed"]
+    assert m.tensors["w"].chunks.packed_ends() == {f"data/{r}/packed": 36 * r + 36 for r in range(8)}  # (+ 4: the crc32)
+
+
 @pytest.mark.parametrize(
     ("version", "crc", "bo", "message"),
     [
@@ -595,6 +607,7 @@ def test_binary_columns_are_read_and_lists_still_are() -> None:
         (6, _b64([1] * 8, "<u4"), _b64([0] * 7 + [2**56], "<u8"), r"grid byte_offset must lie in \[0, 72057594037927936\)"),
         (6, _b64([1] * 8, "<u4"), _b64([0] * 7, "<u8"), r"grid byte_offset is a base64 column"),
         (6, 7, 0, r"grid crc32 must be a list of 8 integers"),
+        (5, None, 0, r"grid packed must be \{'cells'\?, 'key'\?, 'byte_offset', 'crc32'\}"),  # (required before 6)
     ],
 )
 def test_hostile_binary_columns_are_manifest_errors(version: int, crc: Any, bo: Any, message: str) -> None:

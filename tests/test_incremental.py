@@ -221,7 +221,8 @@ def test_sigkill_in_saves_and_retention(tmp_path):
 def test_golden_v6_checkpoint_loads_unchanged():
     """tests/golden/v6 (make_golden_v6.py): a manager root whose step 1 references step 0's
     shuffle-zstd bytes and patches 5 rows of a table, a two-rank save with a zstd rank
-    beside a raw one, and an 8-writer grid whose packed columns are base64 binary."""
+    beside a raw one, and an 8-writer grid whose packed byte offsets are base64 binary and
+    whose packed cells' crc32s follow their bytes."""
     import hashlib
     from pathlib import Path
 
@@ -246,4 +247,5 @@ def test_golden_v6_checkpoint_loads_unchanged():
     assert json.loads((root / "ranks" / "xckpt.json").read_bytes())["codecs"] == {"0": "zstd"}
     grid = json.loads((root / "grid" / "xckpt.json").read_bytes())["tensors"]["cells"]["grid"]
     assert grid["ranks"] == {"base": 7, "strides": [-1, 0]}  # binary columns (version 6): base64
-    assert isinstance(grid["packed"]["byte_offset"], str) and isinstance(grid["packed"]["crc32"], str)
+    # each packed cell's crc32 follows its bytes (version 6): the grid lists none
+    assert isinstance(grid["packed"]["byte_offset"], str) and "crc32" not in grid["packed"]

@@ -94,7 +94,7 @@ def test_direct_packed_read_reads_each_zarr_chunk_once(tmp_path, small_grid):
 
 def _layout(ck: xckpt.Checkpoint, data: dict) -> tuple[int, int]:
     """The packed array's zarr chunk length and count (equal pieces of at most GRID)."""
-    size = max(c.byte_offset + c.nbytes for n in data for c in ck.info(n).chunks)
+    size = max(c.byte_offset + c.nbytes + 4 for n in data for c in ck.info(n).chunks)  # (+ the last one's crc32)
     grid = xckpt.native._zarr.packed_grid(size)
     assert grid <= GRID
     return grid, -(-size // grid)
@@ -145,6 +145,62 @@ def test_packed_tensor_failing_its_manifest_crc32_is_corrupt(tmp_path, small_gri
     with pytest.raises(CorruptChunkError, match=r"tensor 'u8_6'.*packed bytes fail their crc32 check.*restore it"):
         ck.read_all()
     assert _bits(ck.read("u8_5")) == _bits(data["u8_5"])
+
+
+def _grid_ckpt(root: Path, storage: str) -> dict[str, np.ndarray]:
+    """Eight writers: `wide` in cells of 25,000 bytes (packed, each across several zarr chunks
+    and spans), `tiny` in cells of 24 bytes, rank 0 a small vector first (cells at different
+    byte offsets); rank-local, not finalized."""
+    rng = np.random.default_rng(9)
+    data = {"wide": rng.standard_normal((400, 125)).astype(np.float32),
+            "tiny": rng.integers(-128, 127, size=(64, 3), dtype=np.int8), "v": np.arange(7, dtype=np.int16)}
+    for r in range(8):
+        w = xckpt.Writer(root, rank=r, world_size=8, save_id="g", storage=storage)
+        if r == 0:
+            w.write("v", data["v"])
+        w.write("wide", data["wide"][50 * r : 50 * r + 50], global_shape=(400, 125), offset=(50 * r, 0))
+        w.write("tiny", data["tiny"][8 * r : 8 * r + 8], global_shape=(64, 3), offset=(8 * r, 0))
+        w.commit()
+    return data
+
+
+@pytest.mark.parametrize("storage", ["files", "ocdbt"])
+def test_grid_packed_cells_carry_their_crc32_after_their_bytes(tmp_path, small_grid, storage):
+    """Version 6: a packed chunk's crc32 follows its bytes, so a merged grid lists none; reads
+    (whole, partial, across spans) and verify take it from the data, rank-local or merged."""
+    data = _grid_ckpt(tmp_path / "c", storage)
+    for merged in (False, True):
+        if merged:
+            xckpt.finalize(tmp_path / "c", world_size=8, save_id="g")
+            doc = json.loads((tmp_path / "c" / "xckpt.json").read_bytes())
+            assert {k for n in ("wide", "tiny") for k in doc["tensors"][n]["grid"]["packed"]} == {"key", "byte_offset"}
+        ck = xckpt.open(tmp_path / "c")
+        assert ck.info("wide").is_grid and all(c.form == "packed" and c.crc32 is None for c in ck.info("wide").chunks)
+        got = ck.read_all()
+        assert all(_bits(got[n]) == _bits(a) for n, a in data.items())
+        assert _bits(ck.read("wide", (slice(45, 160), slice(3, 90)))) == _bits(data["wide"][45:160, 3:90])
+        assert ck.verify() == []
+
+
+def test_grid_packed_cell_failing_its_stored_crc32_is_corrupt(tmp_path, small_grid):
+    """A cell's crc32 changed in the data (its zarr chunk's crc32c re-made, as a hostile writer
+    would): the read and verify name the tensor and cell; the other cells still read."""
+    import tensorstore as ts
+
+    data = _grid_ckpt(tmp_path / "c", "files")
+    xckpt.finalize(tmp_path / "c", world_size=8, save_id="g")
+    ck = xckpt.open(tmp_path / "c")
+    (c,) = [c for c in ck.info("tiny").chunks if c.rank == 3]
+    arr = ts.open({"driver": "zarr3", "kvstore": f"file://{tmp_path / 'c' / 'data' / '3' / 'packed'}/"}).result()
+    at = c.byte_offset + c.nbytes  # the first byte of its crc32
+    arr[at].write(arr[at].read().result() ^ 1).result()
+    ck = xckpt.open(tmp_path / "c")
+    with pytest.raises(CorruptChunkError, match=r"tensor 'tiny', chunk \[24:32, 0:3\] \(data/3/packed\): packed bytes fail their crc32"):
+        ck.read("tiny")
+    assert _bits(ck.read("tiny", (slice(0, 24), slice(None)))) == _bits(data["tiny"][:24])
+    assert _bits(ck.read("wide")) == _bits(data["wide"])
+    (problem,) = ck.verify()
+    assert "tensor 'tiny'" in problem and "fail their crc32 check" in problem
 
 
 def test_missing_packed_shard_is_corrupt_naming_the_tensor(tmp_path, small_grid):

@@ -7,8 +7,9 @@
 - ``ranks/``: a two-rank save whose rank 0 compresses with ``"zstd"`` and rank 1 writes
   raw (``codecs`` names rank 0 only), finalized;
 - ``grid/``: eight writers of a (64, 16) float32 tensor (8 rows each: packed cells),
-  finalized: a grid entry whose ``ranks``, packed ``byte_offset`` and ``crc32`` columns
-  are base64 binary (version 6), beside a whole replicated tensor.
+  finalized: a grid entry whose ``ranks`` and packed ``byte_offset`` columns are base64
+  binary (version 6) and whose packed cells' crc32s follow their bytes in each writer's
+  packed array (the grid lists none), beside a whole replicated tensor.
 
 Never re-run to "fix" a failing golden test: a change that breaks reading these files is a
 format change and needs a new version."""

@@ -29,6 +29,9 @@ GRID_VERSION = 5
 #: The first version whose grid columns (ranks, packed byte offsets and crc32s) may be base64
 #: strings of little-endian integers (see `xckpt.manifest._grids`).
 COLUMNS_VERSION = 6
+#: The first version whose packed chunks are followed in their packed array by their crc32
+#: (4 bytes, little-endian), so a grid's packed cells need not list them (see `xckpt.manifest._grids`).
+TRAILER_VERSION = 6
 #: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
 STORAGE_KINDS = ("files", "plain", "ocdbt")
 

@@ -17,16 +17,21 @@ A grid entry is `{"dtype", "shape", "grid": {...}}` with, in `"grid"`:
 * `"packed"` (optional): cells that are packed chunks of their writer's packed byte array,
   `{"cells": [cell ids, increasing] (absent: every cell), "key": that array's key relative
   to the writer's data directory (with `"key"`), "byte_offset": int | column (one per packed
-  cell), "crc32": column (one per packed cell)}`. (A split by `torch.chunk` leaves the last
-  writers short: their cells may fall under the packing threshold while the others do not.)
+  cell), "crc32": column (one per packed cell; optional from version 6 on, absent as written)}`.
+  (A split by `torch.chunk` leaves the last writers short: their cells may fall under the
+  packing threshold while the others do not.)
+
+From version 6 on, a packed chunk's bytes are followed in its packed array by their crc32
+(4 bytes, little-endian), so a grid leaves its packed cells' crc32s out: 4,096 writers x
+100 tensors of 256-byte packed cells are 409,600 crc32s, 2.2 MB as base64 of a 2.3 MB
+manifest, which no text encoding brings under 2 MB. Such a cell's `Chunk.crc32` is None;
+its reader takes the crc32 from the 4 bytes after the cell's.
 
 A **column** (one integer per cell or per packed cell: `"ranks"`, `"byte_offset"`,
 `"crc32"`) is a JSON list of integers (version 5) or, from version 6 on, a string: the
 base64 (RFC 4648, padded) of the integers as little-endian `uint32` (`ranks`,
-`crc32`) or `uint64` (`byte_offset`), back to back. 4,096 writers x 100 tensors of
-256-byte packed cells: a crc32 costs 5.3 bytes in base64 against 10.7 as decimal text
-(4.5 MB of manifest becomes 2.2 MB), and a column decodes in one `numpy.frombuffer`. A
-column's decoded length and range are checked before it is used.
+`crc32`) or `uint64` (`byte_offset`), back to back: a column decodes in one
+`numpy.frombuffer`. A column's decoded length and range are checked before it is used.
 
 `GridChunks` is the grid as a lazy `Sequence[Chunk]`: a cell's `Chunk`
 is built when asked for, lookups go through its [`GridIndex`][xckpt.layout.GridIndex] (bisect
@@ -56,6 +61,7 @@ from xckpt.manifest._checks import (
     MAX_KEY_LEN,
     MAX_TENSOR_BYTES,
     MAX_WORLD_SIZE,
+    TRAILER_VERSION,
     VERSION,
     _check_key,
     _new,
@@ -128,12 +134,13 @@ def check_dirs(raw: Any, where: str, world_size: int) -> dict[int, str]:
 
 class Packed(NamedTuple):
     """A grid's packed cells: which (None: all), their array's key suffix (None with explicit
-    keys), and each one's byte offset (one for all, or per packed cell) and crc32."""
+    keys), and each one's byte offset (one for all, or per packed cell) and crc32 (None:
+    stored after each cell's bytes, version 6)."""
 
     cells: np.ndarray | None
     key: str | None
     byte_offset: int | np.ndarray
-    crc32: np.ndarray
+    crc32: np.ndarray | None
 
 
 
@@ -254,7 +261,7 @@ class GridChunks(Sequence[Chunk]):
         bo = crc = grid = None
         if p is not None and j >= 0:
             bo = p.byte_offset if type(p.byte_offset) is int else int(p.byte_offset[j])  # type: ignore[index]
-            crc = int(p.crc32[j])
+            crc = None if p.crc32 is None else int(p.crc32[j])
         elif self.inner:
             grid = self.inner.get(shp)
         c = _new(Chunk)
@@ -266,13 +273,14 @@ class GridChunks(Sequence[Chunk]):
         return c
 
     def packed_ends(self) -> dict[str, int]:
-        """For packed cells: each packed array's key and the end of its last cell's bytes."""
+        """For packed cells: each packed array's key and the end of its last cell's bytes (and
+        of the crc32 after them, where the grid does not list the crc32s)."""
         p = self.packed
         if p is None:
             return {}
         ids = np.arange(self.grid_index.n, dtype=np.int64) if p.cells is None else p.cells
         nbytes = self.nbytes_column(ids)
-        ends = np.asarray(p.byte_offset, np.int64) + nbytes
+        ends = np.asarray(p.byte_offset, np.int64) + nbytes + (4 if p.crc32 is None else 0)
         out: dict[str, int] = {}
         if self.keys is not None:
             for i, e in zip(ids.tolist(), ends.tolist()):
@@ -313,7 +321,8 @@ class GridChunks(Sequence[Chunk]):
                 pd["key"] = p.key
             bo = p.byte_offset
             pd["byte_offset"] = bo if isinstance(bo, int) else column_json(bo, "<u8")
-            pd["crc32"] = column_json(p.crc32, "<u4")
+            if p.crc32 is not None:
+                pd["crc32"] = column_json(p.crc32, "<u4")
             d["packed"] = pd
         return d
 
@@ -350,7 +359,7 @@ class GridChunks(Sequence[Chunk]):
             if type(keys) is not list or len(keys) != n:
                 raise ManifestError(f"{where}: grid keys must list one key per cell ({n})")
             keys = [_check_key(k, where) for k in keys]
-        packed = _packed(raw.get("packed"), n, keys is not None, where)
+        packed = _packed(raw.get("packed"), n, keys is not None, where, version)
         n_packed = 0 if packed is None else n if packed.cells is None else len(packed.cells)
         if keys is None and key is None and n_packed < n:
             raise ManifestError(f"{where}: a grid with array cells needs key (or keys)")
@@ -381,12 +390,14 @@ def _ranks(ranks: Any, index: GridIndex, world_size: int, where: str) -> tuple[A
     raise ManifestError(f"{where}: grid lacks ranks (a rule {{'base', 'strides'}} or one rank per cell)")
 
 
-def _packed(raw: Any, n: int, explicit_keys: bool, where: str) -> Packed | None:
-    """The `"packed"` member."""
+def _packed(raw: Any, n: int, explicit_keys: bool, where: str, version: int) -> Packed | None:
+    """The `"packed"` member (`crc32` required before version 6, whose cells' bytes carry it)."""
     if raw is None:
         return None
-    if type(raw) is not dict or not {"byte_offset", "crc32"} <= set(raw) <= {"cells", "key", "byte_offset", "crc32"}:
-        raise ManifestError(f"{where}: grid packed must be {{'cells'?, 'key'?, 'byte_offset', 'crc32'}}")
+    need = {"byte_offset"} if version >= TRAILER_VERSION else {"byte_offset", "crc32"}
+    if type(raw) is not dict or not need <= set(raw) <= {"cells", "key", "byte_offset", "crc32"}:
+        crc = "'crc32'?" if version >= TRAILER_VERSION else "'crc32'"
+        raise ManifestError(f"{where}: grid packed must be {{'cells'?, 'key'?, 'byte_offset', {crc}}}")
     cells = raw.get("cells")
     if cells is not None:
         if type(cells) is not list or not 0 < len(cells) <= n:
@@ -408,8 +419,8 @@ def _packed(raw: Any, n: int, explicit_keys: bool, where: str) -> Packed | None:
         bo: int | np.ndarray = b
     else:
         bo = _column(b, m, 0, MAX_TENSOR_BYTES, "grid byte_offset", where, "<u8")
-    crc = _column(raw["crc32"], m, 0, 1 << 32, "grid crc32", where, "<u4")
-    return Packed(cells, key, bo, crc)
+    crc = raw.get("crc32")
+    return Packed(cells, key, bo, None if crc is None else _column(crc, m, 0, 1 << 32, "grid crc32", where, "<u4"))
 
 
 def column_json(v: np.ndarray | Sequence[int], dtype: str) -> str:
@@ -553,12 +564,31 @@ def _rank_rule(index: GridIndex, ranks: np.ndarray) -> tuple[int, tuple[int, ...
     return (base, strides) if (pred == ranks).all() else None
 
 
+def _row_keys(rows: np.ndarray) -> np.ndarray | None:
+    """One int64 per row of non-negative `rows`, equal exactly for equal rows (mixed radix),
+    or None when the radices overflow 2^62."""
+    key = np.zeros(len(rows), np.int64)
+    span = 1
+    for col in rows.T:
+        m = int(col.max()) + 1 if len(col) else 1
+        span *= m
+        if span >= 1 << 62:
+            return None
+        key = key * m + col
+    return key
+
+
 def _inner_grids(
     shapes: np.ndarray, ids: np.ndarray, table: Sequence[tuple[int, ...] | None]
 ) -> dict[tuple[int, ...], tuple[int, ...] | None] | None:
     """The zarr chunk shape of the array cells of each cell shape, or None when cells of one
     shape differ (or there are too many shapes to list)."""
-    groups, g = np.unique(shapes, axis=0, return_inverse=True)
+    key = _row_keys(shapes)
+    if key is None:
+        groups, g = np.unique(shapes, axis=0, return_inverse=True)
+    else:  # (one int64 per shape: a plain sort, where axis=0 sorts rows as bytes, 10x slower)
+        _, at, g = np.unique(key, return_index=True, return_inverse=True)
+        groups = shapes[at]
     g = g.reshape(-1)
     first = np.full(len(groups), -1, np.int64)
     first[g] = ids
@@ -580,7 +610,7 @@ def grid_from_columns(
     inner_ids: np.ndarray,
     inner_table: Sequence[tuple[int, ...] | None],
     byte_offset: np.ndarray,
-    crc32: np.ndarray,
+    crc32: np.ndarray | None,
     dirs: Mapping[int, str],
     full_keys: Callable[[], list[str]],
 ) -> GridChunks | None:
@@ -589,7 +619,8 @@ def grid_from_columns(
 
     `same_dir[i]`: chunk i's key lies in its writer's data directory (`dirs`) with
     suffix `sfx_table[sfx_ids[i]]`; `full_keys()` gives every key otherwise.
-    `byte_offset` and `crc32` are -1 for array chunks. O(n log n), in numpy.
+    `byte_offset` and `crc32` are -1 for array chunks; `crc32` None: the packed cells' crc32s
+    are stored after their bytes (version 6) and the grid leaves them out. O(n log n), in numpy.
     """
     n, k = offs.shape
     if k == 0 or n < GRID_MIN_CELLS or n > MAX_CHUNKS:
@@ -630,7 +661,7 @@ def grid_from_columns(
             None if packed.all() else np.flatnonzero(packed).astype(np.int64),
             pkey,
             int(b[0]) if (b == b[0]).all() else b.copy(),
-            crc32[order][packed].copy(),
+            None if crc32 is None else crc32[order][packed].copy(),
         )
     return GridChunks(
         index, itemsize, dirs=dirs, rank_rule=rule, rank_list=None if rule is not None else ranks.copy(),

@@ -16,7 +16,6 @@ the field.
 from __future__ import annotations
 
 import math
-from array import array
 from itertools import chain
 from operator import itemgetter, mul
 from typing import Any
@@ -35,6 +34,7 @@ _INT, _DICT, _LIST, _STR, _ONE = {int}, {dict}, {list}, {str}, {1}
 _ENTRY = itemgetter("dtype", "shape", "chunks")
 _CHUNK = itemgetter("offset", "shape", "key", "rank", "nbytes")
 _PACKED = itemgetter("form", "byte_offset", "crc32")
+_GRID = itemgetter("grid")
 
 
 def _ids(table: Any, values: list[Any]) -> list[int]:
@@ -43,6 +43,17 @@ def _ids(table: Any, values: list[Any]) -> list[int]:
     if None in got:
         got = list(map(table.id, values))
     return got
+
+
+def _where(values: list[int], v: int) -> list[int]:
+    """The indices of `v` in `values` (found by `list.index`: quick when they are few)."""
+    out, j = [], -1
+    try:
+        while True:
+            j = values.index(v, j + 1)
+            out.append(j)
+    except ValueError:
+        return out
 
 
 def _ints_ok(flat: list[Any], lo: int, hi: int) -> bool:
@@ -66,6 +77,8 @@ class Run:
         self.itemsizes = [a.itemsize for a in accs]
         self.stops = list(np.cumsum(self.nds))
         self.rows: list[tuple[Any, ...]] = []
+        #: Key suffixes already found valid (every rank names the same ones, in its own directory).
+        self.suffixes: set[str] = set()
 
     def take(self, tensors: dict[str, Any], world: int, tables: tuple[Any, Any, Any],
              rank_dirs: dict[int, str]) -> bool:
@@ -114,8 +127,10 @@ class Run:
         if set(map(itemgetter(slice(0, cut)), keys)) != {d + "/"}:
             return False
         sfx = list(map(itemgetter(slice(cut, None)), keys))
-        if not all(split_key(f"{d}/{s}") is not None for s in set(sfx)):  # (each suffix once)
+        new = set(sfx) - self.suffixes  # (each suffix checked once per run, not once per rank)
+        if not all(split_key(f"{d}/{s}") is not None for s in new):
             return False
+        self.suffixes |= new
         row = self._fields(cs, lens, tables[2])
         if row is None:
             return False
@@ -125,37 +140,38 @@ class Run:
             self.flush()
         return True
 
-    @staticmethod
-    def _fields(cs: list[Any], lens: set[int], inner_table: Any) -> tuple[list[int], ...] | None:
+    def _fields(self, cs: list[Any], lens: set[int], inner_table: Any) -> tuple[list[int], ...] | None:
         """Each chunk's inner grid id, byte offset and crc32 (-1 where it has none), checked:
-        a chunk of 8 members is packed (form, byte_offset, crc32), of 6 an array (grid)."""
+        a chunk of 8 members is packed (form, byte_offset, crc32), of 6 an array (grid).
+        Field by field over all chunks (no Python step per chunk but per packed one)."""
         n = len(cs)
+        none = [-1] * n
         if lens == {8}:
-            forms, bo, crc = map(list, zip(*map(_PACKED, cs)))
-            if set(forms) != {"packed"}:
-                return None
-            inner = [0] * n
-            pbo, pcrc = bo, crc
+            a_idx: list[int] = []
+            p_idx = list(range(n))
         else:
-            bo, crc, pbo, pcrc = [-1] * n, [-1] * n, [], []
-            grids: list[Any] = [None] * n
-            for j, c in enumerate(cs):
-                if len(c) == 8:
-                    form, bo[j], crc[j] = _PACKED(c)
-                    if form != "packed":
-                        return None
-                    pbo.append(bo[j])
-                    pcrc.append(crc[j])
-                else:
-                    grids[j] = c["grid"]
-            flat = [x for g in grids if g is not None for x in g]
-            if not _ints_ok(flat, 1, MAX_EXTENT) or not all(
-                g is None or (type(g) is list and len(g) == len(c["shape"])) for g, c in zip(grids, cs)
-            ):
-                return None
-            inner = _ids(inner_table, [None if g is None else tuple(g) for g in grids])
-        if not (_ints_ok(pbo, 0, MAX_TENSOR_BYTES - 1) and _ints_ok(pcrc, 0, (1 << 32) - 1)):
+            ls = list(map(len, cs))
+            p_idx = _where(ls, 8)
+            a_idx = [j for j, m in enumerate(ls) if m == 6] if p_idx else list(range(n))
+        grids = list(map(_GRID, map(cs.__getitem__, a_idx)))
+        nds = list(map(self.nds.__getitem__, a_idx)) if p_idx else self.nds
+        if grids and (set(map(type, grids)) != _LIST or list(map(len, grids)) != nds):
             return None
+        if not _ints_ok(list(chain.from_iterable(grids)), 1, MAX_EXTENT):
+            return None
+        inner = _ids(inner_table, list(map(tuple, grids)))
+        if not p_idx:
+            return inner, none, none
+        forms, pbo, pcrc = map(list, zip(*map(_PACKED, map(cs.__getitem__, p_idx))))
+        if set(forms) != {"packed"} or not (_ints_ok(pbo, 0, MAX_TENSOR_BYTES - 1) and _ints_ok(pcrc, 0, (1 << 32) - 1)):
+            return None
+        if not a_idx:
+            return [0] * n, pbo, pcrc
+        bo, crc = list(none), list(none)
+        no_grid = _ids(inner_table, [None])[0]
+        for j, b, c in zip(p_idx, pbo, pcrc):  # (packed chunks: few in a rank that has array chunks)
+            bo[j], crc[j] = b, c
+            inner.insert(j, no_grid)  # (j increasing: each lands at its own place)
         return inner, bo, crc
 
     def flush(self) -> None:
@@ -164,8 +180,8 @@ class Run:
             return
         r = len(self.rows)
 
-        def col(k: int) -> np.ndarray:  # (flat through array('q'): faster than numpy from nested lists)
-            return np.frombuffer(array("q", chain.from_iterable(row[k] for row in self.rows)), np.int64).reshape(r, -1)
+        def col(k: int) -> np.ndarray:  # (rows of one length: numpy from the nested lists, 2x array('q'))
+            return np.array([row[k] for row in self.rows], np.int64).reshape(r, -1)
 
         offs, shps = col(0), col(1)
         ranks = np.array([row[2] for row in self.rows], np.int64)

@@ -68,6 +68,26 @@ def _packed_at(c: Chunk) -> int:
     return off
 
 
+def _trail(c: Chunk) -> int:
+    """4 for a packed chunk whose crc32 the manifest leaves out (a version 6 grid's cell):
+    it is the 4 bytes after the chunk's own, read with them; else 0."""
+    return 4 if c.crc32 is None else 0
+
+
+def _packed_end(c: Chunk) -> int:
+    """The end of a packed chunk's bytes in its packed array, with its crc32 where it is read from there."""
+    return _packed_at(c) + c.nbytes + _trail(c)
+
+
+def _crc_ok(raw: Any, c: Chunk) -> bool:
+    """Whether packed chunk `c`'s bytes `raw` (followed by their crc32 where the manifest
+    does not give it, `_trail`) pass their crc32 check."""
+    if c.crc32 is not None:
+        return zlib.crc32(raw) == c.crc32
+    n = c.nbytes
+    return len(raw) == n + 4 and zlib.crc32(raw[:n]) == int.from_bytes(raw[n:], "little")
+
+
 def _fills_whole(job: ChunkRead) -> bool:
     """Whether a packed `job` fills all of a C-contiguous output with its whole chunk."""
     _name, c, req, out = job
@@ -83,8 +103,11 @@ class _SpannedChunk:
 
     def __init__(self, job: ChunkRead, spans: int, lock: threading.Lock) -> None:
         self.job, self.left, self.lock = job, spans, lock
-        self.into_out = _fills_whole(job)
-        self.whole = job.out.reshape(-1).view(np.uint8) if self.into_out else np.empty(job.chunk.nbytes, np.uint8)
+        self.into_out = _fills_whole(job) and not _trail(job.chunk)  # (a crc32 after the bytes: no room in out)
+        self.whole = (
+            job.out.reshape(-1).view(np.uint8) if self.into_out
+            else np.empty(job.chunk.nbytes + _trail(job.chunk), np.uint8)
+        )
 
 
 def _job_of(item: Any) -> ChunkRead:
@@ -205,7 +228,7 @@ class Checkpoint(Source):
         chunk the box touches, each stored whole (edge chunks padded) with a 4-byte crc32c."""
         if chunk.form == "packed":
             span = packed_grid(self._packed_sizes()[chunk.key])
-            first, last = _packed_at(chunk) // span, (_packed_at(chunk) + chunk.nbytes - 1) // span
+            first, last = _packed_at(chunk) // span, (_packed_end(chunk) - 1) // span
             return {(chunk.key, i): span + 4 for i in range(first, last + 1)}
         grid = chunk.grid or chunk.shape
         cell = math.prod(grid) * itemsize + 4
@@ -231,7 +254,7 @@ class Checkpoint(Source):
                     continue
                 for c in t.chunks:
                     if c.form == "packed":
-                        sizes[c.key] = max(sizes.get(c.key, 0), _packed_at(c) + c.nbytes)
+                        sizes[c.key] = max(sizes.get(c.key, 0), _packed_end(c))
             self._packed_size_cache = sizes
         return self._packed_size_cache
 
@@ -350,7 +373,7 @@ class Checkpoint(Source):
         ranges = []
         for job in jobs:
             c = job[1]
-            start, end = _packed_at(c), _packed_at(c) + c.nbytes
+            start, end = _packed_at(c), _packed_end(c)
             if end > size:
                 raise CorruptChunkError(
                     f"{self._where(job[0], c)}: bytes [{start}, {end}) lie past the end of the packed "
@@ -419,7 +442,7 @@ class Checkpoint(Source):
             if type(item) is _SpannedChunk:
                 c = item.job[1]
                 start = _packed_at(c)
-                lo, hi = max(start, base), min(start + c.nbytes, end)
+                lo, hi = max(start, base), min(_packed_end(c), end)
                 item.whole[lo - start : hi - start] = mv[lo - base : hi - base]
                 with item.lock:
                     item.left -= 1
@@ -428,19 +451,22 @@ class Checkpoint(Source):
                 done += self._check_copy(item.job, memoryview(item.whole).cast("B"), item.into_out)
                 continue
             # Per small tensor: a memoryview slice, its crc32, one memcpy (W2: 20,000 of them).
-            o = item[1].byte_offset - base
-            done += self._check_copy(item, mv[o : o + item[1].nbytes], False)
+            c = item[1]
+            o = c.byte_offset - base
+            done += self._check_copy(item, mv[o : o + c.nbytes + _trail(c)], False)
         return done
 
     def _check_copy(self, job: ChunkRead, raw: memoryview, in_place: bool) -> int:
-        """Check packed chunk `raw` (the bytes of `job.chunk`) against its crc32 and copy
-        it to `job.out` (unless it was assembled there, `in_place`); the bytes filled."""
+        """Check packed chunk `raw` (the bytes of `job.chunk`, and its crc32 where the
+        manifest leaves it out) against its crc32 and copy it to `job.out` (unless it was
+        assembled there, `in_place`); the bytes filled."""
         name, c, req, out = job
-        if zlib.crc32(raw) != c.crc32:
+        if not _crc_ok(raw, c):
             raise CorruptChunkError(
                 f"{self._where(name, c)}: packed bytes fail their crc32 check. The "
                 "checkpoint is damaged: restore it from a copy or load an earlier one"
             )
+        raw = raw[: c.nbytes]
         if _fills_whole(job):
             if not in_place:
                 try:
@@ -485,10 +511,10 @@ class Checkpoint(Source):
                         meta = self._packed_meta(c.key, c.rank) if self._direct(c.rank) else None
                         size = meta[0] if meta is not None else self._packed_store(c.key, c.rank).shape[0]
                         sizes[c.key] = size
-                    if _packed_at(c) + c.nbytes > size:
+                    if _packed_end(c) > size:
                         raise CorruptChunkError(
                             f"{self._where(name, c)}: the manifest claims bytes [{c.byte_offset}, "
-                            f"{_packed_at(c) + c.nbytes}) of the packed array, which holds {size} bytes; "
+                            f"{_packed_end(c)}) of the packed array, which holds {size} bytes; "
                             "the manifest does not belong to this data (restore the checkpoint from a copy)"
                         )
                 elif self._direct_chunk(c):
@@ -625,7 +651,7 @@ class Checkpoint(Source):
         items = sorted(items, key=lambda nc: _packed_at(nc[1]))
         out: list[_Slab] = []
         for name, c in items:
-            start, end = _packed_at(c), _packed_at(c) + c.nbytes
+            start, end = _packed_at(c), _packed_end(c)
             if end > size:
                 problems.setdefault(
                     (name, c.offset),
@@ -742,16 +768,16 @@ class _Slab:
             # A damaged zarr chunk under the span: find the chunks it holds, one by one.
             for n, pc in self.span:
                 try:
-                    raw = self.store[_packed_at(pc) : _packed_at(pc) + pc.nbytes].read().result()
+                    raw = self.store[_packed_at(pc) : _packed_end(pc)].read().result()
                 except ValueError as e2:
                     problems.setdefault((n, pc.offset), str(corrupt(f"{ck._where(n, pc)} (packed)", e2)))
                     continue
-                if zlib.crc32(raw) != pc.crc32:
+                if not _crc_ok(raw, pc):
                     problems.setdefault((n, pc.offset), f"{ck._where(n, pc)}: packed bytes fail their crc32 check")
             return
         for n, pc in self.span or ():
-            raw = buf[_packed_at(pc) - self.lo : _packed_at(pc) - self.lo + pc.nbytes]
-            if zlib.crc32(raw) != pc.crc32:
+            raw = buf[_packed_at(pc) - self.lo : _packed_end(pc) - self.lo]
+            if not _crc_ok(raw, pc):
                 problems.setdefault(
                     (n, pc.offset),
                     f"{ck._where(n, pc)}: packed bytes fail their crc32 check. The checkpoint is damaged: "

@@ -210,7 +210,7 @@ class Writer:
         self._pending: list[_Pending] = []
         self._pending_bytes = 0
         self._futures: list[Any] = []
-        self._packed: list[np.ndarray] = []
+        self._packed: list[Any] = []  # each small chunk (an array) and its crc32 (4 bytes)
         self._packed_size = 0
         self._objects: dict[str, ObjectEntry] = {}
         self._n = 0
@@ -420,7 +420,9 @@ class Writer:
         nbytes = arr.nbytes
         if nbytes <= self.pack_threshold:
             # A C-contiguous array is its bytes (buffer protocol): crc32 and _seal_packed's
-            # join read it without a uint8 view (2 us a tensor).
+            # join read it without a uint8 view (2 us a tensor). Its crc32 follows its bytes
+            # (format version 6), so a merged grid need not list it.
+            crc = zlib.crc32(arr)
             chunk = unchecked(
                 Chunk,
                 {
@@ -431,13 +433,13 @@ class Writer:
                     "nbytes": nbytes,
                     "form": "packed",
                     "byte_offset": self._packed_size,
-                    "crc32": zlib.crc32(arr),
+                    "crc32": crc,
                     "grid": None,
                     "value_range": chunk_value_range,
                 },
             )
-            self._packed.append(arr)
-            self._packed_size += nbytes
+            self._packed += (arr, crc.to_bytes(4, "little"))
+            self._packed_size += nbytes + 4
             if self._pending_bytes + self._packed_size >= self.inflight_bytes:
                 self._seal_packed()
                 self._flush()
