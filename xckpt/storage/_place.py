@@ -60,16 +60,15 @@ __all__ = ["Place", "LocalPlace", "KvPlace", "Storage", "HttpPlace", "as_place"]
 READ_CAP = 1 << 31
 
 
-def _join(a: str, b: str) -> str:
-    return f"{a}/{b}" if a and b else a or b
-
-
 def _shown(entries: list[str]) -> str:
     return ", ".join(entries[:12]) + (f", ... ({len(entries)} entries)" if len(entries) > 12 else "")
 
 
 class Place:
-    """A location seen as files (see the module docstring).
+    """A location seen as files: the one location model (see the module docstring).
+
+    Every kind reads (the file-tree protocol below); the kinds that can write
+    (`KvPlace` and its `LocalPlace`) add keys read, written, listed and deleted.
 
     Attributes:
         name: the location as messages name it (a spec dict as JSON, secrets hidden).
@@ -138,80 +137,6 @@ class Place:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
-
-
-class LocalPlace(Place):
-    """A local path (plain file I/O)."""
-
-    def __init__(self, path: str) -> None:
-        self.name = path
-        self.local = path
-        self.location = path
-
-    def _p(self, rel: str) -> str:
-        return os.path.join(self.name, rel) if rel else self.name
-
-    def kind(self) -> str | None:
-        return "dir" if os.path.isdir(self.name) else "file" if os.path.isfile(self.name) else None
-
-    @property
-    def base(self) -> str:
-        return os.path.basename(self.name.rstrip(os.sep)) or self.name
-
-    def child(self, rel: str) -> LocalPlace:
-        return LocalPlace(self._p(rel))
-
-    def parent(self) -> LocalPlace:
-        return LocalPlace(os.path.dirname(os.path.abspath(self.name)))
-
-    def entries(self, rel: str = "") -> list[str]:
-        try:
-            return sorted(os.listdir(self._p(rel)))
-        except OSError:
-            return []
-
-    def files(self, rel: str = "") -> list[str]:
-        top = self._p(rel)
-        out = []
-        for d, _dirs, names in os.walk(top):
-            sub = os.path.relpath(d, top).replace(os.sep, "/")
-            out += [n if sub == "." else f"{sub}/{n}" for n in names]
-        return sorted(out)
-
-    def isfile(self, rel: str = "") -> bool:
-        return os.path.isfile(self._p(rel))
-
-    def isdir(self, rel: str = "") -> bool:
-        return os.path.isdir(self._p(rel))
-
-    def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
-        p = self._p(rel)
-        try:
-            with open(p, "rb") as f:
-                return f.read(limit + 1)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as e:
-            raise XckptError(f"{p!r}: cannot read it ({e.strerror})") from None
-
-    def open(self, rel: str = "", where: str | None = None) -> Blob:
-        p = self._p(rel)
-        return LocalBlob(p, where or p)
-
-    def kvstore(self, rel: str = "") -> Any:
-        return {"driver": "file", "path": os.path.abspath(self._p(rel)).rstrip(os.sep) + "/"}
-
-    def describe(self) -> str:
-        p = self.name
-        if not os.path.exists(p):
-            return "nothing (the path does not exist)"
-        if os.path.isfile(p):
-            return f"a file of {os.path.getsize(p)} bytes"
-        try:
-            entries = sorted(os.listdir(p))
-        except OSError as e:
-            return f"an unreadable directory ({e.strerror})"
-        return f"a directory holding {_shown(entries)}" if entries else "an empty directory"
 
 
 class KvPlace(Place):
@@ -341,7 +266,7 @@ class KvPlace(Place):
         if root is not None:
             if len(keys) <= 4:
                 return [self._read_local(root, k) for k in keys]
-            # Many rank manifests: concurrent, as the kvstore reads them (cold, each waits on the disk).
+            # Many keys (rank manifests): concurrent, as the kvstore reads them (cold, each waits on the disk).
             with cf.ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="xckpt-manifests") as ex:
                 return list(ex.map(functools.partial(self._read_local, root), keys))
         futs = [self._kv.read(k) for k in keys]
@@ -398,8 +323,8 @@ class KvPlace(Place):
             keys = self._result(self._kv.list(self._ts.KvStore.KeyRange(prefix, prefix_end(prefix))), f"listing {prefix}")
         except NotImplementedError as e:  # a kvstore that cannot list (http)
             raise XckptError(
-                f"checkpoint {self.name!r}: this location cannot be listed ({e}), and an xckpt "
-                "checkpoint is found by listing ranks/; copy it to a local disk or an object store"
+                f"checkpoint {self.name!r}: this location cannot be listed ({e}), and reading it lists "
+                f"{prefix or 'its keys'}; copy it to a local disk or an object store"
             ) from e
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
@@ -515,6 +440,77 @@ class KvPlace(Place):
 
 #: The kind of place that writes, by the name the xckpt format and the manager use.
 Storage = KvPlace
+
+
+class LocalPlace(KvPlace):
+    """A local path: its files read with plain file I/O; its keys written through
+    tensorstore's file kvstore (a spec dict, so a path is never percent-decoded)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__({"driver": "file", "path": os.path.abspath(path)}, name=path, given=path)
+        self.local = path
+
+    def _p(self, rel: str) -> str:
+        return os.path.join(self.name, rel) if rel else self.name
+
+    def kind(self) -> str | None:
+        return "dir" if os.path.isdir(self.name) else "file" if os.path.isfile(self.name) else None
+
+    @property
+    def base(self) -> str:
+        return os.path.basename(self.name.rstrip(os.sep)) or self.name
+
+    def child(self, rel: str) -> LocalPlace:
+        return LocalPlace(self._p(rel))
+
+    def parent(self) -> LocalPlace:
+        return LocalPlace(os.path.dirname(os.path.abspath(self.name)))
+
+    def entries(self, rel: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(rel)))
+        except OSError:
+            return []
+
+    def files(self, rel: str = "") -> list[str]:
+        top = self._p(rel)
+        out = []
+        for d, _dirs, names in os.walk(top):
+            sub = os.path.relpath(d, top).replace(os.sep, "/")
+            out += [n if sub == "." else f"{sub}/{n}" for n in names]
+        return sorted(out)
+
+    def isfile(self, rel: str = "") -> bool:
+        return os.path.isfile(self._p(rel))
+
+    def isdir(self, rel: str = "") -> bool:
+        return os.path.isdir(self._p(rel))
+
+    def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
+        p = self._p(rel)
+        try:
+            with open(p, "rb") as f:
+                return f.read(limit + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise XckptError(f"{p!r}: cannot read it ({e.strerror})") from None
+
+    def open(self, rel: str = "", where: str | None = None) -> Blob:
+        p = self._p(rel)
+        return LocalBlob(p, where or p)
+
+    def describe(self) -> str:
+        p = self.name
+        if not os.path.exists(p):
+            return "nothing (the path does not exist)"
+        if os.path.isfile(p):
+            return f"a file of {os.path.getsize(p)} bytes"
+        try:
+            entries = sorted(os.listdir(p))
+        except OSError as e:
+            return f"an unreadable directory ({e.strerror})"
+        return f"a directory holding {_shown(entries)}" if entries else "an empty directory"
 
 
 def _list_local(root: str, prefix: str, name: str) -> list[str]:
