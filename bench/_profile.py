@@ -28,8 +28,8 @@ PHASES = {
         ("Writer.commit (packed array, manifests)", "xckpt.native.writer.Writer.commit"),
         ("Writer.manifest (build dataclasses)", "xckpt.native.writer.Writer.manifest"),
         ("Manifest.to_json", "xckpt.manifest.Manifest.to_json"),
-        ("Storage.create_array (spec + open)", "xckpt.storage.Storage.create_array"),
-        ("Storage.write_key (manifest files)", "xckpt.storage.Storage.write_key"),
+        ("NativeStorage.create_array (spec + open)", "xckpt.native._zarr.NativeStorage.create_array"),
+        ("Storage.write_key (manifest files)", "xckpt.storage.KvPlace.write_key"),
     ],
     "load": [
         ("xckpt.load (total)", "xckpt.formats.load"),

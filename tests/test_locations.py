@@ -283,3 +283,26 @@ def test_gs_takes_the_kvstore_path_offline() -> None:
         assert child.spec == {"driver": "gcs", "bucket": "bucket-x", "path": "run/ckpt/model.safetensors"}
     assert as_place("gs://bucket-x/run/ckpt/").name == "gs://bucket-x/run/ckpt/"
     assert isinstance(as_place({"driver": "file", "path": "/tmp/x"}), LocalPlace)
+
+
+def test_one_location_model_reads_and_writes_keys(tmp_path: Any) -> None:
+    # Storage is the kind of place that writes (the same class as a kvstore place), and a
+    # local place writes its keys too: through the file kvstore, its path never percent-decoded.
+    from xckpt.storage import Storage
+
+    assert Storage is KvPlace and issubclass(LocalPlace, KvPlace)
+    local = as_place(str(tmp_path / "a%20b"))
+    local.write_key("ranks/0.json", b"{}")
+    assert (tmp_path / "a%20b" / "ranks" / "0.json").read_bytes() == b"{}"
+    assert local.list_prefix("ranks/") == ["ranks/0.json"] and local.read_key("ranks/0.json") == b"{}"
+    assert local.isfile("ranks/0.json") and local.entries() == ["ranks"]
+    local.delete_prefix("ranks/")
+    assert local.read_key("ranks/0.json") is None and local.list_prefix("ranks/") == []
+    # A Storage opened from a URL is a place too: its file tree from one listing.
+    url = f"memory://one-model-{os.getpid()}/ck"
+    st = Storage(url)
+    st.write_key("d/x.bin", b"abc")
+    assert st.kind() == "dir" and st.files() == ["d/x.bin"] and st.child("d").isfile("x.bin")
+    assert st.read("d/x.bin") == b"abc" and st.open("d/x.bin").pread(1, 2) == b"bc"
+    assert st.kvstore("d") == url + "/d/" and st.child("d/x.bin").kind() == "file"
+    assert st.child("d").name == url + "/d" and st.child("d").read_key("x.bin") == b"abc"

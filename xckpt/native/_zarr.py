@@ -15,7 +15,7 @@ manifest records, per rank, which storage holds them:
   per rank, few objects however many arrays.
 
 [NativeStorage][xckpt.native._zarr.NativeStorage] adds these key spaces to a
-location's [Storage][xckpt.storage.Storage] (small keys, listing, deletes).
+location's `Storage` (the place that writes: small keys, listing, deletes).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class NativeStorage(Storage):
             raise XckptError(f"{key!r} is not a data key")
         if storage == "ocdbt":
             return {**self._ocdbt_spec(parts[1]), "path": parts[2] + "/"}
-        return self.child(f"{key}/")
+        return self.kvstore(key)
 
     def _ocdbt_spec(self, rank: str) -> dict[str, Any]:
         """The OCDBT database `data/<rank>/` (`rank` is the key's directory name,
@@ -186,7 +186,7 @@ class NativeStorage(Storage):
         process opens it once (the same tensorstore driver instance)."""
         return {
             "driver": "ocdbt",
-            "base": self.child(f"data/{rank}/"),
+            "base": self.kvstore(f"data/{rank}"),
             "target_data_file_size": OCDBT_DATA_FILE_BYTES,
         }
 

@@ -1,21 +1,27 @@
 """Locations and bytes: where a checkpoint lives, and reading and writing its files.
 
-It knows no format. The family:
+It knows no format. One location model, `Place`: a location
+seen as a tree of files, opened from whatever a user passes by
+`as_place` (a path, a URL, a kvstore spec dict, an
+`os.PathLike`). Its kinds:
 
-* `_kvstore`: locations (paths, URLs, spec dicts), the [Storage][xckpt.storage.Storage]
-  of one location (small keys, listing, deletes), storage errors;
-* `_blob`, `_http`: one stored file read by byte range ([Blob][xckpt.storage.Blob])
-  from a local file, a kvstore key or an `http(s)://` URL;
-* `_place`: any location seen as a tree of files ([Place][xckpt.storage.Place],
-  [as_place][xckpt.storage.as_place]), which every format detects and opens.
+* `LocalPlace`: a local path (plain file I/O);
+* `KvPlace`: a tensorstore kvstore location, the kind that
+  writes: keys read, written, listed and deleted (conditional writes included).
+  `Storage` is the same class, the name the xckpt format and the manager use;
+  `Storage(location)` opens any location as keys (plain file reads on a local disk);
+* `HttpPlace`: an `http(s)://` location, read-only, found by probing.
+
+The family: `_location` (what a location is: parsing, names, joins, the tensorstore
+context, storage errors), `_place` (the model), `_blob` and `_http` (one stored file
+read by byte range, `Blob`: local, kvstore key, http(s)).
 """
 
 from __future__ import annotations
 
 from xckpt.storage._blob import Blob, KvBlob, LocalBlob
-from xckpt.storage._kvstore import (
+from xckpt.storage._location import (
     Location,
-    Storage,
     corrupt,
     default_context,
     fsync_dir,
@@ -25,7 +31,7 @@ from xckpt.storage._kvstore import (
     location_url,
     storage_error,
 )
-from xckpt.storage._place import HttpPlace, KvPlace, LocalPlace, Place, as_place
+from xckpt.storage._place import HttpPlace, KvPlace, LocalPlace, Place, Storage, as_place
 
 __all__ = [
     "Blob",

@@ -36,7 +36,7 @@ from typing import Any
 
 from xckpt.errors import CorruptChunkError, IncompleteCheckpointError, XckptError
 
-from ._kvstore import storage_error
+from ._location import storage_error
 
 __all__ = ["Blob", "LocalBlob", "KvBlob"]
 

@@ -1,17 +1,20 @@
-"""A checkpoint location seen as a tree of files, wherever it is.
+"""The one location model: a checkpoint location seen as a tree of files, wherever it is.
 
 Foreign formats are files in directories (DCP's `.metadata` beside `*.distcp`,
 orbax's item directories, a Hugging Face directory, one torch.save file). A
 `Place` lets their readers detect and open them at any location with one
 code path: it lists, probes and opens files (`Blob`) below it, and
-gives tensorstore the kvstore spec of a directory (orbax's arrays). Three kinds,
-chosen by `as_place`:
+gives tensorstore the kvstore spec of a directory (orbax's arrays). The xckpt
+format and the manager read and write the same places as keys. Three kinds,
+chosen by `as_place` from what a user passes:
 
 * `LocalPlace`: a local path, or a `file://` URL (plain file I/O);
 * `KvPlace`: a tensorstore kvstore URL (`s3://`, `gs://`, `memory://`)
   or a kvstore spec dict (how an S3-compatible endpoint, a region or credentials are
   given). Listing is the kvstore's (one recursive listing of the location, made once
-  and shared with the places below it); a key is probed with a zero-length read;
+  and shared with the places below it); a key is probed with a zero-length read.
+  It is the kind that writes: `Storage` (the same class) opens any location,
+  a local directory included, as keys to read, write, list and delete;
 * `HttpPlace`: an `http(s)://` URL, or `{"driver": "http", "base_url": ...,
   "path": ..., "headers": [...]}` (tensorstore's http kvstore spec, whose headers,
   e.g. `Authorization`, go with every request to that host). An http location
@@ -27,6 +30,8 @@ Paths below a place (`rel`) use "/" and never start with it; "" is the place its
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import functools
 import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -36,16 +41,23 @@ from xckpt.errors import CheckpointNotFoundError, StorageError, XckptError
 
 from ._blob import Blob, KvBlob, LocalBlob
 from ._http import HttpBlob, http_headers
-from ._kvstore import checked_spec, default_context, location_name, not_a_location, storage_error
+from ._location import (
+    Location,
+    checked_spec,
+    child_location,
+    default_context,
+    local_root,
+    location_name,
+    location_spec,
+    not_a_location,
+    prefix_end,
+    storage_error,
+)
 
-__all__ = ["Place", "LocalPlace", "KvPlace", "HttpPlace", "as_place"]
+__all__ = ["Place", "LocalPlace", "KvPlace", "Storage", "HttpPlace", "as_place"]
 
 #: Largest file `Place.read` returns whole (metadata, indexes, manifests).
 READ_CAP = 1 << 31
-
-
-def _join(a: str, b: str) -> str:
-    return f"{a}/{b}" if a and b else a or b
 
 
 def _shown(entries: list[str]) -> str:
@@ -53,7 +65,10 @@ def _shown(entries: list[str]) -> str:
 
 
 class Place:
-    """A location seen as files (see the module docstring).
+    """A location seen as files: the one location model (see the module docstring).
+
+    Every kind reads (the file-tree protocol below); the kinds that can write
+    (`KvPlace` and its `LocalPlace`) add keys read, written, listed and deleted.
 
     Attributes:
         name: the location as messages name it (a spec dict as JSON, secrets hidden).
@@ -124,13 +139,316 @@ class Place:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-class LocalPlace(Place):
-    """A local path (plain file I/O)."""
+class KvPlace(Place):
+    """A location in a tensorstore kvstore, read and written as keys: the kind of place that writes.
+
+    Built from any location (a path, a kvstore URL or spec dict); `Storage` is this class,
+    the name the xckpt format and the manager use for it. Keys are relative to the location
+    as a directory (`url`). tensorstore is imported and the kvstore opened on first use: on
+    a local disk (`local`) small keys are read and directories listed with plain file reads,
+    so a process that only loads a local checkpoint, whose chunks `_fileio` reads, never
+    imports tensorstore (0.11-0.16 s in every fresh process, cold or warm: bench/io.py and
+    bench/jax_load.py time loads in fresh processes). Writes and deletes go through the
+    kvstore; conditional writes (`read_stamped`, `write_if`) claim a key atomically on the
+    file, memory and S3 kvstores.
+
+    As a file tree (the `Place` protocol), a location whose path is empty or ends in "/"
+    is a directory; otherwise it is a file when that key exists, else a directory when keys
+    lie below it. Its listing is made once, and shared with the places below it; `list_prefix`
+    lists afresh every time.
+
+    Attributes:
+        url: the location in directory form, which keys are relative to: a URL ending
+            in "/" or a kvstore spec dict whose path is empty or ends in "/".
+    """
+
+    def __init__(self, location: Location, context: Any = None, *, name: str | None = None, given: Any = None) -> None:
+        self.name = name if name is not None else location_name(location)
+        self.location = given if given is not None else location
+        self.url = location_spec(location)
+        self.local = local_root(self.url)
+        self._given = location.get("path", "") if isinstance(location, Mapping) else None
+        self._context = context
+        self._parsed: dict[str, Any] | None = None
+        self._kvstore: Any = None
+        self._stores: dict[str, Any] = {}
+        self._listing: list[str] | None = None
+        self._kind: str | None = None
+        self._known = False
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The location's kvstore spec as a dict, its path as given (a file's key kept as is)."""
+        return {**self._spec(), "path": self._path}
+
+    @property
+    def path(self) -> str:
+        """The location as messages name it (`name`)."""
+        return self.name
+
+    @property
+    def root(self) -> str | None:
+        """The local directory (keys read with plain file reads), or None (`local`)."""
+        return self.local
+
+    # -- tensorstore ------------------------------------------------------------------------
+
+    @property
+    def _ts(self) -> Any:
+        import tensorstore as ts
+
+        return ts
+
+    @property
+    def context(self) -> Any:
+        if self._context is None:
+            self._context = default_context()
+        return self._context
+
+    def _open(self, spec: Any) -> Any:
+        try:
+            return self._ts.KvStore.open(spec, context=self.context).result()
+        except ValueError as e:
+            raise storage_error(self.name, "opening the location", e) from e
+
+    @property
+    def _kv(self) -> Any:
+        """The kvstore of the location as a directory (opened once)."""
+        if self._kvstore is None:
+            self._kvstore = self._open(self.url)
+        return self._kvstore
+
+    def _spec(self) -> dict[str, Any]:
+        """The location's kvstore spec as a dict (a URL parsed by tensorstore, once)."""
+        if isinstance(self.url, dict):
+            return self.url
+        if self._parsed is None:
+            try:
+                self._parsed = self._ts.KvStore.Spec(self.url).to_json()
+            except ValueError as e:
+                raise storage_error(self.name, "opening the location", e) from e
+        return self._parsed
+
+    def _store(self, path: str) -> Any:
+        """The kvstore at `path` of the location's driver (opened once per place and path)."""
+        store = self._stores.get(path)
+        if store is None:
+            store = self._stores[path] = self._open({**self._spec(), "path": path})
+        return store
+
+    def _result(self, fut: Any, what: str) -> Any:
+        try:
+            return fut.result()
+        except ValueError as e:
+            raise storage_error(self.name, what, e) from e
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def _read_local(self, root: str, key: str) -> bytes | None:
+        try:
+            with open(os.path.join(root, key), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except OSError as e:
+            raise storage_error(self.name, f"reading {key}", e) from e
+
+    def read_key(self, key: str) -> bytes | None:
+        """The value of `key`, or None when it does not exist."""
+        if self.local is not None:
+            return self._read_local(self.local, key)
+        r = self._result(self._kv.read(key), f"reading {key}")
+        return bytes(r.value) if r.state == "value" else None
+
+    def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Read many keys concurrently."""
+        root = self.local
+        if root is not None:
+            if len(keys) <= 4:
+                return [self._read_local(root, k) for k in keys]
+            # Many keys (rank manifests): concurrent, as the kvstore reads them (cold, each waits on the disk).
+            with cf.ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="xckpt-manifests") as ex:
+                return list(ex.map(functools.partial(self._read_local, root), keys))
+        futs = [self._kv.read(k) for k in keys]
+        out: list[bytes | None] = []
+        for k, f in zip(keys, futs):
+            r = self._result(f, f"reading {k}")
+            out.append(bytes(r.value) if r.state == "value" else None)
+        return out
+
+    def read_stamped(self, key: str) -> tuple[bytes | None, bytes]:
+        """The value of `key` (None when missing) and its storage generation, for `write_if`."""
+        r = self._result(self._kv.read(key), f"reading {key}")
+        return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
+
+    def unchanged(self, key: str, generation: bytes) -> bool:
+        """Whether `key` is still at `generation` (a read that transfers no value if so)."""
+        r = self._result(self._kv.read(key, if_not_equal=generation), f"reading {key}")
+        return r.state == "unspecified"
+
+    def write_key(self, key: str, data: bytes) -> None:
+        """Write `key` atomically (and durably, on local disk)."""
+        self._result(self._kv.write(key, data), f"writing {key}")
+
+    def write_key_stamped(self, key: str, data: bytes) -> bytes:
+        """Write `key` and return its new generation."""
+        return bytes(self._result(self._kv.write(key, data), f"writing {key}").generation)
+
+    def write_if(self, key: str, data: bytes | None, generation: bytes) -> bytes | None:
+        """Write (or with `data=None` delete) `key` only if it is still at `generation`
+        (as `read_stamped` or a previous `write_if` returned it).
+
+        Atomic on the file, memory and S3 kvstores. Returns the new generation, or
+        None when the key changed in between (another writer came first).
+        """
+        g = self._result(self._kv.write(key, data, if_equal=generation), f"writing {key}")
+        gen = bytes(g.generation)
+        return gen if gen else None
+
+    def delete_key(self, key: str) -> None:
+        self._result(self._kv.delete_range(self._ts.KvStore.KeyRange(key, key + "\0")), f"deleting {key}")
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.delete_range(prefix, prefix_end(prefix))
+
+    def delete_range(self, start: str, end: str) -> None:
+        """Delete every key in `[start, end)`."""
+        self._result(self._kv.delete_range(self._ts.KvStore.KeyRange(start, end)), f"deleting {start}..{end}")
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        """Every key that starts with `prefix`, sorted (listed now, never from a kept listing)."""
+        if self.local is not None and prefix.endswith("/"):
+            return _list_local(self.local, prefix, self.name)
+        try:
+            keys = self._result(self._kv.list(self._ts.KvStore.KeyRange(prefix, prefix_end(prefix))), f"listing {prefix}")
+        except NotImplementedError as e:  # a kvstore that cannot list (http)
+            raise XckptError(
+                f"checkpoint {self.name!r}: this location cannot be listed ({e}), and reading it lists "
+                f"{prefix or 'its keys'}; copy it to a local disk or an object store"
+            ) from e
+        return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
+
+    # -- the Place protocol -------------------------------------------------------------------
+
+    @property
+    def _dir(self) -> str:
+        return str(self._spec().get("path", ""))
+
+    @property
+    def _path(self) -> str:
+        """The path as given: a file's key when it does not end in "/"."""
+        return self._given if self._given is not None else self._dir
+
+    def _exists(self, key: str, shown: str) -> bool:
+        """Whether `key` (relative to the bucket) exists: a zero-length read (a HEAD on S3)."""
+        r = self._result(self._store("").read(key, byte_range=slice(0, 0)), f"reading {shown}")
+        return r.state == "value"
+
+    def _keys(self) -> list[str]:
+        """Every key below the location (relative to it), listed once."""
+        if self._listing is None:
+            keys = self._result(self._kv.list(), "listing the location")
+            self._listing = sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
+        return self._listing
+
+    def kind(self) -> str | None:
+        if not self._known:
+            self._known = True
+            path = self._path
+            if path and not path.endswith("/") and self._exists(path, "it"):
+                self._kind = "file"
+            else:
+                self._kind = "dir" if self._keys() else None
+        return self._kind
+
+    @property
+    def base(self) -> str:
+        return self._path.rstrip("/").rsplit("/", 1)[-1]
+
+    def _named(self, spec: dict[str, Any], rel: str | None) -> str:
+        """The name of the place at `spec`, `rel` below this one (None: its parent)."""
+        if self.name.startswith("{"):
+            return location_name(spec)
+        if rel is None:
+            return self.name.rstrip("/").rpartition("/")[0] + "/"
+        return self.name.rstrip("/") + "/" + rel
+
+    def child(self, rel: str) -> KvPlace:
+        spec = {**self._spec(), "path": self._dir + rel}
+        c = KvPlace(spec, self._context, name=self._named(spec, rel))
+        if self._listing is not None:  # known from this listing: no request
+            pre = rel.rstrip("/") + "/"
+            c._listing = [k[len(pre) :] for k in self._listing if k.startswith(pre)]
+            c._known = True
+            c._kind = "file" if rel in self._listing else "dir" if c._listing else None
+        return c
+
+    def parent(self) -> KvPlace:
+        head = self._path.rstrip("/").rpartition("/")[0]
+        spec = {**self._spec(), "path": head + "/" if head else ""}
+        return KvPlace(spec, self._context, name=self._named(spec, None))
+
+    def entries(self, rel: str = "") -> list[str]:
+        pre = rel.rstrip("/") + "/" if rel else ""
+        return sorted({k[len(pre) :].split("/", 1)[0] for k in self._keys() if k.startswith(pre) and k != pre})
+
+    def files(self, rel: str = "") -> list[str]:
+        pre = rel.rstrip("/") + "/" if rel else ""
+        return [k[len(pre) :] for k in self._keys() if k.startswith(pre)]
+
+    def isfile(self, rel: str = "") -> bool:
+        if not rel:
+            return self.kind() == "file"
+        if self._listing is not None:
+            return rel in self._listing
+        return self._exists(self._dir + rel, rel)
+
+    def isdir(self, rel: str = "") -> bool:
+        if not rel:
+            return self.kind() == "dir"
+        pre = rel.rstrip("/") + "/"
+        if self._listing is not None:
+            return any(k.startswith(pre) for k in self._listing)
+        return bool(self._result(self._kv.list(self._ts.KvStore.KeyRange(pre, prefix_end(pre))), f"listing {pre}"))
+
+    def _key(self, rel: str) -> tuple[Any, str]:
+        if not rel and self.kind() == "file":
+            return self._store(self._path), ""
+        return self._kv, rel
+
+    def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
+        store, key = self._key(rel)
+        r = self._result(store.read(key), f"reading {rel or 'it'}")
+        return bytes(r.value) if r.state == "value" else None
+
+    def open(self, rel: str = "", where: str | None = None) -> Blob:
+        store, key = self._key(rel)
+        path = self._named({**self._spec(), "path": self._dir + rel}, rel) if rel else self.name
+        return KvBlob(store, key, path, where or path)
+
+    def kvstore(self, rel: str = "") -> Any:
+        return child_location(self.url, rel.rstrip("/") + "/" if rel else "")
+
+    def describe(self) -> str:
+        kind = self.kind()
+        if kind is None:
+            return "nothing (no key at or below it)"
+        if kind == "file":
+            return "an object (a file)"
+        return f"a location holding {_shown(self.entries())}"
+
+
+#: The kind of place that writes, by the name the xckpt format and the manager use.
+Storage = KvPlace
+
+
+class LocalPlace(KvPlace):
+    """A local path: its files read with plain file I/O; its keys written through
+    tensorstore's file kvstore (a spec dict, so a path is never percent-decoded)."""
 
     def __init__(self, path: str) -> None:
-        self.name = path
+        super().__init__({"driver": "file", "path": os.path.abspath(path)}, name=path, given=path)
         self.local = path
-        self.location = path
 
     def _p(self, rel: str) -> str:
         return os.path.join(self.name, rel) if rel else self.name
@@ -182,9 +500,6 @@ class LocalPlace(Place):
         p = self._p(rel)
         return LocalBlob(p, where or p)
 
-    def kvstore(self, rel: str = "") -> Any:
-        return {"driver": "file", "path": os.path.abspath(self._p(rel)).rstrip(os.sep) + "/"}
-
     def describe(self) -> str:
         p = self.name
         if not os.path.exists(p):
@@ -198,152 +513,24 @@ class LocalPlace(Place):
         return f"a directory holding {_shown(entries)}" if entries else "an empty directory"
 
 
-class KvPlace(Place):
-    """A location in a tensorstore kvstore: `spec` is its kvstore spec (a dict with `path`)."""
+def _list_local(root: str, prefix: str, name: str) -> list[str]:
+    """The files under directory `prefix` of a local location, as tensorstore's file
+    kvstore lists them (its `.__lock` files left out)."""
+    top = os.path.join(root, prefix)
+    keys: list[str] = []
 
-    def __init__(self, spec: Mapping[str, Any], name: str, context: Any = None, location: Any = None) -> None:
-        self.spec = dict(spec)
-        path = self.spec.get("path", "")
-        if not isinstance(path, str):
-            raise XckptError(f"kvstore spec {name}: path must be a string")
-        self.name = name
-        self.location = location if location is not None else self.spec
-        self._path = path
-        self._dir = path if not path or path.endswith("/") else path + "/"
-        self._context = context if context is not None else default_context()
-        self._listing: list[str] | None = None
-        self._kind: str | None = None
-        self._known = False
-        self._stores: dict[str, Any] = {}
+    def fail(e: OSError) -> None:
+        raise e
 
-    # -- tensorstore ------------------------------------------------------------------------
-
-    def _store(self, path: str) -> Any:
-        """The kvstore at `path` (opened once per place and path)."""
-        store = self._stores.get(path)
-        if store is None:
-            import tensorstore as ts
-
-            try:
-                store = ts.KvStore.open({**self.spec, "path": path}, context=self._context).result()
-            except ValueError as e:
-                raise storage_error(self.name, "opening the location", e) from e
-            self._stores[path] = store
-        return store
-
-    def _exists(self, key: str, shown: str) -> bool:
-        """Whether `key` (relative to the bucket) exists: a zero-length read (a HEAD on S3)."""
-        try:
-            r = self._store("").read(key, byte_range=slice(0, 0)).result()
-        except ValueError as e:
-            raise storage_error(self.name, f"reading {shown}", e) from e
-        return r.state == "value"
-
-    def _keys(self) -> list[str]:
-        """Every key below the location (relative to it), listed once."""
-        if self._listing is None:
-            store = self._store(self._dir)
-            try:
-                keys = store.list().result()
-            except ValueError as e:
-                raise storage_error(self.name, "listing the location", e) from e
-            self._listing = sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
-        return self._listing
-
-    # -- the Place protocol -------------------------------------------------------------------
-
-    def kind(self) -> str | None:
-        if not self._known:
-            self._known = True
-            if self._path and not self._path.endswith("/") and self._exists(self._path, "it"):
-                self._kind = "file"
-            else:
-                self._kind = "dir" if self._keys() else None
-        return self._kind
-
-    @property
-    def base(self) -> str:
-        return self._path.rstrip("/").rsplit("/", 1)[-1]
-
-    def _sub_name(self, rel: str) -> str:
-        spec = {**self.spec, "path": self._dir + rel}
-        if self.name.startswith("{"):
-            return location_name(spec)
-        return self.name.rstrip("/") + "/" + rel
-
-    def child(self, rel: str) -> KvPlace:
-        c = KvPlace({**self.spec, "path": self._dir + rel}, self._sub_name(rel), self._context)
-        if self._listing is not None:  # known from this listing: no request
-            pre = rel.rstrip("/") + "/"
-            c._listing = [k[len(pre) :] for k in self._listing if k.startswith(pre)]
-            c._known = True
-            c._kind = "file" if rel in self._listing else "dir" if c._listing else None
-        return c
-
-    def parent(self) -> KvPlace:
-        head = self._path.rstrip("/").rpartition("/")[0]
-        spec = {**self.spec, "path": head + "/" if head else ""}
-        name = location_name(spec) if self.name.startswith("{") else self.name.rstrip("/").rpartition("/")[0] + "/"
-        return KvPlace(spec, name, self._context)
-
-    def entries(self, rel: str = "") -> list[str]:
-        pre = rel.rstrip("/") + "/" if rel else ""
-        return sorted({k[len(pre) :].split("/", 1)[0] for k in self._keys() if k.startswith(pre) and k != pre})
-
-    def files(self, rel: str = "") -> list[str]:
-        pre = rel.rstrip("/") + "/" if rel else ""
-        return [k[len(pre) :] for k in self._keys() if k.startswith(pre)]
-
-    def isfile(self, rel: str = "") -> bool:
-        if not rel:
-            return self.kind() == "file"
-        if self._listing is not None:
-            return rel in self._listing
-        return self._exists(self._dir + rel, rel)
-
-    def isdir(self, rel: str = "") -> bool:
-        if not rel:
-            return self.kind() == "dir"
-        pre = rel.rstrip("/") + "/"
-        if self._listing is not None:
-            return any(k.startswith(pre) for k in self._listing)
-        import tensorstore as ts
-
-        end = pre[:-1] + chr(ord("/") + 1)
-        try:
-            keys = self._store(self._dir).list(ts.KvStore.KeyRange(pre, end)).result()
-        except ValueError as e:
-            raise storage_error(self.name, f"listing {pre}", e) from e
-        return bool(keys)
-
-    def _key(self, rel: str) -> tuple[Any, str]:
-        if not rel and self.kind() == "file":
-            return self._store(self._path), ""
-        return self._store(self._dir), rel
-
-    def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
-        store, key = self._key(rel)
-        try:
-            r = store.read(key).result()
-        except ValueError as e:
-            raise storage_error(self.name, f"reading {rel or 'it'}", e) from e
-        return bytes(r.value) if r.state == "value" else None
-
-    def open(self, rel: str = "", where: str | None = None) -> Blob:
-        store, key = self._key(rel)
-        path = self._sub_name(rel) if rel else self.name
-        return KvBlob(store, key, path, where or path)
-
-    def kvstore(self, rel: str = "") -> Any:
-        return {**self.spec, "path": self._dir + (rel.rstrip("/") + "/" if rel else "")}
-
-    def describe(self) -> str:
-        kind = self.kind()
-        if kind is None:
-            return "nothing (no key at or below it)"
-        if kind == "file":
-            return "an object (a file)"
-        return f"a location holding {_shown(self.entries())}"
+    try:
+        for d, _dirs, files in os.walk(top, onerror=fail):
+            rel = os.path.relpath(d, root).replace(os.sep, "/")
+            keys += [f"{rel}/{f}" for f in files if not f.endswith(".__lock")]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        raise storage_error(name, f"listing {prefix}", e) from e
+    return sorted(keys)
 
 
 class HttpPlace(Place):
@@ -456,7 +643,7 @@ class HttpPlace(Place):
 
 
 def as_place(location: Any, context: Any = None, *, probes: Sequence[str] = ()) -> Place:
-    """The [Place][xckpt.storage.Place] of a location: a `Place`, a local path (or `file://`
+    """The `Place` of a location: a `Place`, a local path (or `file://`
     URL), an `http(s)://` URL, another kvstore URL, or a kvstore spec dict.
 
     `probes` are the file names that mark a directory at an `http(s)://` location, which
@@ -482,7 +669,7 @@ def as_place(location: Any, context: Any = None, *, probes: Sequence[str] = ()) 
             spec = ts.KvStore.Spec(location).to_json()
         except ValueError as e:
             raise XckptError(f"{location!r} is not a kvstore URL tensorstore knows ({e})") from None
-        return KvPlace(spec, location, context, location=location)
+        return KvPlace(spec, context, name=location, given=location)
     if isinstance(location, Mapping):
         spec = checked_spec(location)
         if spec["driver"] == "http":
@@ -494,5 +681,5 @@ def as_place(location: Any, context: Any = None, *, probes: Sequence[str] = ()) 
             return HttpPlace(url, http_headers(spec.get("headers"), url), location_name(spec), probes=probes)
         if spec["driver"] == "file" and set(spec) <= {"driver", "path"}:
             return LocalPlace(spec["path"])
-        return KvPlace(spec, location_name(spec), context)
+        return KvPlace(spec, context)
     raise not_a_location(location)
