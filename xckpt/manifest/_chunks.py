@@ -172,6 +172,17 @@ class Chunk:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> Chunk:
+        """A chunk from its manifest JSON, every malformed field a
+        [`ManifestError`][xckpt.errors.ManifestError] naming `where` (never a raw `TypeError`)."""
+        try:
+            return cls._from_json(d, where)
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ManifestError):
+                raise
+            raise ManifestError(f"{where}: malformed chunk ({type(e).__name__}: {e})"[:400]) from None
+
+    @classmethod
+    def _from_json(cls, d: Any, where: str) -> Chunk:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: a chunk must be an object, got {d!r}")
         try:
@@ -211,15 +222,5 @@ class Chunk:
             grid=grid,
             value_range=value_range,
         )
-
-    @classmethod
-    def from_json_unchecked(cls, d: Any, where: str) -> Chunk:
-        """`from_json` with every malformed field a [`ManifestError`][xckpt.manifest._chunks.ManifestError] (never a raw error)."""
-        try:
-            return cls.from_json(d, where)
-        except (TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, ManifestError):
-                raise
-            raise ManifestError(f"{where}: malformed chunk ({type(e).__name__}: {e})"[:400]) from None
 
 

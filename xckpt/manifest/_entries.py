@@ -368,7 +368,7 @@ class TensorEntry:
             raise ManifestError(f"{w}: chunks must be a list")
         if len(raw_chunks) > MAX_CHUNKS:
             raise ManifestError(f"{w}: {len(raw_chunks)} chunks, over the limit of {MAX_CHUNKS}")
-        chunks = tuple(Chunk.from_json_unchecked(c, w) for c in raw_chunks)
+        chunks = tuple(Chunk.from_json(c, w) for c in raw_chunks)
         for c in chunks:
             if len(c.shape) != len(shape):
                 raise ManifestError(f"{w}: chunk {c.box} has rank {len(c.shape)}, shape {shape}")
