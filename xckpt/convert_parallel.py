@@ -2,8 +2,8 @@
 
 The output is cut into parts by `xckpt._parts.make_plan` (byte-balanced, one
 output file each, decided by the source and the options, never by the number of
-workers), and the parts are written by workers: `workers=N` local processes (spawned;
-each takes the next part when it is free, the largest first), or every rank of a
+workers), and the parts are written by workers: `workers=N` local processes (the caller
+and `N - 1` spawned ones; each takes the next part when it is free, the largest first), or every rank of a
 `torchrun` job (each rank its byte-balanced share, `xckpt._parts.assign`). A
 worker opens the source itself (its own connections to object storage) and reads only
 the boxes of its parts. Every part goes into a temporary output beside `dst`
@@ -257,16 +257,54 @@ def _poll(bar: Any, read: Callable[[], int], stop: threading.Event) -> None:
 
 
 class _Pool:
-    """`workers` spawned processes, each with the source opened once, for the parts and
-    then their verify (one pool: a process's start, imports included, is paid once)."""
+    """The caller's worker and `workers - 1` spawned processes, each with the source opened
+    once, for the parts and then their verify (one pool: a process's start, imports
+    included, is paid once). The caller writes parts too, from the start, while the
+    spawned processes are still importing: with 2 workers only one process is started."""
 
-    def __init__(self, spec: _Spec, plan: Plan, workers: int, bar: Any) -> None:
+    def __init__(self, spec: _Spec, plan: Plan, workers: int, bar: Any, own: _Worker) -> None:
         ctx = mp.get_context("spawn")  # tensorstore's threads do not survive fork
-        self.plan, self.bar = plan, bar
+        self.plan, self.bar, self.own, self.n = plan, bar, own, workers - 1
         self.counter = ctx.Value("q", 0)
         self.ex = cf.ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=_init, initargs=(spec, plan, self.counter)
+            self.n, mp_context=ctx, initializer=_init, initargs=(spec, plan, self.counter)
         )
+
+    def _share(self, tasks: Sequence[Any], local: Callable[[Any], Any], remote: Callable[[Any], Any]) -> list[Any]:
+        """`local(t)` or `remote(t)` of every task, in order: this process and each spawned
+        one take the next task when free; the first error stops the handing out and is raised."""
+        out: list[Any] = [None] * len(tasks)
+        lock, todo, errors = threading.Lock(), iter(range(len(tasks))), []
+
+        def take() -> int | None:
+            with lock:
+                return None if errors else next(todo, None)
+
+        def run(fn: Callable[[int], Any]) -> None:
+            while (i := take()) is not None:
+                try:
+                    out[i] = fn(i)
+                except BaseException as e:  # noqa: BLE001 - raised by the caller below
+                    with lock:
+                        errors.append(e)
+
+        feeders = [threading.Thread(target=run, args=(lambda i: self.ex.submit(remote, tasks[i]).result(),),
+                                    daemon=True) for _ in range(self.n)]
+        for t in feeders:
+            t.start()
+        try:
+            run(lambda i: local(tasks[i]))
+        finally:
+            for t in feeders:
+                t.join()
+        if errors:
+            if isinstance(errors[0], cf.process.BrokenProcessPool):
+                raise XckptError(
+                    f"a conversion worker process died ({errors[0]}); the parts finished so far are kept: run "
+                    "the same conversion again with resume=True (--resume)"
+                ) from None
+            raise errors[0]
+        return out
 
     def write(self) -> list[PartResult]:
         """Every part, the largest first, each to the next free process; progress polled."""
@@ -275,24 +313,17 @@ class _Pool:
             target=_poll, args=(self.bar, lambda: self.counter.value, stop), daemon=True
         )
         poller.start()
-        order = sorted(self.plan.parts, key=lambda p: (-p.nbytes, p.index))
-        futures = {p.index: self.ex.submit(_task_write, p.index) for p in order}
+        order = [p.index for p in sorted(self.plan.parts, key=lambda p: (-p.nbytes, p.index))]
         try:
-            return [futures[i].result() for i in range(len(self.plan.parts))]
-        except cf.process.BrokenProcessPool as e:
-            raise XckptError(
-                f"a conversion worker process died ({e}); the parts finished so far are kept: run the "
-                "same conversion again with resume=True (--resume)"
-            ) from None
+            done = self._share(order, self.own.write, _task_write)
         finally:
-            for f in futures.values():
-                f.cancel()
             stop.set()
             poller.join()
+        by_part = dict(zip(order, done))
+        return [by_part[i] for i in range(len(self.plan.parts))]
 
     def verify(self, results: list[PartResult]) -> None:
-        for f in [self.ex.submit(_task_verify, [r]) for r in results]:
-            f.result()
+        self._share([[r] for r in results], self.own.verify, _task_verify)
 
     def close(self) -> None:
         self.ex.shutdown(wait=True, cancel_futures=True)
@@ -350,7 +381,7 @@ def _local(
             if workers == 1 or len(plan.parts) == 1:
                 results = [worker.write(p.index) for p in plan.parts]
             else:
-                pool = _Pool(spec, plan, min(workers, len(plan.parts)), bar)
+                pool = _Pool(spec, plan, min(workers, len(plan.parts)), bar, worker)
                 results = pool.write()
         commit_files(worker.job(record=False), plan, results)
         try:
