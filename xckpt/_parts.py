@@ -50,6 +50,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
+from xckpt.converters.orbax_write import write_orbax
 from xckpt.converters.safetensors_write import INDEX, plan_shards, write_file
 from xckpt.converters.torch_dcp_write import (
     StoredChunk,
@@ -474,6 +475,9 @@ def write_part(
         extra = _write_dcp(job, plan, part)
     elif plan.kind == "hf-dir":
         extra = _write_shard(job, plan, part, meta)
+    elif plan.format == "orbax":  # reproducible: no OCDBT (random file names, commit times)
+        write_orbax(job, reproducible=True)
+        extra = {}
     else:
         FORMATS[plan.format].sink.write(job)
         extra = {}

@@ -274,7 +274,8 @@ class _Pool:
         """`local(t)` or `remote(t)` of every task, in order: this process and each spawned
         one take the next task when free; the first error stops the handing out and is raised."""
         out: list[Any] = [None] * len(tasks)
-        lock, todo, errors = threading.Lock(), iter(range(len(tasks))), []
+        lock, todo = threading.Lock(), iter(range(len(tasks)))
+        errors: list[BaseException] = []
 
         def take() -> int | None:
             with lock:
