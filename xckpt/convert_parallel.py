@@ -42,10 +42,14 @@ import concurrent.futures as cf
 import datetime
 import multiprocessing as mp
 import os
+import socket
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from xckpt import formats
@@ -445,13 +449,16 @@ def _warn_skipped(worker: _Worker) -> None:
 # -- torchrun -----------------------------------------------------------------------------------
 
 
-class _StoreBar:
-    """Progress of one rank: its bytes added to the process group's store in steps of 64 MiB."""
+#: The key of the process group's store under which the ranks add their bytes (progress).
+_BAR_KEY = "xckpt/convert/bytes"
 
-    KEY = "xckpt/convert/bytes"
 
-    def __init__(self, store: Any) -> None:
-        self._store, self._held = store, 0
+class _BatchedBar:
+    """Progress passed on by `send(bytes)` in steps of 64 MiB: a rank's to the process
+    group's store, a rank's child's to the rank."""
+
+    def __init__(self, send: Callable[[int], Any]) -> None:
+        self._send, self._held = send, 0
 
     def update(self, n: int = 1) -> None:
         self._held += n
@@ -459,9 +466,69 @@ class _StoreBar:
             self.flush()
 
     def flush(self) -> None:
-        if self._store is not None and self._held:
-            self._store.add(self.KEY, self._held)
+        if self._held:
+            self._send(self._held)
         self._held = 0
+
+
+def _rank_child(fd: int) -> None:
+    """A rank's child process: writes and verifies the parts the rank is sent (see `_RankChild`)."""
+    conn = Connection(fd)
+    spec, plan = conn.recv()
+    bar = _BatchedBar(lambda n: conn.send(("bytes", n)))
+    worker = _Worker(spec, bar, plan)
+    try:
+        while (msg := conn.recv())[0] != "close":
+            try:
+                done = [worker.write(p) for p in msg[1]] if msg[0] == "write" else None
+                if msg[0] == "verify":
+                    worker.verify(msg[1])
+                bar.flush()
+                conn.send(("done", done))
+            except Exception as e:  # noqa: BLE001 - sent to the rank, raised there as an XckptError
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        worker.close()
+
+
+class _RankChild:
+    """The process that writes and verifies a rank's parts, started fresh (no torch imported,
+    so a rank's working memory is not on top of torch's); the rank only agrees and commits."""
+
+    def __init__(self, spec: _Spec, plan: Plan, bar: Any) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = f"from xckpt.convert_parallel import _rank_child; _rank_child({theirs.fileno()})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn, self.bar = Connection(ours.detach()), bar
+        self.conn.send((spec, plan))
+
+    def call(self, what: str, arg: Any) -> Any:
+        """Send the child `what` ("write": part indices; "verify": their results); its answer."""
+        try:
+            self.conn.send((what, arg))
+            while True:
+                kind, value = self.conn.recv()
+                if kind == "bytes":
+                    self.bar.update(value)
+                elif kind == "error":
+                    raise XckptError(value)
+                else:
+                    return value
+        except (EOFError, OSError):
+            raise XckptError(
+                f"this rank's conversion process died (exit code {self.proc.wait()}); the parts finished so far "
+                "are kept: run the same conversion again with resume=True (--resume)"
+            ) from None
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close", None))
+        except OSError:
+            pass
+        self.conn.close()
+        self.proc.wait()
 
 
 def _agree(dist: Any, value: Any) -> list[Any]:
@@ -521,8 +588,9 @@ def _torchrun_body(
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(dist)
-    sbar = _StoreBar(store)
+    sbar = _BatchedBar(lambda n: store.add(_BAR_KEY, n) if store is not None else None)
     got = _attempt(lambda: _Worker(spec, sbar))
+    child: _RankChild | None = None
     try:
         ids = _agree(dist, got.plan.plan_id if isinstance(got, _Worker) else got)
         _raise_any(ids, "opening the source and planning")
@@ -538,19 +606,23 @@ def _torchrun_body(
         ready = _attempt(lambda: _rank0_prepare(worker, plan, spec, resume)) if rank == 0 else None
         _raise_any(_agree(dist, ready), "preparing the output")
         mine = assign(plan, world)[rank]
+        child = _RankChild(spec, plan, sbar) if mine else None
         with _rank0_bar(rank, store, sum(p.nbytes for p in plan.parts), spec.fmt, world, show_progress):
-            results = _attempt(lambda: [worker.write(p) for p in mine])
+            results = _attempt(lambda: child.call("write", mine) if child is not None else [])
             sbar.flush()
             gathered = _agree(dist, results)
         _raise_any(gathered, "writing the parts")
         every = sorted((r for rs in gathered for r in rs), key=lambda r: r["part"])
         done = _attempt(lambda: commit_files(worker.job(record=False), plan, every)) if rank == 0 else None
         _raise_any(_agree(dist, done), "completing the output")
-        checked = _attempt(lambda: worker.verify([every[p] for p in mine]) if spec.verify else None)
+        mine_results = [every[p] for p in mine]
+        checked = _attempt(lambda: child.call("verify", mine_results) if spec.verify and child is not None else None)
         _raise_any(_agree(dist, checked), "verifying the output")
         final = _attempt(lambda: _finish(spec, worker, every, out, replace)) if rank == 0 else None
         _raise_any(_agree(dist, final), "committing the output")
     finally:
+        if child is not None:
+            child.close()
         if isinstance(got, _Worker):
             got.close()
 
@@ -575,7 +647,7 @@ class _rank0_bar:  # noqa: N801 - a context manager used like a function
         bar = self._cm.__enter__()
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=_poll, args=(bar, lambda: int(self._store.add(_StoreBar.KEY, 0)), self._stop), daemon=True
+            target=_poll, args=(bar, lambda: int(self._store.add(_BAR_KEY, 0)), self._stop), daemon=True
         )
         self._thread.start()
 
