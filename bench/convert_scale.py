@@ -36,7 +36,7 @@ Targets (issue 32): ``--workers 2`` at least 1.6x the throughput of ``--workers 
 Usage, from the repository root::
 
     python bench/convert_scale.py                       # all rows: 4 GB plain, 1.5 GB fp8
-    python bench/convert_scale.py --suite dequant       # the fp8 -> bf16 rows only (~5 min on 2 cores)
+    python bench/convert_scale.py --suite dequant       # the fp8 -> bf16 rows only (3-4 min on 2 idle cores)
     python bench/convert_scale.py --suite plain --size-gb 0.5 --repeat 1
 
 Results: a markdown table on stdout and ``bench/out/convert_scale.json``.
