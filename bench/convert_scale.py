@@ -20,7 +20,7 @@ Targets (issue 32): 2 xckpt processes at least 1.5x the per-file script's throug
 with 2 processes; peak RSS per process at most 2x the largest tensor + 300 MB.
 
 Dequantization rows (``--suite dequant``): a DeepSeek-V3 style block-scaled fp8 Hugging
-Face directory (``--fp8-size-gb``, default 1.5, of float8_e4m3fn matrices with float32
+Face directory (``--fp8-size-gb``, default 2, of float8_e4m3fn matrices with float32
 ``*.weight_scale_inv`` per 128 x 128 block, shapes of 8200 and 576 rows that are not
 multiples of 128, bfloat16 norms and an embedding; written by ``bench/_convert_fp8.py``)
 converted to bfloat16 safetensors (``--rules fp8_block_dequant --max-shard-size 500MB``)
@@ -35,7 +35,7 @@ Targets (issue 32): ``--workers 2`` at least 1.6x the throughput of ``--workers 
 
 Usage, from the repository root::
 
-    python bench/convert_scale.py                       # all rows: 4 GB plain, 1.5 GB fp8
+    python bench/convert_scale.py                       # all rows: 4 GB plain, 2 GB fp8
     python bench/convert_scale.py --suite dequant       # the fp8 -> bf16 rows only (3-4 min on 2 idle cores)
     python bench/convert_scale.py --suite plain --size-gb 0.5 --repeat 1
 
@@ -187,8 +187,8 @@ def check_same(a: str, b: str) -> int:
     return len(wa)
 
 
-def _place(want: str, size_gb: float) -> str:
-    need = 3.2 * size_gb * 1e9
+def _place(want: str, need: float) -> str:
+    """`want`, or a place on the repository's disk when `want`'s has less than `need` bytes free."""
     base = os.path.dirname(want.rstrip("/")) or "/"
     if os.path.isdir(base) and shutil.disk_usage(base).free >= need:
         return want
@@ -239,7 +239,7 @@ def main() -> None:
     p.add_argument("--suite", choices=("all", "plain", "dequant"), default="all",
                    help="plain: the re-shard rows; dequant: the fp8 -> bf16 rows; all: both (default)")
     p.add_argument("--size-gb", type=float, default=4.0, help="the plain rows' bfloat16 source (default 4)")
-    p.add_argument("--fp8-size-gb", type=float, default=1.5, help="the dequant rows' fp8 source (default 1.5)")
+    p.add_argument("--fp8-size-gb", type=float, default=2.0, help="the dequant rows' fp8 source (default 2)")
     p.add_argument("--dir", default="/dev/shm/xckpt-convert-scale")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--only", default="", help="keep rows whose label holds this text")
@@ -248,7 +248,9 @@ def main() -> None:
         child(args.child)
         return
     plain, deq = args.suite in ("all", "plain"), args.suite in ("all", "dequant")
-    work = _place(args.dir, (args.size_gb if plain else 0) + (2 * args.fp8_size_gb if deq else 0))
+    # plain: the source, an output, slack; dequant: the source and three bf16 outputs (twice its size)
+    need = (3.2 * args.size_gb if plain else 0) + (7.5 * args.fp8_size_gb if deq else 0)
+    work = _place(args.dir, need * 1e9)
     shutil.rmtree(work, ignore_errors=True)
     src, fp8 = os.path.join(work, "src"), os.path.join(work, "fp8")
     total = make_source(src, args.size_gb) if plain else 0
