@@ -19,17 +19,25 @@ included, from ``RUSAGE_CHILDREN``), medians of ``--repeat`` (3) runs:
 Targets (issue 32): 2 xckpt processes at least 1.5x the per-file script's throughput
 with 2 processes; peak RSS per process at most 2x the largest tensor + 300 MB.
 
-Dequantization rows (fp8 -> bf16; 2 workers at least 1.6x of 1) need a rule set that
-dequantizes: ``--rules NAME --rules-source DIR`` adds, for that source, ``xckpt convert
---rules NAME`` rows (1 and 2 workers, torchrun) and the per-file script with
-``--per-file-dequant MODULE:FUNCTION`` (a function from a state dict of torch tensors
-to the dequantized one, DeepSeek's ``weight_dequant`` per tensor pair). HOOK: the lead
-adds these rows once the fp8 rule set is merged.
+Dequantization rows (``--suite dequant``): a DeepSeek-V3 style block-scaled fp8 Hugging
+Face directory (``--fp8-size-gb``, default 2, of float8_e4m3fn matrices with float32
+``*.weight_scale_inv`` per 128 x 128 block, shapes of 8200 and 576 rows that are not
+multiples of 128, bfloat16 norms and an embedding; written by ``bench/_convert_fp8.py``)
+converted to bfloat16 safetensors (``--rules fp8_block_dequant --max-shard-size 500MB``)
+by ``--workers 1``, ``--workers 2`` and ``torchrun --nproc_per_node=2``, and by the
+per-file torch script that loads each file, runs DeepSeek's ``weight_dequant`` math in
+torch on the CPU and saves it, one process per file, 2 at a time (the same number of
+processes; one at a time would take a minute a GB on 2 cores). After the rows the
+bench checks that xckpt's output and the script's hold the same tensors, bit for bit.
+Targets (issue 32): ``--workers 2`` at least 1.6x the throughput of ``--workers 1``; at least
+1.5x the per-file script with 2 processes; peak RSS per process at most 2x the largest
+(bfloat16) tensor + 300 MB.
 
 Usage, from the repository root::
 
-    python bench/convert_scale.py                       # 4 GB, all rows
-    python bench/convert_scale.py --size-gb 0.5 --repeat 1
+    python bench/convert_scale.py                       # all rows: 4 GB plain, 2 GB fp8
+    python bench/convert_scale.py --suite dequant       # the fp8 -> bf16 rows only (3-4 min on 2 idle cores)
+    python bench/convert_scale.py --suite plain --size-gb 0.5 --repeat 1
 
 Results: a markdown table on stdout and ``bench/out/convert_scale.json``.
 """
@@ -47,7 +55,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import markdown_table, median, out_dir  # noqa: E402
+from _common import load_average, markdown_table, median, out_dir  # noqa: E402
+from _convert_fp8 import LARGEST_OUT, make_fp8_source  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_TENSORS = [("q", (4096, 8192)), ("k", (4096, 8192)), ("v", (4096, 8192)), ("mlp", (8192, 8192))]
@@ -59,9 +68,9 @@ from safetensors.torch import load_file, save_file
 src, dst, dequant = sys.argv[1:4]
 sd = load_file(src)
 if dequant:
-    import importlib
-    mod, fn = dequant.split(":")
-    sd = getattr(importlib.import_module(mod), fn)(sd)
+    sys.path.insert(0, sys.argv[4])
+    from _convert_fp8 import dequant
+    sd = dequant(sd)
 save_file(sd, dst, metadata={"format": "pt"})
 """
 
@@ -105,9 +114,8 @@ def child(argv: list[str]) -> None:
         for f in files:
             while len(running) >= int(procs):
                 running.pop(0).wait()
-            running.append(
-                subprocess.Popen([sys.executable, "-c", _PER_FILE, os.path.join(src, f), os.path.join(dst, f), dequant])
-            )
+            running.append(subprocess.Popen([sys.executable, "-c", _PER_FILE, os.path.join(src, f),
+                                             os.path.join(dst, f), dequant, os.path.dirname(os.path.abspath(__file__))]))
         codes = [p.wait() for p in running]
         if any(codes):
             raise SystemExit(f"per-file script failed: {codes}")
@@ -127,35 +135,60 @@ def _run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def rows(src: str, work: str, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+PLAIN_ANCHOR = "per-file torch script, 2 process(es)"
+DEQUANT_ANCHOR = "fp8 -> bf16, per-file torch script, 2 process(es)"
+
+
+def rows(src: str, fp8: str, work: str, suite: str) -> list[tuple[str, list[str]]]:
+    """(label, argv) of every row of `suite`."""
     cli = [sys.executable, "-m", "xckpt.cli", "--no-progress", "convert"]
     tr = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xckpt.cli",
           "--no-progress", "convert"]
+    how = [("--workers 1", cli, ["--workers", "1"]), ("--workers 2", cli, ["--workers", "2"]), ("torchrun x2", tr, [])]
     out = []
-    for to, extra in [("xckpt", ["--to", "xckpt"]), ("safetensors", ["--to", "safetensors", "--max-shard-size", "1GB"])]:
-        for label, head, tail in [("--workers 1", cli, ["--workers", "1"]), ("--workers 2", cli, ["--workers", "2"]),
-                                  ("torchrun x2", tr, [])]:
-            out.append((f"HF -> {to}, {label}, no verify", [*head, src, f"{work}/out", *extra, *tail, "--no-verify"]))
-        if to == "xckpt":
-            for n in ("1", "2"):
-                out.append((f"HF -> xckpt, --workers {n}, verify", [*cli, src, f"{work}/out", *extra, "--workers", n]))
-    for p in ("1", "2"):
-        out.append((f"per-file torch script, {p} process(es)", ["per-file", src, f"{work}/out", p, ""]))
-    if args.rules:  # HOOK: the dequantization rows (fp8 -> bf16), once a rule set that dequantizes exists
-        q = args.rules_source
-        for label, head, tail in [("--workers 1", cli, ["--workers", "1"]), ("--workers 2", cli, ["--workers", "2"]),
-                                  ("torchrun x2", tr, [])]:
-            out.append((f"dequant {args.rules}, {label}", [*head, q, f"{work}/out", "--to", "safetensors",
-                                                          "--max-shard-size", "1GB", "--rules", args.rules, *tail,
-                                                          "--no-verify"]))
+    if suite in ("plain", "all"):
+        for to, extra in [("xckpt", ["--to", "xckpt"]), ("safetensors", ["--to", "safetensors", "--max-shard-size", "1GB"])]:
+            for label, head, tail in how:
+                out.append((f"HF -> {to}, {label}, no verify", [*head, src, f"{work}/out", *extra, *tail, "--no-verify"]))
+            if to == "xckpt":
+                for n in ("1", "2"):
+                    out.append((f"HF -> xckpt, --workers {n}, verify", [*cli, src, f"{work}/out", *extra, "--workers", n]))
         for p in ("1", "2"):
-            out.append((f"dequant, per-file torch script, {p} process(es)",
-                        ["per-file", q, f"{work}/out", p, args.per_file_dequant or ""]))
+            out.append((f"per-file torch script, {p} process(es)", ["per-file", src, f"{work}/out", p, ""]))
+    if suite in ("dequant", "all"):
+        deq = ["--to", "safetensors", "--max-shard-size", "500MB", "--rules", "fp8_block_dequant", "--no-verify"]
+        for label, head, tail in how:
+            out.append((f"fp8 -> bf16, {label}", [*head, fp8, f"{work}/out", *deq, *tail]))
+        out.append((DEQUANT_ANCHOR, ["per-file", fp8, f"{work}/out", "2", "1"]))
     return out
 
 
-def _place(want: str, size_gb: float) -> str:
-    need = 3.2 * size_gb * 1e9
+def check_same(a: str, b: str) -> int:
+    """Compare the tensors of two safetensors directories bit for bit; the number compared."""
+    import torch
+    from safetensors import safe_open
+
+    def where(d: str) -> dict[str, str]:
+        m: dict[str, str] = {}
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(d, f), "pt") as h:
+                    m.update(dict.fromkeys(h.keys(), os.path.join(d, f)))
+        return m
+
+    wa, wb = where(a), where(b)
+    if set(wa) != set(wb):
+        raise SystemExit(f"different tensors: {sorted(set(wa) ^ set(wb))[:5]}")
+    for k in sorted(wa):
+        with safe_open(wa[k], "pt") as ha, safe_open(wb[k], "pt") as hb:
+            x, y = ha.get_tensor(k), hb.get_tensor(k)
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            raise SystemExit(f"{k}: xckpt's output differs from the per-file script's")
+    return len(wa)
+
+
+def _place(want: str, need: float) -> str:
+    """`want`, or a place on the repository's disk when `want`'s has less than `need` bytes free."""
     base = os.path.dirname(want.rstrip("/")) or "/"
     if os.path.isdir(base) and shutil.disk_usage(base).free >= need:
         return want
@@ -165,54 +198,88 @@ def _place(want: str, size_gb: float) -> str:
     return alt
 
 
+def _measure(label: str, argv: list[str], work: str, nbytes: int, repeat: int, keep: str | None) -> dict[str, Any]:
+    """Run one row `repeat` times (each into a fresh `work/out`); its medians. `keep`: move the last output there."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    runs = []
+    for _ in range(repeat):
+        shutil.rmtree(os.path.join(work, "out"), ignore_errors=True)
+        runs.append(_run(argv, env))
+    if keep:
+        os.replace(os.path.join(work, "out"), keep)
+    shutil.rmtree(os.path.join(work, "out"), ignore_errors=True)
+    sec = median([r["seconds"] for r in runs])
+    cpu = median([r["cpu_s"] for r in runs])
+    rss = max(r["peak_rss_mib"] for r in runs)
+    print(f"{label}: {sec:.2f} s, {cpu:.2f} CPU s, {nbytes / sec / 1e9:.2f} GB/s, peak RSS {rss:.0f} MiB",
+          file=sys.stderr)
+    return {"row": label, "seconds": sec, "cpu_s": cpu, "gb_per_s": nbytes / sec / 1e9, "peak_rss_mib": rss,
+            "runs": runs}
+
+
+def _table(results: list[dict[str, Any]]) -> list[list[str]]:
+    """The rows as text, each against its suite's per-file script with 2 processes and its `--workers 1`."""
+    base = {r["row"]: r for r in results}
+    table = [["row", "seconds", "GB/s", "vs per-file x2", "vs --workers 1", "CPU s", "peak RSS MiB"]]
+    for r in results:
+        fp8 = r["row"].startswith("fp8")
+        anchor = base.get(DEQUANT_ANCHOR if fp8 else PLAIN_ANCHOR)
+        one = base.get(r["row"].split(", ")[0] + ", --workers 1" + ("" if fp8 else ", " + r["row"].split(", ")[-1]))
+        ratio = f"{anchor['seconds'] / r['seconds']:.2f}x" if anchor else "-"
+        vs1 = f"{one['seconds'] / r['seconds']:.2f}x" if one and "per-file" not in r["row"] else "-"
+        table.append([r["row"], f"{r['seconds']:.2f}", f"{r['gb_per_s']:.2f}", ratio, vs1, f"{r['cpu_s']:.1f}",
+                      f"{r['peak_rss_mib']:.0f}"])
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", nargs=argparse.REMAINDER)
-    p.add_argument("--size-gb", type=float, default=4.0)
+    p.add_argument("--suite", choices=("all", "plain", "dequant"), default="all",
+                   help="plain: the re-shard rows; dequant: the fp8 -> bf16 rows; all: both (default)")
+    p.add_argument("--size-gb", type=float, default=4.0, help="the plain rows' bfloat16 source (default 4)")
+    p.add_argument("--fp8-size-gb", type=float, default=2.0, help="the dequant rows' fp8 source (default 2)")
     p.add_argument("--dir", default="/dev/shm/xckpt-convert-scale")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--only", default="", help="keep rows whose label holds this text")
-    p.add_argument("--rules", help="HOOK: a rule set that dequantizes (adds the dequantization rows)")
-    p.add_argument("--rules-source", help="the quantized checkpoint those rows convert")
-    p.add_argument("--per-file-dequant", help="MODULE:FUNCTION the per-file script dequantizes with")
     args = p.parse_args()
     if args.child:
         child(args.child)
         return
-    work = _place(args.dir, args.size_gb)
+    plain, deq = args.suite in ("all", "plain"), args.suite in ("all", "dequant")
+    # plain: the source, an output, slack; dequant: the source and three bf16 outputs (twice its size)
+    need = (3.2 * args.size_gb if plain else 0) + (7.5 * args.fp8_size_gb if deq else 0)
+    work = _place(args.dir, need * 1e9)
     shutil.rmtree(work, ignore_errors=True)
-    src = os.path.join(work, "src")
-    total = make_source(src, args.size_gb)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    src, fp8 = os.path.join(work, "src"), os.path.join(work, "fp8")
+    total = make_source(src, args.size_gb) if plain else 0
+    fp8_total, fp8_out = make_fp8_source(fp8, args.fp8_size_gb) if deq else (0, 0)
+    load = load_average()
     results = []
-    for label, argv in rows(src, work, args):
-        if args.only and args.only not in label:
-            continue
-        runs = []
-        for _ in range(args.repeat):
-            shutil.rmtree(os.path.join(work, "out"), ignore_errors=True)
-            runs.append(_run(argv, env))
-        shutil.rmtree(os.path.join(work, "out"), ignore_errors=True)
-        sec = median([r["seconds"] for r in runs])
-        cpu = median([r["cpu_s"] for r in runs])
-        rss = max(r["peak_rss_mib"] for r in runs)
-        results.append({"row": label, "seconds": sec, "cpu_s": cpu, "gb_per_s": total / sec / 1e9,
-                        "peak_rss_mib": rss, "runs": runs})
-        print(f"{label}: {sec:.2f} s, {cpu:.2f} CPU s, {total / sec / 1e9:.2f} GB/s, peak RSS {rss:.0f} MiB",
+    kept = {"fp8 -> bf16, --workers 2": os.path.join(work, "keep-xckpt"), DEQUANT_ANCHOR: os.path.join(work, "keep-script")}
+    for label, argv in rows(src, fp8, work, args.suite):
+        if not args.only or args.only in label:
+            nbytes = fp8_total if label.startswith("fp8") else total
+            results.append(_measure(label, argv, work, nbytes, args.repeat, kept.get(label)))
+    same = None
+    if all(os.path.isdir(d) for d in kept.values()):
+        same = check_same(*kept.values())
+        print(f"checked: xckpt's bf16 output and the per-file script's hold the same {same} tensors, bit for bit",
               file=sys.stderr)
-    base = {r["row"]: r for r in results}
-    anchor = base.get("per-file torch script, 2 process(es)")
-    table = [["row", "seconds", "GB/s", "vs per-file x2", "CPU s", "peak RSS MiB"]]
-    for r in results:
-        ratio = f"{anchor['seconds'] / r['seconds']:.2f}x" if anchor else "-"
-        table.append([r["row"], f"{r['seconds']:.2f}", f"{r['gb_per_s']:.2f}", ratio, f"{r['cpu_s']:.1f}",
-                      f"{r['peak_rss_mib']:.0f}"])
-    print(f"source: {total / 1e9:.2f} GB in {len(os.listdir(src)) - 1} files, largest tensor {LARGEST >> 20} MiB "
-          f"(RSS target {2 * (LARGEST >> 20) + 300} MiB), cores {os.cpu_count()}, at {work}")
+    table = _table(results)
+    if plain:
+        print(f"plain source: {total / 1e9:.2f} GB in {len(os.listdir(src)) - 1} files, largest tensor "
+              f"{LARGEST >> 20} MiB (RSS target {2 * (LARGEST >> 20) + 300} MiB)")
+    if deq:
+        print(f"fp8 source: {fp8_total / 1e9:.2f} GB in {len(os.listdir(fp8)) - 1} files ({fp8_out / 1e9:.2f} GB of "
+              f"bfloat16 out), largest output tensor {LARGEST_OUT >> 20} MiB (RSS target "
+              f"{2 * (LARGEST_OUT >> 20) + 300} MiB)")
+    print(f"cores {os.cpu_count()}, load average before {load}, after {load_average()}, at {work}")
     print(markdown_table(table[0], table[1:]))
     with open(os.path.join(out_dir(), "convert_scale.json"), "w") as f:
-        json.dump({"bytes": total, "cores": os.cpu_count(), "dir": work, "results": results}, f, indent=1)
+        json.dump({"bytes": total, "fp8_bytes": fp8_total, "cores": os.cpu_count(), "dir": work, "checked": same,
+                   "load_before": load, "load_after": load_average(), "results": results}, f, indent=1)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -5,7 +5,8 @@ int64 tensors, an empty tensor, replicated and per-rank objects), cut into parts
 64 KB, so every output format but the one-file ones has several parts. Each output is
 converted with 1, 2 and 3 local worker processes and under ``torchrun`` (2 ranks, gloo
 on 127.0.0.1): every file name and every byte must be the same, and each output is read
-back by its own library (xckpt.open, safetensors, torch DCP's ``load``, ``torch.load``).
+back by its own library (xckpt.open, safetensors, torch DCP's ``load``, ``torch.load``,
+orbax's ``StandardCheckpointer``).
 Kill-and-resume runs the CLI in a fresh process, SIGKILLs its process group once a
 random number of parts is in the journal (and a random few milliseconds more), damages
 one finished file, and resumes: the output is the clean run's, byte for byte, and the
@@ -132,6 +133,19 @@ def read_back(fmt: str, path: str) -> None:
         for name in EXPECTED:
             _same(_torch_np(sd[name]), name)
         assert sd["step"] == 12 and sd["cfg"] == OBJECTS["cfg"]
+    elif fmt == "orbax":
+        import jax
+        import orbax.checkpoint as ocp
+
+        assert not os.path.exists(os.path.join(path, "manifest.ocdbt")), "reproducible: orbax's non-OCDBT layout"
+        with jax.enable_x64(True):
+            tree = ocp.StandardCheckpointer().restore(path)
+        for name in EXPECTED:
+            node = tree
+            for k in name.split("."):
+                node = node[k]
+            _same(np.asarray(node), name)
+        assert tree["step"] == 12 and tree["cfg"] == OBJECTS["cfg"]
     else:
         import torch
 
@@ -150,6 +164,7 @@ TARGETS = [
     ("hf-dir", "safetensors", "out", PART, (3,)),
     ("safetensors", "safetensors", "out.safetensors", None, (2,)),
     ("torch", "torch", "out.pt", None, (2,)),
+    ("orbax", "orbax", "out", None, (2, 3)),
 ]
 
 
@@ -195,8 +210,9 @@ import torch.distributed as dist
 from xckpt.cli import main
 src, root = sys.argv[1:3]
 dist.init_process_group("gloo")  # a group the caller started: the conversions use it
-for tid, fmt in [("torch-dcp", "torch-dcp"), ("hf-dir", "safetensors")]:
-    rc = main(["--no-progress", "convert", src, f"{root}/{tid}/out", "--to", fmt, "--max-shard-size", "20000"])
+for tid, fmt in [("torch-dcp", "torch-dcp"), ("hf-dir", "safetensors"), ("orbax", "orbax")]:
+    size = [] if fmt == "orbax" else ["--max-shard-size", "20000"]
+    rc = main(["--no-progress", "convert", src, f"{root}/{tid}/out", "--to", fmt, *size])
     assert rc == 0, (tid, rc)
 dist.destroy_process_group()
 """
@@ -216,7 +232,7 @@ def test_torchrun_two_ranks(source, clean, tmp_path):
     r = subprocess.run([*torchrun, str(script), source, str(tmp_path)], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for tid in ("xckpt", "torch-dcp", "hf-dir"):
+    for tid in ("xckpt", "torch-dcp", "hf-dir", "orbax"):
         assert digest(str(tmp_path / tid / "out")) == clean[tid], tid
         read_back(tid, str(tmp_path / tid / "out"))
 

@@ -20,8 +20,9 @@ Parts by output format:
 * a Hugging Face safetensors directory: the shards `huggingface_hub` would cut (greedy
   in source order, at most `part_size` bytes of tensors unless one tensor alone is
   larger); shard `p` is part `p`; the first holds the metadata.
-* one file (a `.safetensors` file, torch.save) and orbax (one OCDBT database): one part,
-  written by the format's own sink.
+* one file (a `.safetensors` file, torch.save) and orbax: one part, written by the
+  format's own sink; orbax by `write_orbax(..., reproducible=True)`, orbax's non-OCDBT
+  layout (OCDBT names its data files at random and timestamps its versions).
 
 **The fingerprint** (`fingerprint`) names a conversion: the SHA-256 of a canonical
 JSON document of the source's format, its metadata (JSON-able values; others by type
@@ -50,6 +51,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
+from xckpt.converters.orbax_write import write_orbax
 from xckpt.converters.safetensors_write import INDEX, plan_shards, write_file
 from xckpt.converters.torch_dcp_write import (
     StoredChunk,
@@ -474,6 +476,9 @@ def write_part(
         extra = _write_dcp(job, plan, part)
     elif plan.kind == "hf-dir":
         extra = _write_shard(job, plan, part, meta)
+    elif plan.format == "orbax":  # reproducible: no OCDBT (random file names, commit times)
+        write_orbax(job, reproducible=True)
+        extra = {}
     else:
         FORMATS[plan.format].sink.write(job)
         extra = {}

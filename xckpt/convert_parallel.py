@@ -2,8 +2,8 @@
 
 The output is cut into parts by `xckpt._parts.make_plan` (byte-balanced, one
 output file each, decided by the source and the options, never by the number of
-workers), and the parts are written by workers: `workers=N` local processes (spawned;
-each takes the next part when it is free, the largest first), or every rank of a
+workers), and the parts are written by workers: `workers=N` local processes (the caller
+and `N - 1` spawned ones; each takes the next part when it is free, the largest first), or every rank of a
 `torchrun` job (each rank its byte-balanced share, `xckpt._parts.assign`). A
 worker opens the source itself (its own connections to object storage) and reads only
 the boxes of its parts. Every part goes into a temporary output beside `dst`
@@ -42,10 +42,14 @@ import concurrent.futures as cf
 import datetime
 import multiprocessing as mp
 import os
+import socket
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from xckpt import formats
@@ -258,16 +262,55 @@ def _poll(bar: Any, read: Callable[[], int], stop: threading.Event) -> None:
 
 
 class _Pool:
-    """`workers` spawned processes, each with the source opened once, for the parts and
-    then their verify (one pool: a process's start, imports included, is paid once)."""
+    """The caller's worker and `workers - 1` spawned processes, each with the source opened
+    once, for the parts and then their verify (one pool: a process's start, imports
+    included, is paid once). The caller writes parts too, from the start, while the
+    spawned processes are still importing: with 2 workers only one process is started."""
 
-    def __init__(self, spec: _Spec, plan: Plan, workers: int, bar: Any) -> None:
+    def __init__(self, spec: _Spec, plan: Plan, workers: int, bar: Any, own: _Worker) -> None:
         ctx = mp.get_context("spawn")  # tensorstore's threads do not survive fork
-        self.plan, self.bar = plan, bar
+        self.plan, self.bar, self.own, self.n = plan, bar, own, workers - 1
         self.counter = ctx.Value("q", 0)
         self.ex = cf.ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=_init, initargs=(spec, plan, self.counter)
+            self.n, mp_context=ctx, initializer=_init, initargs=(spec, plan, self.counter)
         )
+
+    def _share(self, tasks: Sequence[Any], local: Callable[[Any], Any], remote: Callable[[Any], Any]) -> list[Any]:
+        """`local(t)` or `remote(t)` of every task, in order: this process and each spawned
+        one take the next task when free; the first error stops the handing out and is raised."""
+        out: list[Any] = [None] * len(tasks)
+        lock, todo = threading.Lock(), iter(range(len(tasks)))
+        errors: list[BaseException] = []
+
+        def take() -> int | None:
+            with lock:
+                return None if errors else next(todo, None)
+
+        def run(fn: Callable[[int], Any]) -> None:
+            while (i := take()) is not None:
+                try:
+                    out[i] = fn(i)
+                except BaseException as e:  # noqa: BLE001 - raised by the caller below
+                    with lock:
+                        errors.append(e)
+
+        feeders = [threading.Thread(target=run, args=(lambda i: self.ex.submit(remote, tasks[i]).result(),),
+                                    daemon=True) for _ in range(self.n)]
+        for t in feeders:
+            t.start()
+        try:
+            run(lambda i: local(tasks[i]))
+        finally:
+            for t in feeders:
+                t.join()
+        if errors:
+            if isinstance(errors[0], cf.process.BrokenProcessPool):
+                raise XckptError(
+                    f"a conversion worker process died ({errors[0]}); the parts finished so far are kept: run "
+                    "the same conversion again with resume=True (--resume)"
+                ) from None
+            raise errors[0]
+        return out
 
     def write(self) -> list[PartResult]:
         """Every part, the largest first, each to the next free process; progress polled."""
@@ -276,24 +319,17 @@ class _Pool:
             target=_poll, args=(self.bar, lambda: self.counter.value, stop), daemon=True
         )
         poller.start()
-        order = sorted(self.plan.parts, key=lambda p: (-p.nbytes, p.index))
-        futures = {p.index: self.ex.submit(_task_write, p.index) for p in order}
+        order = [p.index for p in sorted(self.plan.parts, key=lambda p: (-p.nbytes, p.index))]
         try:
-            return [futures[i].result() for i in range(len(self.plan.parts))]
-        except cf.process.BrokenProcessPool as e:
-            raise XckptError(
-                f"a conversion worker process died ({e}); the parts finished so far are kept: run the "
-                "same conversion again with resume=True (--resume)"
-            ) from None
+            done = self._share(order, self.own.write, _task_write)
         finally:
-            for f in futures.values():
-                f.cancel()
             stop.set()
             poller.join()
+        by_part = dict(zip(order, done))
+        return [by_part[i] for i in range(len(self.plan.parts))]
 
     def verify(self, results: list[PartResult]) -> None:
-        for f in [self.ex.submit(_task_verify, [r]) for r in results]:
-            f.result()
+        self._share([[r] for r in results], self.own.verify, _task_verify)
 
     def close(self) -> None:
         self.ex.shutdown(wait=True, cancel_futures=True)
@@ -351,7 +387,7 @@ def _local(
             if workers == 1 or len(plan.parts) == 1:
                 results = [worker.write(p.index) for p in plan.parts]
             else:
-                pool = _Pool(spec, plan, min(workers, len(plan.parts)), bar)
+                pool = _Pool(spec, plan, min(workers, len(plan.parts)), bar, worker)
                 results = pool.write()
         commit_files(worker.job(record=False), plan, results)
         try:
@@ -414,13 +450,16 @@ def _warn_skipped(worker: _Worker) -> None:
 # -- torchrun -----------------------------------------------------------------------------------
 
 
-class _StoreBar:
-    """Progress of one rank: its bytes added to the process group's store in steps of 64 MiB."""
+#: The key of the process group's store under which the ranks add their bytes (progress).
+_BAR_KEY = "xckpt/convert/bytes"
 
-    KEY = "xckpt/convert/bytes"
 
-    def __init__(self, store: Any) -> None:
-        self._store, self._held = store, 0
+class _BatchedBar:
+    """Progress passed on by `send(bytes)` in steps of 64 MiB: a rank's to the process
+    group's store, a rank's child's to the rank."""
+
+    def __init__(self, send: Callable[[int], Any]) -> None:
+        self._send, self._held = send, 0
 
     def update(self, n: int = 1) -> None:
         self._held += n
@@ -428,9 +467,69 @@ class _StoreBar:
             self.flush()
 
     def flush(self) -> None:
-        if self._store is not None and self._held:
-            self._store.add(self.KEY, self._held)
+        if self._held:
+            self._send(self._held)
         self._held = 0
+
+
+def _rank_child(fd: int) -> None:
+    """A rank's child process: writes and verifies the parts the rank is sent (see `_RankChild`)."""
+    conn = Connection(fd)
+    spec, plan = conn.recv()
+    bar = _BatchedBar(lambda n: conn.send(("bytes", n)))
+    worker = _Worker(spec, bar, plan)
+    try:
+        while (msg := conn.recv())[0] != "close":
+            try:
+                done = [worker.write(p) for p in msg[1]] if msg[0] == "write" else None
+                if msg[0] == "verify":
+                    worker.verify(msg[1])
+                bar.flush()
+                conn.send(("done", done))
+            except Exception as e:  # noqa: BLE001 - sent to the rank, raised there as an XckptError
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        worker.close()
+
+
+class _RankChild:
+    """The process that writes and verifies a rank's parts, started fresh (no torch imported,
+    so a rank's working memory is not on top of torch's); the rank only agrees and commits."""
+
+    def __init__(self, spec: _Spec, plan: Plan, bar: Any) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = f"from xckpt.convert_parallel import _rank_child; _rank_child({theirs.fileno()})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn, self.bar = Connection(ours.detach()), bar
+        self.conn.send((spec, plan))
+
+    def call(self, what: str, arg: Any) -> Any:
+        """Send the child `what` ("write": part indices; "verify": their results); its answer."""
+        try:
+            self.conn.send((what, arg))
+            while True:
+                kind, value = self.conn.recv()
+                if kind == "bytes":
+                    self.bar.update(value)
+                elif kind == "error":
+                    raise XckptError(value)
+                else:
+                    return value
+        except (EOFError, OSError):
+            raise XckptError(
+                f"this rank's conversion process died (exit code {self.proc.wait()}); the parts finished so far "
+                "are kept: run the same conversion again with resume=True (--resume)"
+            ) from None
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close", None))
+        except OSError:
+            pass
+        self.conn.close()
+        self.proc.wait()
 
 
 def _agree(dist: Any, value: Any) -> list[Any]:
@@ -490,8 +589,9 @@ def _torchrun_body(
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(dist)
-    sbar = _StoreBar(store)
+    sbar = _BatchedBar(lambda n: store.add(_BAR_KEY, n) if store is not None else None)
     got = _attempt(lambda: _Worker(spec, sbar))
+    child: _RankChild | None = None
     try:
         ids = _agree(dist, got.plan.plan_id if isinstance(got, _Worker) else got)
         _raise_any(ids, "opening the source and planning")
@@ -507,19 +607,23 @@ def _torchrun_body(
         ready = _attempt(lambda: _rank0_prepare(worker, plan, spec, resume)) if rank == 0 else None
         _raise_any(_agree(dist, ready), "preparing the output")
         mine = assign(plan, world)[rank]
+        child = _RankChild(spec, plan, sbar) if mine else None
         with _rank0_bar(rank, store, sum(p.nbytes for p in plan.parts), spec.fmt, world, show_progress):
-            results = _attempt(lambda: [worker.write(p) for p in mine])
+            results = _attempt(lambda: child.call("write", mine) if child is not None else [])
             sbar.flush()
             gathered = _agree(dist, results)
         _raise_any(gathered, "writing the parts")
         every = sorted((r for rs in gathered for r in rs), key=lambda r: r["part"])
         done = _attempt(lambda: commit_files(worker.job(record=False), plan, every)) if rank == 0 else None
         _raise_any(_agree(dist, done), "completing the output")
-        checked = _attempt(lambda: worker.verify([every[p] for p in mine]) if spec.verify else None)
+        mine_results = [every[p] for p in mine]
+        checked = _attempt(lambda: child.call("verify", mine_results) if spec.verify and child is not None else None)
         _raise_any(_agree(dist, checked), "verifying the output")
         final = _attempt(lambda: _finish(spec, worker, every, out, replace)) if rank == 0 else None
         _raise_any(_agree(dist, final), "committing the output")
     finally:
+        if child is not None:
+            child.close()
         if isinstance(got, _Worker):
             got.close()
 
@@ -544,7 +648,7 @@ class _rank0_bar:  # noqa: N801 - a context manager used like a function
         bar = self._cm.__enter__()
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=_poll, args=(bar, lambda: int(self._store.add(_StoreBar.KEY, 0)), self._stop), daemon=True
+            target=_poll, args=(bar, lambda: int(self._store.add(_BAR_KEY, 0)), self._stop), daemon=True
         )
         self._thread.start()
 

@@ -7,7 +7,10 @@ REFERENCE.md sections 3 and 9) with tensorstore and json alone, no jax or orbax:
 * one OCDBT database at the root (`manifest.ocdbt`, `d/`), configured as
   orbax configures its own (`max_inline_value_bytes` 1024, single-file
   manifest); orbax writes per-process databases and merges them into the root,
-  a converter writes from one process straight into the root;
+  a converter writes from one process straight into the root. A reproducible
+  output (`write_orbax(job, reproducible=True)`, what a parallel conversion
+  writes) uses orbax's non-OCDBT layout instead, a zarr directory per leaf,
+  because OCDBT names its data files at random and timestamps its versions;
 * a zarr v2 array per leaf at key `<param name>/` (`.zarray`, chunk keys
   `i.j`), zstd level 1 and `fill_value: null`, as orbax's v0 handlers write
   by default; every chunk is stored, equal to the fill value or not, as
@@ -85,7 +88,7 @@ from xckpt.manifest import MAX_OBJECT_DEPTH, dtype_name
 from xckpt.sink import Sink, WriteJob
 from xckpt.storage import default_context
 
-__all__ = ["OrbaxSink", "choose_grid", "MAX_CHUNK_BYTES", "TXN_BYTES"]
+__all__ = ["OrbaxSink", "write_orbax", "reproducible_times", "choose_grid", "MAX_CHUNK_BYTES", "TXN_BYTES"]
 
 FORMAT = "orbax"
 
@@ -360,7 +363,7 @@ _LIBC: Any = None
 def _array_spec(kv: dict[str, Any], param: str, dtype: str, shape: Sequence[int], grid: Sequence[int]) -> dict[str, Any]:
     return {
         "driver": "zarr",
-        "kvstore": {**kv, "path": param + "/"},
+        "kvstore": {**kv, "path": kv["path"] + param + "/"} if kv["driver"] == "file" else {**kv, "path": param + "/"},
         "metadata": {
             "dtype": _zarr_dtype(dtype),
             "shape": list(shape),
@@ -414,60 +417,102 @@ class OrbaxSink(Sink):
         _plan(job, warn=True)
 
     def write(self, job: WriteJob) -> None:
-        """Arrays created, then filled band by band in transactions; the tree's metadata
-        files after the data, `commit_success.txt` last."""
-        import tensorstore as ts  # imported when used, as the storage layer does (import time)
+        """orbax's default layout: one OCDBT database (see `write_orbax`)."""
+        write_orbax(job)
 
-        leaves = _plan(job, warn=False)
-        init = time.time_ns()
-        dst = os.path.abspath(job.dst)
-        os.makedirs(dst)
+
+def reproducible_times() -> tuple[int | None, int | None]:
+    """`_CHECKPOINT_METADATA`'s (init, commit) timestamps of a reproducible output:
+    `SOURCE_DATE_EPOCH` (seconds; the reproducible-builds convention) when set, else None
+    (orbax's "not recorded", which it reads as such).
+
+    Raises:
+        XckptError: `SOURCE_DATE_EPOCH` is set but not a non-negative integer.
+    """
+    v = os.environ.get("SOURCE_DATE_EPOCH")
+    if v is None or v == "":
+        return None, None
+    if not v.isdigit():
+        raise XckptError(
+            f"SOURCE_DATE_EPOCH={v!r} is not a number of seconds since 1970 (a non-negative integer); set it "
+            "to one (e.g. the source's commit time, `git log -1 --format=%ct`) or unset it"
+        )
+    t = int(v) * 1_000_000_000
+    return t, t
+
+
+def write_orbax(job: WriteJob, *, reproducible: bool = False) -> None:
+    """Write `job` as an orbax pytree checkpoint at `job.dst`: arrays created, then filled
+    band by band in transactions; the tree's metadata files after the data,
+    `commit_success.txt` last.
+
+    Args:
+        job: what to write.
+        reproducible: the same source converted the same way gives the same bytes. OCDBT
+            cannot (tensorstore names its data files at random and stamps each version
+            with its commit time), so each leaf is its own zarr directory
+            (`<param name>/.zarray`, `<param name>/i.j`, `use_ocdbt: false`: orbax's
+            non-OCDBT layout, which it detects by the absence of `manifest.ocdbt`);
+            `_CHECKPOINT_METADATA`'s timestamps come from `reproducible_times`, and
+            `commit_success.txt` names no path.
+    """
+    import tensorstore as ts  # imported when used, as the storage layer does (import time)
+
+    leaves = _plan(job, warn=False)
+    init, fixed = time.time_ns(), reproducible_times() if reproducible else None
+    dst = os.path.abspath(job.dst)
+    os.makedirs(dst)
+    if reproducible:
+        kv: dict[str, Any] = {"driver": "file", "path": dst + "/"}
+    else:
         kv = {
             "driver": "ocdbt",
             "base": {"driver": "file", "path": dst + "/"},
             "config": {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100000000, "manifest_kind": "single"},
             "target_data_file_size": DATA_FILE_BYTES,
         }
-        ctx = default_context()
-        txn = _Txn(ts)
-        # Every tensor's array is created in the first transaction, committed before any data
-        # is written: a handle of a committed transaction can be bound to each later one.
-        opened = {}
+    ctx = default_context()
+    txn = _Txn(ts)
+    # Every tensor's array is created in the first transaction, committed before any data
+    # is written: a handle of a committed transaction can be bound to each later one.
+    opened = {}
+    for leaf in leaves:
+        if leaf.tensor is not None:  # a jax.Array leaf
+            t = job.info(leaf.tensor)
+            leaf.dtype, leaf.shape = t.dtype, tuple(t.shape)
+            leaf.grid = choose_grid(t.shape, t.boxes, t.np_dtype.itemsize, MAX_CHUNK_BYTES)
+            spec = _array_spec(kv, leaf.param, t.dtype, t.shape, leaf.grid)
+            opened[leaf.param] = ts.open(spec, context=ctx, transaction=txn.txn)
+    handles = {param: fut.result() for param, fut in opened.items()}
+    strings: dict[str, str] = {}
+    try:
         for leaf in leaves:
-            if leaf.tensor is not None:  # a jax.Array leaf
-                t = job.info(leaf.tensor)
-                leaf.dtype, leaf.shape = t.dtype, tuple(t.shape)
-                leaf.grid = choose_grid(t.shape, t.boxes, t.np_dtype.itemsize, MAX_CHUNK_BYTES)
-                spec = _array_spec(kv, leaf.param, t.dtype, t.shape, leaf.grid)
-                opened[leaf.param] = ts.open(spec, context=ctx, transaction=txn.txn)
-        handles = {param: fut.result() for param, fut in opened.items()}
-        strings: dict[str, str] = {}
-        try:
-            for leaf in leaves:
-                if leaf.kind == "string":
-                    strings[leaf.param] = leaf.value
-                elif leaf.kind in ("scalar", "np.ndarray"):
-                    arr = leaf.value
-                    leaf.dtype, leaf.shape, leaf.grid = dtype_name(arr.dtype), arr.shape, [max(1, s) for s in arr.shape]
-                    spec = _array_spec(kv, leaf.param, leaf.dtype, arr.shape, leaf.grid)
-                    store = ts.open(spec, context=ctx, transaction=txn.txn).result()
-                    store.write(arr).result()
-                    txn.add(arr.nbytes)
-            txn.commit()
-            for leaf in leaves:
-                if leaf.tensor is not None:
-                    _write_tensor(job, leaf.tensor, leaf, handles.pop(leaf.param), txn)
-            txn.commit()
-        except BaseException:
-            txn.abandon()
-            raise
+            if leaf.kind == "string":
+                strings[leaf.param] = leaf.value
+            elif leaf.kind in ("scalar", "np.ndarray"):
+                arr = leaf.value
+                leaf.dtype, leaf.shape, leaf.grid = dtype_name(arr.dtype), arr.shape, [max(1, s) for s in arr.shape]
+                spec = _array_spec(kv, leaf.param, leaf.dtype, arr.shape, leaf.grid)
+                store = ts.open(spec, context=ctx, transaction=txn.txn).result()
+                store.write(arr).result()
+                txn.add(arr.nbytes)
+        txn.commit()
+        for leaf in leaves:
+            if leaf.tensor is not None:
+                _write_tensor(job, leaf.tensor, leaf, handles.pop(leaf.param), txn)
+        txn.commit()
+    except BaseException:
+        txn.abandon()
+        raise
 
-        _write_tree_metadata(dst, leaves, strings, init)
-        with open(os.path.join(dst, "commit_success.txt"), "w") as f:
-            f.write(f"Checkpoint commit was successful to {dst}")
+    _write_tree_metadata(dst, leaves, strings, fixed or (init, time.time_ns()), ocdbt=not reproducible)
+    with open(os.path.join(dst, "commit_success.txt"), "w") as f:
+        f.write("Checkpoint commit was successful" if reproducible else f"Checkpoint commit was successful to {dst}")
 
 
-def _write_tree_metadata(dst: str, leaves: list[_Leaf], strings: dict[str, str], init: int) -> None:
+def _write_tree_metadata(
+    dst: str, leaves: list[_Leaf], strings: dict[str, str], times: tuple[int | None, int | None], *, ocdbt: bool
+) -> None:
     """orbax's files beside the data, as its own PyTreeCheckpointHandler writes them:
     `_strings.json`, `_sharding`, `array_metadatas/`, `_METADATA`, `_CHECKPOINT_METADATA`."""
     if strings:
@@ -505,7 +550,7 @@ def _write_tree_metadata(dst: str, leaves: list[_Leaf], strings: dict[str, str],
         os.path.join(dst, "_METADATA"),
         {
             "tree_metadata": tree,
-            "use_ocdbt": True,
+            "use_ocdbt": ocdbt,
             "use_zarr3": False,
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": None,
@@ -517,8 +562,8 @@ def _write_tree_metadata(dst: str, leaves: list[_Leaf], strings: dict[str, str],
             "item_handlers": _HANDLER,
             "metrics": {},
             "performance_metrics": {},
-            "init_timestamp_nsecs": init,
-            "commit_timestamp_nsecs": time.time_ns(),
+            "init_timestamp_nsecs": times[0],
+            "commit_timestamp_nsecs": times[1],
             "custom_metadata": {},
         },
     )
