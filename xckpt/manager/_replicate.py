@@ -10,18 +10,23 @@ original, with the writer's checksums (the manifest's own, each chunk's crc32).
 Call protocol (`Replicator.run`, every rank of the manager's group, the manager's
 local-tier thread, one step at a time):
 
-1. each rank packs its part (a header of file names and sizes, then the bytes);
-   one exchange of every rank's outcome of its local write and packing, with the
-   payload sizes: when any failed, every rank raises (nothing is sent);
-2. the ranks exchange the payloads (one `batch_isend_irecv`, on a gloo group of the
+1. each rank makes its part's head (`head`: a header of file names and sizes, the
+   bytes of the files under `MAP_AT`, the rank manifest last); one exchange of every
+   rank's outcome of its local write and of making the head, with the head sizes:
+   when any failed, every rank raises (nothing is sent);
+2. the ranks exchange the heads (one `batch_isend_irecv`, on a gloo group of the
    replication's own, so it never interleaves with the training's or the manager's
-   collectives);
-3. each receiver writes the files, the data first and the rank manifest last (its
-   checksum checked, a temporary name, then a rename): a kill part way leaves no
-   manifest, so the copy is not counted. The data carry the writer's checksums, which
-   every restore checks (a replica damaged in transit or at rest is found there);
-4. a last exchange of outcomes: every rank returns once every replica of the step is
-   stored, or every rank raises.
+   collectives); each receiver writes the head's data files;
+3. the larger files, in `CHUNK`-byte messages: each sender posts them all at once,
+   straight from a mapping of its files (no copy of ours); each receiver keeps two in
+   flight into two reused buffers and writes one to its file while the next arrives.
+   A receiver that cannot write goes on receiving (its senders finish) and reports it
+   in step 4;
+4. each receiver writes the rank manifest last (its checksum checked, a temporary name,
+   then a rename): a kill part way leaves no manifest, so the copy is not counted. The
+   data carry the writer's checksums, which every restore checks (a replica damaged in
+   transit or at rest is found there). A last exchange of outcomes: every rank returns
+   once every replica of the step is stored, or every rank raises.
 
 Every collective waits at most `TIMEOUT_S`; a rank that stopped makes the others
 raise instead of hanging. Bytes travel as uint8 tensors, never pickles.
@@ -340,8 +345,8 @@ class Replicator:
             part = incoming[s] = Incoming(step_dir, s)
             try:
                 part.open(buf.numpy())
-            except OSError as e:  # its files are still received (and dropped): the sender finishes
-                fail = e
+            except (OSError, XckptError) as e:  # its files are still received (and dropped): the sender
+                fail = e  # finishes (a header that cannot be read names none: its sender waits TIMEOUT_S)
         if big:
             maps = [map_file(os.path.join(step_dir, n), size) for n, size in big]
             sends = [

@@ -203,10 +203,8 @@ def save(
             progress=show_progress, storage=storage, metadata=metadata, compression=compression, dedup=dedup,
             inflight_bytes=ALL_HELD,  # every host array below is held until the save ends
         )
-        # the manager's saves (staged, no value groups): the claim waits for the write thread
-        deferred = async_save and staging is not None and not plans
-        if not deferred:
-            writer = open_writer()
+        # the manager's saves (staged, no value groups) claim the location on the write thread
+        writer = None if async_save and staging is not None and not plans else open_writer()
         arrays, staged_events = _host_copies(jobs, staging, async_save)
         if async_save:  # the caller may change its objects once we return
             objects = [(name, copy.deepcopy(value), per_rank) for name, value, per_rank in objects]
@@ -225,8 +223,7 @@ def save(
         manifest: Manifest | None = None
         w = writer
         try:
-            if w is None:
-                w = open_writer()
+            w = w if w is not None else open_writer()
             wait_events(staged_events)  # staging copies still in flight (CUDA side streams)
             manifest = _write_rank(w, jobs, arrays, objects)
         except Exception as e:  # exchanged with the other ranks, then re-raised
