@@ -36,7 +36,7 @@ from dataclasses import astuple
 from typing import Any
 
 from xckpt.errors import ManifestError, XckptError
-from xckpt.manifest import Manifest, RankMerge, parse_document, parse_header
+from xckpt.manifest import Manifest, RankMerge, parse_document, parse_header, paused_gc
 from xckpt.native.commit import validate
 from xckpt.native.reader import Checkpoint
 from xckpt.native.steps import read_step, step_location, step_numbers
@@ -176,6 +176,7 @@ def _try_local(
             holders[w] = holders[w] - _alike(tiers, r)
 
 
+@paused_gc()  # merging builds many small objects, none in a cycle (see paused_gc)
 def restore(
     tiers: Tiers,
     root: Location,
