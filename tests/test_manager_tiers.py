@@ -119,7 +119,16 @@ def _node_dir(base: str, rank: int, rpn: int, names: list[str]) -> str:
     return os.path.join(base, names[rank // rpn])
 
 
+def _small_messages() -> None:
+    """Replicate files of 16 KiB or more in 48 KiB messages (the path of a large state's files:
+    sent from a mapping, received in chunks), so the ranks' 128 KiB parts take it."""
+    import xckpt.manager._replicate as rep
+
+    rep.MAP_AT, rep.CHUNK = 16 << 10, 48 << 10
+
+
 def _phase_save(rank: int, world: int, base: str) -> dict:
+    _small_messages()
     mesh = _mesh(world)
     local = _node_dir(base, rank, 2, ["A", "B"])
     with warnings.catch_warnings(record=True) as caught:
@@ -160,6 +169,7 @@ def _data_of(step_dir: str, rank: int) -> str:
 
 def _phase_three(rank: int, world: int, base: str, frac: float) -> dict:
     """Node B lost (its directory deleted by the test), node A + a replaced node C."""
+    _small_messages()
     mesh = _mesh(world)
     m = _manager(os.path.join(base, "root"), _node_dir(base, rank, 2, ["A", "C"]), save_every=100)
     out = {"restored": _restore(m, mesh)}

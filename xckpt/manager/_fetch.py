@@ -4,13 +4,15 @@ Call protocol (`restore`, every rank of the manager's group, after the saves in
 flight finished):
 
 1. each rank lists what its local directory holds (every rank manifest's checksum
-   checked; a damaged one is a warning on that rank) and the ranks exchange it, with
-   rank 0's list of the persistent root's step numbers (one listing: no manifest or
-   data of the root is read unless a persistent step is the one restored);
+   checked, once: the parsed manifests are kept for step 2; a damaged one is a warning
+   on that rank) and the ranks exchange it, with rank 0's list of the persistent root's
+   step numbers (one listing, made while rank 0 lists its directory: no manifest or data
+   of the root is read unless a persistent step is the one restored);
 2. every rank walks the same candidates, newest first (a step in both tiers: the
    local copy first). A local step is a candidate when the surviving copies hold
-   parts `0..W-1` of one save; its rank manifests are sent, each by one holder, to
-   every rank (one exchange), which merges them into the step's manifest;
+   parts `0..W-1` of one save; a rank manifest that some rank holds no copy of is sent
+   by one holder to every rank (one exchange); each rank merges the step's manifest
+   from its own copies and those it received;
 3. the ranks load it with `xckpt.torch.load(..., read_once=True)` over a source
    whose chunks are read only by ranks holding a copy of them (`holders`): a rank
    that needs bytes it does not hold receives them from a holder. Every chunk a
@@ -27,14 +29,14 @@ and the problem; a restore never fills a target from a copy that failed a check.
 
 from __future__ import annotations
 
-import os
+import concurrent.futures as cf
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple
 from typing import Any
 
 from xckpt.errors import ManifestError, XckptError
-from xckpt.manifest import Manifest, RankMerge, parse_document, parse_header
+from xckpt.manifest import Manifest, RankMerge, parse_document, parse_header, paused_gc
 from xckpt.native.commit import validate
 from xckpt.native.reader import Checkpoint
 from xckpt.native.steps import read_step, step_location, step_numbers
@@ -80,11 +82,13 @@ class _NoBar:
         pass
 
 
-def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str) -> Manifest:
+def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str, parsed: Mapping[int, Any]) -> Manifest:
+    """The step's manifest from its rank manifests: `parsed` (this rank's own copies, checked
+    when they were listed) or else `docs` (bytes from their holders, checked here)."""
     merge = RankMerge(where, world)
     for r in range(world):
         wh = f"{where}/ranks/{r}.json"
-        h = parse_header(parse_document(docs[r], wh), wh)
+        h = parsed[r] if r in parsed else parse_header(parse_document(docs[r], wh), wh)
         if h.rank != r or h.save_id != save_id or h.world_size != world:
             raise ManifestError(f"{wh} is rank {h.rank} of save {h.save_id!r}, expected rank {r} of {save_id!r}")
         merge.add(h, wh)
@@ -103,10 +107,17 @@ def _warn(msg: str) -> None:
 
 
 def _try_local(
-    tiers: Tiers, step: int, save_id: str, world: int, everyone: Mapping[int, list[Held]], load: Callable[[Any], Any]
+    tiers: Tiers,
+    step: int,
+    save_id: str,
+    world: int,
+    everyone: Mapping[int, list[Held]],
+    load: Callable[[Any], Any],
+    kept: Mapping[tuple[int, int, str], tuple[Any, bytes]],
 ) -> tuple[bool, Any]:
     """Load local step `step` (collective); `(True, result)`, or `(False, None)` when no
-    intact copy of some part is left (warned)."""
+    intact copy of some part is left (warned). `kept`: this rank's manifests as listed
+    (`Tiers.scan`); a part's manifest travels only to ranks without a copy of their own."""
     coord, me = tiers.coord, tiers.rank
     holders = {w: frozenset(rs) for w, rs in holders_of(everyone, step, save_id).items()}
     sdir = tiers.step_dir(step)
@@ -120,21 +131,19 @@ def _try_local(
                 )
             return False, None
         chosen = {w: min(holders[w]) for w in range(world)}
+        parsed = {w: kept[(step, w, save_id)][0] for w in range(world) if me in holders[w]}
+        wanted = {w for w in range(world) if len(holders[w]) < coord.world}  # some rank holds no copy
         mine: dict[int, bytes] = {}
         problem = None
-        for w in (w for w, h in chosen.items() if h == me):
-            try:
-                with open(os.path.join(sdir, "ranks", f"{w}.json"), "rb") as fh:
-                    mine[w] = fh.read()
-            except OSError as e:
-                problem = (w, f"its manifest cannot be read: {e}")
+        for w in (w for w, h in chosen.items() if h == me and w in wanted):
+            mine[w] = kept[(step, w, save_id)][1]
         got = coord.gather((mine, problem))
         bad = {(w, r): p for r, (_m, pr) in enumerate(got) if pr is not None for w, p in [pr]}
         docs = {w: d for m, _p in got for w, d in m.items()}
         merged = None
         if not bad:
             try:
-                merged = _merge(docs, world, save_id, sdir)
+                merged = _merge(docs, world, save_id, sdir, parsed)
             except (ManifestError, XckptError) as e:
                 bad = {(w, chosen[w]): f"{e}" for w in range(world)}  # cannot tell which: drop the step
         if merged is None:
@@ -167,6 +176,7 @@ def _try_local(
             holders[w] = holders[w] - _alike(tiers, r)
 
 
+@paused_gc()  # merging builds many small objects, none in a cycle (see paused_gc)
 def restore(
     tiers: Tiers,
     root: Location,
@@ -185,10 +195,16 @@ def restore(
         load_persistent: loads from a persistent step's location (collective).
     """
     coord, me = tiers.coord, tiers.rank
-    held, problems = tiers.scan()
+    listing = None
+    if me == 0:  # the root's listing (a round trip to an object store) while the local tier is scanned
+        pool = cf.ThreadPoolExecutor(1, thread_name_prefix="xckpt-list")
+        listing = pool.submit(step_numbers, root)
+        pool.shutdown(wait=False)
+    kept: dict[tuple[int, int, str], tuple[Any, bytes]] = {}
+    held, problems = tiers.scan(kept)
     for p in problems:
         _warn(f"a local copy is damaged and not used: {p}")
-    persistent = step_numbers(root) if me == 0 else None
+    persistent = listing.result() if listing is not None else None
     got = coord.gather(([astuple(h) for h in held], persistent))
     everyone = {r: [Held(*t) for t in rows] for r, (rows, _p) in enumerate(got)}
     numbers = set(got[0][1] or [])
@@ -200,7 +216,7 @@ def restore(
         if s in local:
             full, sid, world = local[s]
             if full:
-                ok, result = _try_local(tiers, s, sid, world, everyone, load_local)
+                ok, result = _try_local(tiers, s, sid, world, everyone, load_local, kept)
                 if ok:
                     return result
             elif me == 0:

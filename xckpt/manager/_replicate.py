@@ -10,18 +10,23 @@ original, with the writer's checksums (the manifest's own, each chunk's crc32).
 Call protocol (`Replicator.run`, every rank of the manager's group, the manager's
 local-tier thread, one step at a time):
 
-1. each rank packs its part (a header of file names and sizes, then the bytes);
-   one exchange of every rank's outcome of its local write and packing, with the
-   payload sizes: when any failed, every rank raises (nothing is sent);
-2. the ranks exchange the payloads (one `batch_isend_irecv`, on a gloo group of the
+1. each rank makes its part's head (`head`: a header of file names and sizes, the
+   bytes of the files under `MAP_AT`, the rank manifest last); one exchange of every
+   rank's outcome of its local write and of making the head, with the head sizes:
+   when any failed, every rank raises (nothing is sent);
+2. the ranks exchange the heads (one `batch_isend_irecv`, on a gloo group of the
    replication's own, so it never interleaves with the training's or the manager's
-   collectives);
-3. each receiver writes the files, the data first and the rank manifest last (its
-   checksum checked, a temporary name, then a rename): a kill part way leaves no
-   manifest, so the copy is not counted. The data carry the writer's checksums, which
-   every restore checks (a replica damaged in transit or at rest is found there);
-4. a last exchange of outcomes: every rank returns once every replica of the step is
-   stored, or every rank raises.
+   collectives); each receiver writes the head's data files;
+3. the larger files, in `CHUNK`-byte messages: each sender posts them all at once,
+   straight from a mapping of its files (no copy of ours); each receiver keeps two in
+   flight into two reused buffers and writes one to its file while the next arrives.
+   A receiver that cannot write goes on receiving (its senders finish) and reports it
+   in step 4;
+4. each receiver writes the rank manifest last (its checksum checked, a temporary name,
+   then a rename): a kill part way leaves no manifest, so the copy is not counted. The
+   data carry the writer's checksums, which every restore checks (a replica damaged in
+   transit or at rest is found there). A last exchange of outcomes: every rank returns
+   once every replica of the step is stored, or every rank raises.
 
 Every collective waits at most `TIMEOUT_S`; a rank that stopped makes the others
 raise instead of hanging. Bytes travel as uint8 tensors, never pickles.
@@ -30,6 +35,7 @@ raise instead of hanging. Bytes travel as uint8 tensors, never pickles.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +46,13 @@ from xckpt._wait import wait_works
 from xckpt.errors import ManifestError, XckptError
 from xckpt.manifest import parse_document
 
-__all__ = ["Replicator", "pack", "unpack", "TIMEOUT_S"]
+__all__ = ["Replicator", "Incoming", "head", "map_file", "pack", "unpack", "TIMEOUT_S"]
+
+#: Files of this many bytes or more travel as messages of their own, sent from and received
+#: into a mapping of the file (no copy of ours); smaller ones in the head.
+MAP_AT = 1 << 20
+#: Bytes of one message of a larger file.
+CHUNK = 4 << 20
 
 #: Seconds any one exchange of a replication may wait for the other ranks.
 TIMEOUT_S = 600.0
@@ -57,34 +69,135 @@ def _data_dirs(step_dir: str, rank: int) -> list[str]:
     return sorted(f"data/{n}" for n in names if n == str(rank) or n.startswith(f"{rank}."))
 
 
-def pack(step_dir: str, rank: int) -> np.ndarray:
-    """Rank `rank`'s part of the local step at `step_dir` as one uint8 buffer: an 8-byte
-    header length, the header (JSON: each file's name and size), the files' bytes, the rank
-    manifest last. The bytes carry their own checksums (each zarr chunk's crc32c, each
-    packed chunk's crc32 and the manifest's SHA-256 in the manifest), which a restore
-    checks on every read; the manifest's is checked on arrival too."""
-    mkey = f"ranks/{rank}.json"
-    with open(os.path.join(step_dir, mkey), "rb") as fh:
-        mbytes = fh.read()
+def _files(step_dir: str, rank: int) -> list[tuple[str, int]]:
+    """Rank `rank`'s data files in `step_dir`: `(name relative to the step, size)`."""
     files: list[tuple[str, int]] = []
     for d in _data_dirs(step_dir, rank):
         for base, _dirs, names in os.walk(os.path.join(step_dir, d)):
             for n in sorted(names):
                 full = os.path.join(base, n)
                 files.append((os.path.relpath(full, step_dir), os.path.getsize(full)))
-    files.append((mkey, len(mbytes)))
-    head = json.dumps({"files": [[n, size] for n, size in files]}).encode()
-    out = np.empty(8 + len(head) + sum(size for _n, size in files), dtype=np.uint8)
-    out[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
-    out[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-    pos = 8 + len(head)
-    for name, size in files[:-1]:
+    return files
+
+
+def head(step_dir: str, rank: int, inline_below: int | None = None) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """Rank `rank`'s part of the local step at `step_dir` as a head buffer and the files sent
+    after it: an 8-byte header length, the header (JSON: each file's name, size and whether
+    its bytes are in the head), the bytes of the files in the head, the rank manifest last.
+    Files of `inline_below` bytes or more (None: none) are left out of the head, to be sent
+    as messages of their own straight from the file. The bytes carry their own checksums
+    (each zarr chunk's crc32c, each packed chunk's crc32 and the manifest's SHA-256 in the
+    manifest), which a restore checks on every read; the manifest's is checked on arrival."""
+    mkey = f"ranks/{rank}.json"
+    with open(os.path.join(step_dir, mkey), "rb") as fh:
+        mbytes = fh.read()
+    files = _files(step_dir, rank)
+    inline = [(n, size) for n, size in files if inline_below is None or size < inline_below]
+    big = [(n, size) for n, size in files if not (inline_below is None or size < inline_below)]
+    entries = [[n, size, 1] for n, size in inline] + [[n, size, 0] for n, size in big] + [[mkey, len(mbytes), 1]]
+    hdr = json.dumps({"files": entries}).encode()
+    out = np.empty(8 + len(hdr) + sum(size for _n, size in inline) + len(mbytes), dtype=np.uint8)
+    out[:8] = np.frombuffer(len(hdr).to_bytes(8, "little"), dtype=np.uint8)
+    out[8 : 8 + len(hdr)] = np.frombuffer(hdr, dtype=np.uint8)
+    pos = 8 + len(hdr)
+    for name, size in inline:
         with open(os.path.join(step_dir, name), "rb") as fh:
             if fh.readinto(memoryview(out[pos : pos + size])) != size:
                 raise XckptError(f"local step {step_dir!r}: {name} changed size while it was replicated")
         pos += size
     out[pos:] = np.frombuffer(mbytes, dtype=np.uint8)
-    return out
+    return out, big
+
+
+def pack(step_dir: str, rank: int) -> np.ndarray:
+    """Rank `rank`'s part of the local step at `step_dir` as one uint8 buffer (`head`
+    with every file in it)."""
+    return head(step_dir, rank)[0]
+
+
+def map_file(path: str, size: int) -> Any:
+    """A uint8 tensor over the file at `path` (`size` bytes, read in full when mapped), so
+    gloo sends straight from the page cache. The mapping goes once the tensor is dropped."""
+    import torch
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise XckptError(f"{path} changed size while it was replicated")
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+class Incoming:
+    """A part arriving from rank `src` into `step_dir`: `open(head)` checks the head and
+    writes the files in it (the manifest kept back); the files that follow (`pending`:
+    `(name, size)`) are received in chunks and written by `Replicator`; `close()` checks
+    the manifest and writes it, last (a temporary name, then a rename)."""
+
+    def __init__(self, step_dir: str, src: int) -> None:
+        self.step_dir, self.src = step_dir, src
+        self.where = f"the replica of rank {src}'s part of local step {step_dir!r}"
+        self.pending: list[tuple[str, int]] = []
+        self._manifest = b""
+
+    def open(self, buf: np.ndarray) -> None:
+        where, step_dir = self.where, self.step_dir
+        try:
+            n = int.from_bytes(buf[:8].tobytes(), "little")
+            files = json.loads(buf[8 : 8 + n].tobytes())["files"]
+            files = [(str(f[0]), int(f[1]), bool(f[2]) if len(f) > 2 else True) for f in files]
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise XckptError(f"{where}: its header cannot be read ({e}); nothing was written") from None
+        mkey = f"ranks/{self.src}.json"
+        if not files or files[-1][0] != mkey or not files[-1][2]:
+            raise XckptError(f"{where}: it does not end with {mkey}; nothing was written")
+        for name, size, _inline in files:
+            parts = name.split("/")
+            if name.startswith("/") or ".." in parts or not (parts[0] == "data" or name == mkey) or size < 0:
+                raise XckptError(f"{where}: it names a file outside the step ({name!r}); nothing was written")
+        # received in chunks after the head (`Replicator`), whatever happens here
+        self.pending = [(name, size) for name, size, inline in files if not inline]
+        old = os.path.join(step_dir, mkey)
+        if os.path.exists(old):
+            os.remove(old)  # a stale copy must not count while the new one is written
+        pos = 8 + n
+        made: set[str] = set()
+        for name, size, inline in files:
+            path = os.path.join(step_dir, name)
+            folder = os.path.dirname(path)
+            if folder not in made:
+                os.makedirs(folder, exist_ok=True)
+                made.add(folder)
+            if not inline:
+                continue
+            data = buf[pos : pos + size]
+            if len(data) != size:
+                raise XckptError(f"{where}: {name} is cut short; the copy was dropped")
+            pos += size
+            if name == mkey:
+                self._manifest = data.tobytes()
+                continue
+            with open(path, "wb") as fh:  # data in place: the copy does not count until the manifest
+                fh.write(memoryview(data))
+
+    def close(self) -> None:
+        mkey = f"ranks/{self.src}.json"
+        path = os.path.join(self.step_dir, mkey)
+        try:
+            parse_document(self._manifest, path)
+        except ManifestError as e:
+            raise XckptError(f"{self.where}: its manifest is damaged ({e}); the copy was dropped") from None
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(self._manifest)
+        os.replace(tmp, path)
 
 
 def unpack(buf: np.ndarray, step_dir: str, src: int) -> None:
@@ -94,44 +207,11 @@ def unpack(buf: np.ndarray, step_dir: str, src: int) -> None:
     Raises:
         XckptError: a damaged or malformed buffer (nothing of it counts as a copy).
     """
-    where = f"the replica of rank {src}'s part of local step {step_dir!r}"
-    try:
-        n = int.from_bytes(buf[:8].tobytes(), "little")
-        files = json.loads(buf[8 : 8 + n].tobytes())["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise XckptError(f"{where}: its header cannot be read ({e}); nothing was written") from None
-    mkey = f"ranks/{src}.json"
-    if not files or files[-1][0] != mkey:
-        raise XckptError(f"{where}: it does not end with {mkey}; nothing was written")
-    old = os.path.join(step_dir, mkey)
-    if os.path.exists(old):
-        os.remove(old)  # a stale copy must not count while the new one is written
-    pos = 8 + n
-    made: set[str] = set()
-    for name, size in files:
-        parts = name.split("/")
-        if name.startswith("/") or ".." in parts or not (parts[0] == "data" or name == mkey):
-            raise XckptError(f"{where}: it names a file outside the step ({name!r}); nothing more was written")
-        data = buf[pos : pos + size]
-        if len(data) != size:
-            raise XckptError(f"{where}: {name} is cut short; the copy was dropped")
-        if name == mkey:
-            try:
-                parse_document(data.tobytes(), os.path.join(step_dir, mkey))
-            except ManifestError as e:
-                raise XckptError(f"{where}: its manifest is damaged ({e}); the copy was dropped") from None
-        path = os.path.join(step_dir, name)
-        folder = os.path.dirname(path)
-        if folder not in made:
-            os.makedirs(folder, exist_ok=True)
-            made.add(folder)
-        # data files in place (no manifest yet: the copy does not count until the last rename)
-        tmp = f"{path}.tmp{os.getpid()}" if name == mkey else path
-        with open(tmp, "wb") as fh:
-            fh.write(memoryview(data))
-        if tmp != path:
-            os.replace(tmp, path)
-        pos += size
+    part = Incoming(step_dir, src)
+    part.open(buf)
+    if part.pending:
+        raise XckptError(f"{part.where}: {part.pending[0][0]} is not in the buffer; the copy was dropped")
+    part.close()
 
 
 class Replicator:
@@ -153,6 +233,7 @@ class Replicator:
         self.srcs = [s for s, d in pairs if d == rank]
         #: Bytes this rank sent in its last replication (benchmarks read it).
         self.sent_bytes = 0
+        self._bufs: list[Any] = []
 
     def _wait(self, works: Sequence[Any], step: int, what: str) -> None:
         wait_works(
@@ -185,23 +266,97 @@ class Replicator:
         if ops:
             self._wait(dist.batch_isend_irecv(ops), step, "replica")
 
+    def _buffers(self) -> list[Any]:
+        """Two receive buffers of `CHUNK` bytes, made (and touched) once per replicator."""
+        if not self._bufs:
+            self._bufs = [self._torch.zeros(CHUNK, dtype=self._torch.uint8) for _ in range(2)]
+        return self._bufs
+
+    def _receive(self, incoming: dict[int, Incoming], step: int, write: bool) -> BaseException | None:
+        """Receive the larger files of every incoming part in `CHUNK`-byte messages, two in
+        flight, each written to its file while the next arrives. A failure to write stops
+        the writing, never the receiving (the senders finish); it is returned."""
+        dist = self._dist
+        jobs = [
+            (s, os.path.join(part.step_dir, name), off, min(CHUNK, size - off))
+            for s, part in incoming.items()
+            for name, size in part.pending
+            for off in range(0, max(size, 1), CHUNK)
+        ]
+        bufs = self._buffers()
+        works: list[Any] = [None, None]
+
+        def post(k: int) -> Any:
+            s, _path, _off, n = jobs[k]
+            return dist.irecv(bufs[k % 2][:n], self._ranks[s], group=self.group) if n else None
+
+        for k in range(min(2, len(jobs))):
+            works[k] = post(k)
+        fail: BaseException | None = None if write else XckptError("not written")
+        fd, at = -1, ""
+        try:
+            for k, (_s, path, _off, n) in enumerate(jobs):
+                if works[k % 2] is not None:
+                    self._wait([works[k % 2]], step, "replica")
+                if fail is None:
+                    try:
+                        if path != at:
+                            if fd >= 0:
+                                os.close(fd)
+                            fd, at = -1, path
+                            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                        _write_all(fd, memoryview(bufs[k % 2].numpy())[:n])
+                    except OSError as e:
+                        fail = e
+                if k + 2 < len(jobs):
+                    works[k % 2] = post(k + 2)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return fail
+
     def run(self, step: int, step_dir: str, err: BaseException | None) -> None:
-        """Replicate local step `step` (this rank's part is in `step_dir`); see the module."""
-        torch = self._torch
+        """Replicate local step `step` (this rank's part is in `step_dir`); see the module.
+
+        Two rounds: the heads (the small files and the manifest, in one message per
+        destination), then the larger files in `CHUNK`-byte messages, sent straight from a
+        mapping of the file and received into two reused buffers, each written to the copy
+        while the next arrives."""
+        torch, dist = self._torch, self._dist
         payload = torch.zeros(0, dtype=torch.uint8)
+        big: list[tuple[str, int]] = []
         if err is None and self.dsts:
             try:
-                payload = torch.from_numpy(pack(step_dir, self.rank))
+                buf, big = head(step_dir, self.rank, MAP_AT)
+                payload = torch.from_numpy(buf)
             except (OSError, XckptError) as e:
                 err = e
         sizes = self._agree(err, step, "the local save", payload.numel())
         got = {s: torch.empty(sizes[s], dtype=torch.uint8) for s in self.srcs}
         self._exchange([(d, payload) for d in self.dsts], list(got.items()), step)
-        self.sent_bytes = payload.numel() * len(self.dsts)
         fail: BaseException | None = None
-        try:
-            for s, buf in got.items():
-                unpack(buf.numpy(), step_dir, s)
-        except (OSError, XckptError) as e:
-            fail = e
+        sends: list[Any] = []
+        incoming = {}
+        for s, buf in got.items():
+            part = incoming[s] = Incoming(step_dir, s)
+            try:
+                part.open(buf.numpy())
+            except (OSError, XckptError) as e:  # its files are still received (and dropped): the sender
+                fail = e  # finishes (a header that cannot be read names none: its sender waits TIMEOUT_S)
+        if big:
+            maps = [map_file(os.path.join(step_dir, n), size) for n, size in big]
+            sends = [
+                dist.isend(t[off : off + CHUNK], self._ranks[d], group=self.group)
+                for d in self.dsts for t in maps for off in range(0, t.numel(), CHUNK)
+            ]
+        failed = self._receive(incoming, step, write=fail is None)
+        self._wait(sends, step, "replica")
+        self.sent_bytes = (payload.numel() + sum(size for _n, size in big)) * len(self.dsts)
+        fail = fail or failed
+        if fail is None:
+            try:
+                for part in incoming.values():
+                    part.close()
+            except (OSError, XckptError) as e:
+                fail = e
         self._agree(fail, step, "storing the replicas")

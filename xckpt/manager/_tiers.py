@@ -193,9 +193,11 @@ class Tiers:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.dir, str(step))
 
-    def scan(self) -> tuple[list[Held], list[str]]:
+    def scan(self, keep: dict[tuple[int, int, str], tuple[Any, bytes]] | None = None) -> tuple[list[Held], list[str]]:
         """Every rank part this node's directory holds (manifest checksum verified), and the
-        problems found (a damaged manifest: named, never counted)."""
+        problems found (a damaged manifest: named, never counted). `keep`, when given, gets
+        each part's parsed manifest header and bytes by `(step, rank, save_id)`, so a restore
+        neither reads nor checks a manifest twice."""
         held, problems = [], []
         try:
             names = os.listdir(self.dir)
@@ -229,6 +231,8 @@ class Tiers:
                     problems.append(f"local step {name}, rank {stem}'s part on rank {self.rank}: {e}")
                     continue
                 held.append(Held(int(name), h.rank, h.save_id, h.world_size, when))
+                if keep is not None:
+                    keep[(int(name), h.rank, h.save_id)] = (h, data)
         return held, problems
 
     def steps(self) -> list[int]:

@@ -26,8 +26,12 @@ manifests themselves.
 Dedup: a box held by several ranks (`Replicate()` axes, or a plain tensor
 that every rank holds) is written by the one rank
 [`xckpt.layout.choose_writer`][xckpt.layout.choose_writer] picks; every rank computes the same answer.
-Plans are recomputed on every call, so a state dict whose structure changed is
-always saved whole.
+A plan is reused while the state dict's layout (names, shapes, dtypes, meshes,
+placements, local shapes) is unchanged (`xckpt.torch._save_plan`); any change plans
+again, so a state dict whose structure changed is always saved whole.
+
+With `async_save` and `staging` (the checkpoint manager's saves) the foreground is the
+staging copy alone: the writer is opened, and the location claimed, on the write thread.
 """
 
 from __future__ import annotations
@@ -51,64 +55,17 @@ from xckpt.manifest import Manifest, numpy_dtype, paused_gc
 from xckpt.native.writer import ALL_HELD, Dedup, Writer, finalize
 from xckpt.storage import Location
 from xckpt.torch._dist import distributed, rank_world, share_outcome
-from xckpt.torch._dtypes import as_numpy, dtype_name
-from xckpt.torch._placement import PLAIN_TENSORS, global_info, local_pieces, placement_info
+from xckpt.torch._dtypes import as_numpy
+from xckpt.torch._save_plan import Plans
 from xckpt.torch._staging import Stager, wait_events
-from xckpt.torch._state_dict import KEYS_META, PerRank, flatten
+from xckpt.torch._state_dict import KEYS_META, PerRank, flatten  # noqa: F401 (PerRank: the docstring links it here)
 from xckpt.torch.value_groups import save_value_groups, split_value_groups
 
 __all__ = ["save"]
 
 _side_groups: dict[Any, Any] = {}
-
-
-class _Job:
-    """One tensor: its declaration and the boxes this rank writes."""
-
-    __slots__ = ("name", "dtype", "shape", "placement", "boxes")
-
-    def __init__(self, name: str, dtype: Any, shape: tuple[int, ...], placement: Any) -> None:
-        self.name, self.dtype, self.shape, self.placement = name, dtype, shape, placement
-        self.boxes: list[tuple[L.Box | None, Any]] = []  # (box or None: whole, tensor part or numpy array)
-
-
-def _plan(
-    flat: Mapping[str, Any], skip: set[str], rank: int, world: int, group_rank: Any
-) -> tuple[list[_Job], list[tuple[str, Any, bool]]]:
-    """Which boxes this rank writes, and its objects. Local; no collective."""
-    jobs: list[_Job] = []
-    objects: list[tuple[str, Any, bool]] = []
-    meshes: dict[int, Any] = {}
-    for name, v in flat.items():
-        if name in skip:
-            continue
-        if type(v) in PLAIN_TENSORS:
-            # A whole tensor (the many-small-tensors case): every rank holds it, one writes it.
-            shape = tuple(v.shape)
-            job = _Job(name, dtype_name(v.dtype, name), shape, None)
-            if v.numel() and (world == 1 or L.choose_writer(name, 0, range(world)) == rank):
-                job.boxes.append((None, v))  # None: the whole tensor
-            jobs.append(job)
-            continue
-        if isinstance(v, (torch.Tensor, np.ndarray)):
-            shape, tdtype = global_info(v, name)
-            loc = local_pieces(v, name, group_rank, meshes)
-            job = _Job(name, dtype_name(tdtype, name), shape, placement_info(loc))
-            if loc.layout == "replicated":
-                holders: Sequence[int] | None = range(world)
-            else:
-                holders = loc.holders
-            for i, piece in enumerate(loc.pieces):
-                if holders is not None and L.choose_writer(name, i, holders) != rank:
-                    continue
-                part = piece.tensor[piece.slices] if piece.slices else piece.tensor
-                job.boxes.append((piece.box, part))
-            jobs.append(job)
-        elif isinstance(v, PerRank):
-            objects.append((name, v.value, True))
-        else:
-            objects.append((name, v, False))
-    return jobs, objects
+#: Each group's last plan, reused while the state's layout is unchanged.
+_plans = Plans()
 
 
 def _host(part: Any, copy: bool) -> tuple[np.ndarray, Any]:
@@ -232,7 +189,7 @@ def save(
     side = _side_group(dist, pg) if coordinated and async_save else pg
     fail_all = functools.partial(_fail_all, side=side, world=world if coordinated else 1, where=loc_path)
 
-    # Foreground: plan, open the writer, take host copies (async).
+    # Foreground: plan, open the writer (unless deferred), take host copies (async).
     writer = None
     try:
         keys: dict[str, Any] = {}
@@ -240,17 +197,20 @@ def save(
         if keys:  # what a load into a fresh job's empty mappings needs (_state_dict.expand)
             metadata = {**(metadata or {}), KEYS_META: keys}
         plans, owned = split_value_groups(flat, value_groups)
-        jobs, objects = _plan(flat, set(owned), rank, world, group_rank)
-        writer = Writer(
-            loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite, progress=show_progress,
-            storage=storage, metadata=metadata, compression=compression, dedup=dedup,
+        jobs, objects = _plans.plan(flat, set(owned), rank, world, group_rank, pg)
+        open_writer = functools.partial(
+            Writer, loc_path, rank=rank, world_size=world, save_id=save_id, overwrite=overwrite,
+            progress=show_progress, storage=storage, metadata=metadata, compression=compression, dedup=dedup,
             inflight_bytes=ALL_HELD,  # every host array below is held until the save ends
         )
+        # the manager's saves (staged, no value groups) claim the location on the write thread
+        writer = None if async_save and staging is not None and not plans else open_writer()
         arrays, staged_events = _host_copies(jobs, staging, async_save)
         if async_save:  # the caller may change its objects once we return
             objects = [(name, copy.deepcopy(value), per_rank) for name, value, per_rank in objects]
-        vg_writer = _CopyingWriter(writer) if async_save else writer
-        save_value_groups(vg_writer, flat, plans, rank, world)
+        if writer is not None:
+            vg_writer = _CopyingWriter(writer) if async_save else writer
+            save_value_groups(vg_writer, flat, plans, rank, world)
     except BaseException as e:
         if writer is not None:
             writer._failed(e)  # give this rank's claim of the location back
@@ -261,12 +221,15 @@ def save(
     def write() -> Manifest:
         err: BaseException | None = None
         manifest: Manifest | None = None
+        w = writer
         try:
+            w = w if w is not None else open_writer()
             wait_events(staged_events)  # staging copies still in flight (CUDA side streams)
-            manifest = _write_rank(writer, jobs, arrays, objects)
+            manifest = _write_rank(w, jobs, arrays, objects)
         except Exception as e:  # exchanged with the other ranks, then re-raised
             err = e
-            writer._failed(e)  # give this rank's claim of the location back
+            if w is not None:
+                w._failed(e)  # give this rank's claim of the location back
         fail_all(err)
         if coordinated:
             _finalize_all(dist, side, rank, world, loc_path, str(save_id))
