@@ -419,8 +419,8 @@ def _packed(raw: Any, n: int, explicit_keys: bool, where: str, version: int) -> 
         bo: int | np.ndarray = b
     else:
         bo = _column(b, m, 0, MAX_TENSOR_BYTES, "grid byte_offset", where, "<u8")
-    crc = raw.get("crc32")
-    return Packed(cells, key, bo, None if crc is None else _column(crc, m, 0, 1 << 32, "grid crc32", where, "<u4"))
+    c = raw.get("crc32")
+    return Packed(cells, key, bo, None if c is None else _column(c, m, 0, 1 << 32, "grid crc32", where, "<u4"))
 
 
 def column_json(v: np.ndarray | Sequence[int], dtype: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from itertools import chain
-from operator import itemgetter, mul
+from operator import itemgetter, methodcaller, mul
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ _ENTRY = itemgetter("dtype", "shape", "chunks")
 _CHUNK = itemgetter("offset", "shape", "key", "rank", "nbytes")
 _PACKED = itemgetter("form", "byte_offset", "crc32")
 _GRID = itemgetter("grid")
+_GRID_OR_NONE = methodcaller("get", "grid")
 
 
 def _ids(table: Any, values: list[Any]) -> list[int]:
@@ -95,7 +96,7 @@ class Run:
         dtypes, shapes, chs = zip(*map(_ENTRY, ents))
         if list(dtypes) != self.dtypes or list(shapes) != self.shapes:
             return False
-        if not _ints_ok(list(chain.from_iterable(shapes)), 0, MAX_EXTENT):  # (40.0 == 40: types too)
+        if set(map(type, chain.from_iterable(shapes))) != _INT:  # (equal to the run's checked shapes: 40.0 == 40)
             return False
         if set(map(type, chs)) != _LIST or set(map(len, chs)) != _ONE:
             return False
@@ -147,16 +148,17 @@ class Run:
         n = len(cs)
         none = [-1] * n
         if lens == {8}:
-            a_idx: list[int] = []
-            p_idx = list(range(n))
+            p_idx, grids, nds = list(range(n)), [], []
         else:
-            ls = list(map(len, cs))
-            p_idx = _where(ls, 8)
-            a_idx = [j for j, m in enumerate(ls) if m == 6] if p_idx else list(range(n))
-        grids = list(map(_GRID, map(cs.__getitem__, a_idx)))
-        nds = list(map(self.nds.__getitem__, a_idx)) if p_idx else self.nds
+            p_idx = _where(list(map(len, cs)), 8) if 8 in lens else []
+            grids = list(map(_GRID, cs)) if not p_idx else list(filter(None, map(_GRID_OR_NONE, cs)))
+            nds = self.nds
+            if p_idx:
+                nds = nds.copy()
+                for j in reversed(p_idx):
+                    del nds[j]
         if grids and (set(map(type, grids)) != _LIST or list(map(len, grids)) != nds):
-            return None
+            return None  # (a grid member in a packed chunk, or an empty one, fails the count)
         if not _ints_ok(list(chain.from_iterable(grids)), 1, MAX_EXTENT):
             return None
         inner = _ids(inner_table, list(map(tuple, grids)))
@@ -165,7 +167,7 @@ class Run:
         forms, pbo, pcrc = map(list, zip(*map(_PACKED, map(cs.__getitem__, p_idx))))
         if set(forms) != {"packed"} or not (_ints_ok(pbo, 0, MAX_TENSOR_BYTES - 1) and _ints_ok(pcrc, 0, (1 << 32) - 1)):
             return None
-        if not a_idx:
+        if not grids:
             return [0] * n, pbo, pcrc
         bo, crc = list(none), list(none)
         no_grid = _ids(inner_table, [None])[0]
