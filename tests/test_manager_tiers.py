@@ -282,6 +282,7 @@ def test_merged_manifest_of_a_local_step_is_checked(tmp_path):
     assert read_merged(d) is None
     sid = xckpt.open(d).save_id
     assert not write_merged(d, sid, 2)  # rank 1's manifest is not there
+    assert not write_merged(d, "other", 1)  # rank 0's manifest is another save's
     assert not os.path.exists(os.path.join(d, MERGED))
     assert write_merged(d, sid, 1)
     data = read_merged(d)

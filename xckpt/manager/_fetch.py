@@ -10,9 +10,13 @@ flight finished):
    of the root is read unless a persistent step is the one restored);
 2. every rank walks the same candidates, newest first (a step in both tiers: the
    local copy first). A local step is a candidate when the surviving copies hold
-   parts `0..W-1` of one save; a rank manifest that some rank holds no copy of is sent
-   by one holder to every rank (one exchange); each rank merges the step's manifest
-   from its own copies and those it received;
+   parts `0..W-1` of one save. Its manifest: where every rank with copies has its
+   node's merged manifest of the save (`xckpt.manager._merged`), each of them reads it,
+   the first sends the bytes to ranks without one, and every rank checks its copy
+   (checksum, save, world size, layout; two exchanges, the second of outcomes). Else, or
+   when one is gone or fails its check (a warning on that rank), a rank manifest that
+   some rank holds no copy of is sent by one holder to every rank (one exchange) and
+   each rank merges the step's manifest from its own copies and those it received;
 3. the ranks load it with `xckpt.torch.load(..., read_once=True)` over a source
    whose chunks are read only by ranks holding a copy of them (`holders`): a rank
    that needs bytes it does not hold receives them from a holder. Every chunk a

@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from xckpt.errors import ManifestError, XckptError
+from xckpt.errors import IncompleteCheckpointError, ManifestError, XckptError
 from xckpt.layout import check_coverage
 from xckpt.manifest import GridChunks, Manifest
 from xckpt.native.commit import read_rank_manifests
@@ -33,14 +33,15 @@ def write_merged(step_dir: str, save_id: str, world: int) -> bool:
     """Merge `step_dir`'s rank manifests `0..world-1` of save `save_id` into `step_dir/xckpt.json`.
 
     Returns False (nothing written) when the directory does not hold every rank's
-    manifest of that save; raises `XckptError` (or `OSError`) when they cannot be merged
+    manifest of that save (some missing, or another save's); raises `XckptError` (or `OSError`) when they cannot be merged
     or the file cannot be written."""
     ranks = os.path.join(step_dir, "ranks")
     if not all(os.path.exists(os.path.join(ranks, f"{r}.json")) for r in range(world)):
         return False
-    merged = read_rank_manifests(Storage(step_dir), expect_world_size=world, expect_save_id=save_id)
-    if merged.save_id != save_id or merged.world_size != world:
-        return False  # some rank manifest is another save's (an overwrite under way)
+    try:
+        merged = read_rank_manifests(Storage(step_dir), expect_world_size=world, expect_save_id=save_id)
+    except IncompleteCheckpointError:
+        return False  # some rank manifest here is another save's (a leftover of an earlier one)
     final = os.path.join(step_dir, MERGED)
     tmp = f"{final}.tmp-{os.getpid()}"
     try:

@@ -20,8 +20,10 @@ Call protocol (the manager's, every rank in the same order):
    share the staging buffers); the state is staged and `save` returns. The round
    then runs on the tier's thread: the write (data, then the rank manifest), the
    replication, and once every rank has its part and its replicas of the step stored
-   (the replication's last exchange), retention: local steps older than the newest
-   `local_keep` complete ones are deleted (manifests first);
+   (the replication's last exchange), the node's first rank writes the step's merged
+   manifest (`xckpt.manager._merged`, what a restore reads instead of merging the rank
+   manifests), then retention: local steps older than the newest `local_keep` complete
+   ones are deleted (manifests first);
 3. `wait()` finishes the round in flight; `restore` is `xckpt.manager._fetch`.
 
 A kill at any point leaves the previous local step restorable: a rank manifest is
