@@ -55,10 +55,10 @@ def write_merged(step_dir: str, save_id: str, world: int) -> bool:
 
 
 def drop_merged(step_dir: str) -> None:
-    """Delete a step's merged manifest (before the step is saved again); none is no error."""
+    """Delete a step's merged manifest (before the step is saved again or deleted); none is no error."""
     try:
         os.unlink(os.path.join(step_dir, MERGED))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         pass
 
 

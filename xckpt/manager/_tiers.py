@@ -363,6 +363,7 @@ class Tiers:
                 self._steps.discard(s)
             self._mine = [s for s in self._mine if s >= floor]
         for s in sorted(doomed):
+            drop_merged(self.step_dir(s))  # manifests first: the merged one, then the ranks'
             _rmtree(self.step_dir(s))
 
     def _record(self, hosts: list[tuple[str, str]] | None, latest: int | None = None) -> None:
