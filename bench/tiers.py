@@ -199,7 +199,16 @@ def _restores(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res
             m.close()
     target = blank()
     before = _s3_bytes()
+    prof = None
+    if cfg.get("profile"):  # --profile: cProfile of each rank's timed restore from the tiers
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     res["restore_tiers_s"] = _timed(dist, lambda: m.restore(target))
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(os.path.join(cfg["profile"], f"restore_tiers.rank{rank}.prof"))
     res["restore_tiers_root_bytes"] = _s3_bytes() - before
     res["restore_tiers_exact"] = _same(target, sd)
     m.close()
@@ -238,7 +247,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) -> No
         out.put((rank, False, traceback.format_exc()))
 
 
-def _one(spec: Any, s3: Any) -> dict[str, Any]:
+def _one(spec: Any, s3: Any, profile: str | None = None) -> dict[str, Any]:
     """One repeat in fresh processes; rank 0's figures (byte counts summed over ranks)."""
     shm = tempfile.mkdtemp(prefix="xckpt-bench-tiers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     disk = tempfile.mkdtemp(prefix="tiers-", dir=out_dir())
@@ -248,6 +257,7 @@ def _one(spec: Any, s3: Any) -> dict[str, Any]:
         "dcp": os.path.join(disk, "dcp"),
         "roots": {"s3": s3.fresh("tiers"), "disk": os.path.join(disk, "root")},
         "env": {k: os.environ[k] for k in AWS},
+        "profile": profile,
     }
     try:
         per = run_ranks(_rank, 4, cfg, timeout=3600)
@@ -266,7 +276,12 @@ def main() -> None:
     ap.add_argument("--size-mib", type=float, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="16 MiB, 1 repeat")
+    ap.add_argument("--profile", metavar="DIR", help="write cProfile stats of each rank's timed restore from "
+                    "the tiers to DIR/restore_tiers.rank<r>.prof (the last repeat's; it slows that restore)")
     args = ap.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        args.profile = os.path.abspath(args.profile)
     if args.quick:
         args.size_mib, args.repeats = 16, 1
     spec = workload_spec("W1", args.size_mib / 1024, DIMS)
@@ -280,7 +295,7 @@ def main() -> None:
     gen = s3_server.serve()
     s3 = next(gen)
     try:
-        runs = [_one(spec, s3) for _ in range(args.repeats)]
+        runs = [_one(spec, s3, args.profile) for _ in range(args.repeats)]
     finally:
         gen.close()
 

@@ -147,8 +147,25 @@ def _phase_save(rank: int, world: int, base: str) -> dict:
         _flip(_data_of(os.path.join(base, "A", "8"), 0))
     torch.distributed.barrier()
     out["damaged"] = _restore(m, mesh)
+    out["merged"] = sorted(s for s in os.listdir(local) if os.path.exists(os.path.join(local, s, "xckpt.json")))
+    # node A's merged manifest of step 8 damaged too: the rank manifests are merged instead
+    torch.distributed.barrier()
+    if rank == 0:
+        _flip_digit(os.path.join(base, "A", "8", "xckpt.json"))
+    torch.distributed.barrier()
+    out["merged_damaged"] = _restore(m, mesh)
     m.close()
     return out
+
+
+def _flip_digit(path: str) -> None:
+    """Change one digit in the middle of a JSON file (still JSON, the checksum no longer matches)."""
+    with open(path, "r+b") as fh:
+        data = bytearray(fh.read())
+        i = next(i for i in range(len(data) // 2, len(data)) if chr(data[i]).isdigit())
+        data[i] = ord("1") if data[i] != ord("1") else ord("2")
+        fh.seek(0)
+        fh.write(data)
 
 
 def _flip(path: str) -> None:
@@ -236,6 +253,46 @@ def test_saves_local_steps_replicated_to_the_other_node(phases):
     assert all(x["dirs"] == ["6", "8"] for x in r)  # local_keep=2
     assert all(x["restored"][:2] == (8, True) for x in r)
     assert not any(x["warnings"] for x in r)
+
+
+def test_each_node_writes_a_merged_manifest_per_local_step(phases):
+    """Once a step's replication finished, each node's first rank merged the four rank
+    manifests it holds into the step's `xckpt.json`; a restore reads it."""
+    assert all(x["merged"] == ["6", "8"] for x in phases["save"])
+
+
+def test_a_damaged_merged_manifest_falls_back_to_the_rank_manifests(phases):
+    r = [x["merged_damaged"] for x in phases["save"]]
+    assert all(x[:2] == (8, True) for x in r)
+    said = [w for x in r for w in x[2]]
+    assert any("rank 0's merged manifest is not used" in w and "fails its checksum" in w
+               and "the rank manifests are merged instead" in w for w in said), said
+
+
+def test_merged_manifest_of_a_local_step_is_checked(tmp_path):
+    """Written only from every rank manifest of the save, read only for that save, its
+    checksum and layout checked."""
+    from xckpt.errors import ManifestError
+    from xckpt.manager._merged import MERGED, drop_merged, load_merged, read_merged, write_merged
+
+    d = str(tmp_path / "s")
+    xckpt.save({"a": np.arange(1000, dtype=np.float32)}, d)
+    drop_merged(d)  # as a rank-local save leaves it
+    drop_merged(d)  # none is no error
+    assert read_merged(d) is None
+    sid = xckpt.open(d).save_id
+    assert not write_merged(d, sid, 2)  # rank 1's manifest is not there
+    assert not write_merged(d, "other", 1)  # rank 0's manifest is another save's
+    assert not os.path.exists(os.path.join(d, MERGED))
+    assert write_merged(d, sid, 1)
+    data = read_merged(d)
+    assert data is not None and load_merged(data, d, sid, 1).save_id == sid
+    assert sorted(os.listdir(d)) == ["data", "ranks", MERGED]  # no temporary file left
+    with pytest.raises(ManifestError, match="expected the merged manifest of 'other' at world size 1"):
+        load_merged(data, d, "other", 1)
+    _flip_digit(os.path.join(d, MERGED))
+    with pytest.raises(ManifestError, match="fails its checksum"):
+        load_merged(read_merged(d) or b"", d, sid, 1)
 
 
 def test_ls_says_where_local_steps_are(phases):
@@ -491,3 +548,28 @@ def test_ranks_of_a_node_deleting_one_local_step_at_once_never_fail(tmp_path):
         for t in threads:
             t.join()
         assert errors == [] and not step.exists()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 3), st.lists(st.tuples(st.integers(0, 45), st.integers(1, 12)), max_size=6),
+       st.booleans())
+def test_row_range_layout_check_agrees_with_the_general_one(rows, cols, boxes, tiled):
+    """`_rows_tile` (the merged manifest's fast layout check) accepts only what the general
+    check accepts, and accepts every row split."""
+    from xckpt.layout import check_coverage
+    from xckpt.manager._merged import _rows_tile
+    from xckpt.manifest import Chunk
+
+    shape = (rows, cols)
+    if tiled:  # cut points from the drawn offsets: a true row split
+        cuts = sorted({0, rows} | {o % rows for o, _n in boxes})
+        boxes = [(a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+    chunks = [Chunk(offset=(o, 0), shape=(n, cols), key="k", rank=0, nbytes=0) for o, n in boxes]
+    try:
+        check_coverage(shape, [c.box for c in chunks], name="t", where="w")
+        tiles = True
+    except XckptError:
+        tiles = False
+    assert not _rows_tile(shape, chunks) or tiles
+    if tiled:
+        assert _rows_tile(shape, chunks) and tiles

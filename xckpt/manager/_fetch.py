@@ -10,9 +10,13 @@ flight finished):
    of the root is read unless a persistent step is the one restored);
 2. every rank walks the same candidates, newest first (a step in both tiers: the
    local copy first). A local step is a candidate when the surviving copies hold
-   parts `0..W-1` of one save; a rank manifest that some rank holds no copy of is sent
-   by one holder to every rank (one exchange); each rank merges the step's manifest
-   from its own copies and those it received;
+   parts `0..W-1` of one save. Its manifest: where every rank with copies has its
+   node's merged manifest of the save (`xckpt.manager._merged`), each of them reads it,
+   the first sends the bytes to ranks without one, and every rank checks its copy
+   (checksum, save, world size, layout; two exchanges, the second of outcomes). Else, or
+   when one is gone or fails its check (a warning on that rank), a rank manifest that
+   some rank holds no copy of is sent by one holder to every rank (one exchange) and
+   each rank merges the step's manifest from its own copies and those it received;
 3. the ranks load it with `xckpt.torch.load(..., read_once=True)` over a source
    whose chunks are read only by ranks holding a copy of them (`holders`): a rank
    that needs bytes it does not hold receives them from a holder. Every chunk a
@@ -30,6 +34,7 @@ and the problem; a restore never fills a target from a copy that failed a check.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple
@@ -43,6 +48,7 @@ from xckpt.native.steps import read_step, step_location, step_numbers
 from xckpt.source import ChunkRead
 from xckpt.storage import Location
 
+from ._merged import MERGED, load_merged, read_merged
 from ._tiers import Held, Tiers, coverage, holders_of
 
 __all__ = ["TierSource", "restore"]
@@ -106,6 +112,69 @@ def _warn(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
+def _merged(tiers: Tiers, step: int, save_id: str, world: int, merged_at: frozenset[int]) -> Manifest | None:
+    """The step's merged manifest (collective): each rank in `merged_at` reads its node's
+    copy, the first of them sends its bytes to the ranks of nodes without one, then every
+    rank checks what it holds, at the same time, as any manifest (two exchanges, the second
+    of outcomes). None on every rank when some copy is absent or fails its check (warned)."""
+    coord, me = tiers.coord, tiers.rank
+    sdir = tiers.step_dir(step)
+    data = read_merged(sdir) if me in merged_at else None
+    sender = min(merged_at)
+    send = data if me == sender and len(merged_at) < coord.world else None
+    got = coord.gather((send, me in merged_at and data is None))
+    problem = None
+    m = None
+    if any(gone for _d, gone in got):
+        problem = f"{sdir}/{MERGED} is gone" if me in merged_at and data is None else ""
+    else:
+        raw = data if data is not None else got[sender][0]
+        try:
+            m = load_merged(raw, sdir, save_id, world)
+        except XckptError as e:
+            problem = f"{type(e).__name__}: {e}"
+        if any(p is not None for p in coord.gather(problem)):
+            m = None
+    if m is None and problem:
+        _warn(f"local step {step}: rank {me}'s merged manifest is not used ({problem[:400]}); "
+              "the rank manifests are merged instead")
+    return m
+
+
+def _from_ranks(
+    tiers: Tiers,
+    step: int,
+    save_id: str,
+    world: int,
+    holders: dict[int, frozenset[int]],
+    kept: Mapping[tuple[int, int, str], tuple[Any, bytes]],
+) -> Manifest | None:
+    """The step's manifest merged from its rank manifests (collective): a part's manifest
+    travels only to ranks without a copy of their own. None when some copy is damaged
+    (warned; `holders` loses it)."""
+    coord, me = tiers.coord, tiers.rank
+    chosen = {w: min(holders[w]) for w in range(world)}
+    parsed = {w: kept[(step, w, save_id)][0] for w in range(world) if me in holders[w]}
+    wanted = {w for w in range(world) if len(holders[w]) < coord.world}  # some rank holds no copy
+    mine: dict[int, bytes] = {}
+    problem = None
+    for w in (w for w, h in chosen.items() if h == me and w in wanted):
+        mine[w] = kept[(step, w, save_id)][1]
+    got = coord.gather((mine, problem))
+    bad = {(w, r): p for r, (_m, pr) in enumerate(got) if pr is not None for w, p in [pr]}
+    docs = {w: d for m, _p in got for w, d in m.items()}
+    if not bad:
+        try:
+            return _merge(docs, world, save_id, tiers.step_dir(step), parsed)
+        except (ManifestError, XckptError) as e:
+            bad = {(w, chosen[w]): f"{e}" for w in range(world)}  # cannot tell which: drop the step
+    for (w, r), p in bad.items():
+        if r == me:
+            _warn(f"local step {step}: rank {me}'s copy of rank {w}'s part is damaged ({p})")
+        holders[w] = holders[w] - _alike(tiers, r)
+    return None
+
+
 def _try_local(
     tiers: Tiers,
     step: int,
@@ -114,10 +183,12 @@ def _try_local(
     everyone: Mapping[int, list[Held]],
     load: Callable[[Any], Any],
     kept: Mapping[tuple[int, int, str], tuple[Any, bytes]],
+    merged_at: frozenset[int],
 ) -> tuple[bool, Any]:
     """Load local step `step` (collective); `(True, result)`, or `(False, None)` when no
     intact copy of some part is left (warned). `kept`: this rank's manifests as listed
-    (`Tiers.scan`); a part's manifest travels only to ranks without a copy of their own."""
+    (`Tiers.scan`); `merged_at`: the ranks whose node holds the step's merged manifest
+    (`xckpt.manager._merged`), read instead of merging the rank manifests."""
     coord, me = tiers.coord, tiers.rank
     holders = {w: frozenset(rs) for w, rs in holders_of(everyone, step, save_id).items()}
     sdir = tiers.step_dir(step)
@@ -130,28 +201,12 @@ def _try_local(
                     "(their node is gone or replaced and its replicas are missing or damaged)"
                 )
             return False, None
-        chosen = {w: min(holders[w]) for w in range(world)}
-        parsed = {w: kept[(step, w, save_id)][0] for w in range(world) if me in holders[w]}
-        wanted = {w for w in range(world) if len(holders[w]) < coord.world}  # some rank holds no copy
-        mine: dict[int, bytes] = {}
-        problem = None
-        for w in (w for w, h in chosen.items() if h == me and w in wanted):
-            mine[w] = kept[(step, w, save_id)][1]
-        got = coord.gather((mine, problem))
-        bad = {(w, r): p for r, (_m, pr) in enumerate(got) if pr is not None for w, p in [pr]}
-        docs = {w: d for m, _p in got for w, d in m.items()}
-        merged = None
-        if not bad:
-            try:
-                merged = _merge(docs, world, save_id, sdir, parsed)
-            except (ManifestError, XckptError) as e:
-                bad = {(w, chosen[w]): f"{e}" for w in range(world)}  # cannot tell which: drop the step
+        merged = _merged(tiers, step, save_id, world, merged_at) if merged_at else None
         if merged is None:
-            for (w, r), p in bad.items():
-                if r == me:
-                    _warn(f"local step {step}: rank {me}'s copy of rank {w}'s part is damaged ({p})")
-                holders[w] = holders[w] - _alike(tiers, r)
-            continue
+            merged_at = frozenset()  # absent or damaged somewhere: the rank manifests are merged
+            merged = _from_ranks(tiers, step, save_id, world, holders, kept)
+        if merged is None:
+            continue  # a damaged rank manifest: `holders` lost its copies
         src = TierSource(sdir, merged, holders)
         err: BaseException | None = None
         result = None
@@ -205,8 +260,9 @@ def restore(
     for p in problems:
         _warn(f"a local copy is damaged and not used: {p}")
     persistent = listing.result() if listing is not None else None
-    got = coord.gather(([astuple(h) for h in held], persistent))
-    everyone = {r: [Held(*t) for t in rows] for r, (rows, _p) in enumerate(got)}
+    have = sorted({(h.step, h.save_id) for h in held if os.path.exists(os.path.join(tiers.step_dir(h.step), MERGED))})
+    got = coord.gather(([astuple(h) for h in held], persistent, have))
+    everyone = {r: [Held(*t) for t in rows] for r, (rows, _p, _h) in enumerate(got)}
     numbers = set(got[0][1] or [])
     local = coverage([h for hs in everyone.values() for h in hs])
     candidates = sorted(set(local) | numbers, reverse=True)
@@ -216,7 +272,8 @@ def restore(
         if s in local:
             full, sid, world = local[s]
             if full:
-                ok, result = _try_local(tiers, s, sid, world, everyone, load_local, kept)
+                at = frozenset(r for r, (_rows, _p, hv) in enumerate(got) if (s, sid) in {tuple(x) for x in hv})
+                ok, result = _try_local(tiers, s, sid, world, everyone, load_local, kept, at)
                 if ok:
                     return result
             elif me == 0:

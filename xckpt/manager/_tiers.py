@@ -20,8 +20,10 @@ Call protocol (the manager's, every rank in the same order):
    share the staging buffers); the state is staged and `save` returns. The round
    then runs on the tier's thread: the write (data, then the rank manifest), the
    replication, and once every rank has its part and its replicas of the step stored
-   (the replication's last exchange), retention: local steps older than the newest
-   `local_keep` complete ones are deleted (manifests first);
+   (the replication's last exchange), the node's first rank writes the step's merged
+   manifest (`xckpt.manager._merged`, what a restore reads instead of merging the rank
+   manifests), then retention: local steps older than the newest `local_keep` complete
+   ones are deleted (manifests first);
 3. `wait()` finishes the round in flight; `restore` is `xckpt.manager._fetch`.
 
 A kill at any point leaves the previous local step restorable: a rank manifest is
@@ -51,6 +53,7 @@ from xckpt.storage import Location, Storage, location_name, location_spec
 
 from ._adapters import start_save
 from ._coord import Coordinator
+from ._merged import drop_merged, write_merged
 from ._policy import positive_count
 from ._replicate import Replicator
 from ._staging import HostBuffers
@@ -264,12 +267,15 @@ class Tiers:
         d = self.step_dir(step)
         mine = os.path.join(d, "ranks", f"{self.rank}.json")
         meta = {MANAGER_KEY: {"step": step, "metrics": None, "saved_at": time.time(), "tier": "local"}}
+        overwrite = os.path.exists(mine)
+        drop_merged(d)  # a merged manifest of an earlier save of this step (the writer would refuse it)
+        save_id = f"local-{step}-{self.run}-{self._n}"
         finish = start_save(
             kind,
             state,
             d,
-            save_id=f"local-{step}-{self.run}-{self._n}",
-            overwrite=os.path.exists(mine),
+            save_id=save_id,
+            overwrite=overwrite,
             metadata=meta,
             staging=staging,
             async_save=True,
@@ -280,9 +286,9 @@ class Tiers:
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="xckpt-local")
         self._round_step = step
-        self._round = self._pool.submit(self._run_round, step, finish)
+        self._round = self._pool.submit(self._run_round, step, finish, save_id)
 
-    def _run_round(self, step: int, finish: Callable[[], Any]) -> None:
+    def _run_round(self, step: int, finish: Callable[[], Any], save_id: str) -> None:
         err: BaseException | None = None
         try:
             finish()
@@ -292,6 +298,7 @@ class Tiers:
             self._written.set()
         if self.rep is not None:
             self.rep.run(step, self.step_dir(step), err)
+            self._merge(step, save_id)
         elif err is not None:
             raise err
         with self._lock:
@@ -300,6 +307,21 @@ class Tiers:
         self._prune()
         if self.rank == 0:
             self._record(None, latest=step)
+
+    def _merge(self, step: int, save_id: str) -> None:
+        """The node's first rank: the step's merged manifest, once every copy of it is stored
+        (`xckpt.manager._merged`); a failure is a warning (a restore merges the rank manifests)."""
+        if not any(members[0] == self.rank for members in self.nodes):
+            return
+        try:
+            write_merged(self.step_dir(step), save_id, self.coord.world)
+        except (XckptError, OSError) as e:
+            warnings.warn(
+                f"local step {step}: the merged manifest could not be written in {self.step_dir(step)!r} ({e}); "
+                "a restore of it merges the rank manifests instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def finish(self) -> None:
         """Wait for the round in flight; raise its error (naming the step)."""
@@ -341,6 +363,7 @@ class Tiers:
                 self._steps.discard(s)
             self._mine = [s for s in self._mine if s >= floor]
         for s in sorted(doomed):
+            drop_merged(self.step_dir(s))  # manifests first: the merged one, then the ranks'
             _rmtree(self.step_dir(s))
 
     def _record(self, hosts: list[tuple[str, str]] | None, latest: int | None = None) -> None:
