@@ -554,11 +554,11 @@ def test_ranks_of_a_node_deleting_one_local_step_at_once_never_fail(tmp_path):
 @given(st.integers(1, 40), st.integers(1, 3), st.lists(st.tuples(st.integers(0, 45), st.integers(1, 12)), max_size=6),
        st.booleans())
 def test_row_range_layout_check_agrees_with_the_general_one(rows, cols, boxes, tiled):
-    """`_rows_tile` (the merged manifest's fast layout check) accepts only what the general
+    """`rows_tile` (the fast layout check of `xckpt.native.commit.validate`) accepts only what the general
     check accepts, and accepts every row split."""
     from xckpt.layout import check_coverage
-    from xckpt.manager._merged import _rows_tile
     from xckpt.manifest import Chunk
+    from xckpt.native.commit import rows_tile
 
     shape = (rows, cols)
     if tiled:  # cut points from the drawn offsets: a true row split
@@ -570,6 +570,6 @@ def test_row_range_layout_check_agrees_with_the_general_one(rows, cols, boxes, t
         tiles = True
     except XckptError:
         tiles = False
-    assert not _rows_tile(shape, chunks) or tiles
+    assert not rows_tile(shape, chunks) or tiles
     if tiled:
-        assert _rows_tile(shape, chunks) and tiles
+        assert rows_tile(shape, chunks) and tiles

@@ -14,13 +14,10 @@ checked; when it is absent or fails, the rank manifests are merged as before.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
 
 from xckpt.errors import IncompleteCheckpointError, ManifestError, XckptError
-from xckpt.layout import check_coverage
-from xckpt.manifest import GridChunks, Manifest
-from xckpt.native.commit import read_rank_manifests
+from xckpt.manifest import Manifest
+from xckpt.native.commit import read_rank_manifests, validate
 from xckpt.storage import Storage
 
 __all__ = ["MERGED", "drop_merged", "load_merged", "read_merged", "write_merged"]
@@ -82,40 +79,7 @@ def load_merged(data: bytes, step_dir: str, save_id: str, world: int) -> Manifes
             f"manifest of {save_id!r} at world size {world}"
         )
     try:
-        check_layout(m, step_dir)
+        validate(m, step_dir)
     except XckptError as e:
         raise ManifestError(f"{where}: {e}") from e
     return m
-
-
-def check_layout(m: Manifest, where: str) -> None:
-    """What `xckpt.native.commit.validate` checks (every tensor's chunks tile its shape
-    exactly; `LayoutError` otherwise), with the common case of a save split along the first
-    dimension (every chunk whole in the others) checked as a sorted run of row ranges, which
-    costs a fraction of the general check; every other tensor takes the general one."""
-    for name, t in m.tensors.items():
-        chunks = t.chunks
-        if isinstance(chunks, GridChunks) or _rows_tile(t.shape, chunks):
-            continue
-        check_coverage(t.shape, [c.box for c in chunks], name=name, where=where)
-
-
-def _rows_tile(shape: tuple[int, ...], chunks: Sequence[Any]) -> bool:
-    """True when `chunks` are row ranges (whole in every other dimension) that cover
-    `0..shape[0]` in order with no gap or overlap; False: not of that form, or not a tiling
-    (the general check then says why)."""
-    if not shape or 0 in shape:
-        return False
-    rest = shape[1:]
-    runs = []
-    for c in chunks:
-        if c.shape[1:] != rest or any(c.offset[1:]) or len(c.offset) != len(shape):
-            return False
-        runs.append((c.offset[0], c.shape[0]))
-    runs.sort()
-    end = 0
-    for start, n in runs:
-        if start != end or n <= 0:
-            return False
-        end = start + n
-    return end == shape[0]
