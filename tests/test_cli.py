@@ -95,6 +95,14 @@ def test_a_manager_root_without_step_lists_its_steps_and_a_bad_step_is_refused(m
     assert main(["show", str(manager_root), "w", "--step", "30"]) == 2
     err = capsys.readouterr().err
     assert "30" in err and "20" in err
+    for cmd in (["show", str(manager_root), "w"], ["verify", str(manager_root)], ["plan", str(manager_root)]):
+        assert main(cmd) == 2  # not one checkpoint: the message says how to pick a step here
+        err = capsys.readouterr().err
+        assert "is a checkpoint manager root, not one checkpoint: it holds complete steps [10, 20]" in err
+        assert "(`--step latest` or `--step 10` on the command line)" in err
+    assert main(["plan", str(manager_root), "--step", "latest", "--world-size", "1"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary.startswith("1 rank read ") and " of 32 B stored (1 tensor); max rank 0 reads " in summary
     with pytest.raises(SystemExit):
         main(["ls", str(manager_root), "--step", "newest"])
     assert "neither 'latest' nor a step number" in capsys.readouterr().err

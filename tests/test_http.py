@@ -173,3 +173,59 @@ def test_convert_from_http(server: RangeServer, tmp_path: Any) -> None:
     assert main(["--no-progress", "convert", server.url("model.safetensors"), out2]) == 0
     with xckpt.open(out2) as back:
         assert _bits(back.read("big")) == _bits(_arrays(1)["big"])
+
+
+@pytest.fixture(scope="module")
+def xckpt_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An xckpt checkpoint (`ck`) and the same save without its merged manifest (`ranks_only`)."""
+    d = str(tmp_path_factory.mktemp("xckpt-www"))
+    xckpt.save({**_arrays(5), "cfg": {"lr": 0.5}}, os.path.join(d, "ck"))
+    shutil.copytree(os.path.join(d, "ck"), os.path.join(d, "ranks_only"))
+    os.remove(os.path.join(d, "ranks_only", "xckpt.json"))
+    with RangeServer(d) as srv:
+        yield srv, d
+
+
+def test_an_http_location_reads_the_same_way_wherever_it_is_given(xckpt_server: Any) -> None:
+    """`Storage` (the xckpt format's and the manager's keys) and `as_place` (every other
+    format's files) read an http(s) location through one `HttpPlace`: the same requests (a
+    first Range of 64 KiB), the same headers, the same answers for a missing file."""
+    from xckpt.storage import Storage
+
+    srv, d = xckpt_server
+    spec = {"driver": "http", "base_url": srv.base, "path": "/ck/", "headers": ["Authorization: Bearer sekrit"]}
+    with open(os.path.join(d, "ck", "xckpt.json"), "rb") as f:
+        manifest = f.read()
+    for loc in (srv.url("ck"), spec):
+        srv.reset()
+        storage, place = Storage(loc), as_place(loc)
+        assert storage.read_key("xckpt.json") == place.read("xckpt.json") == manifest
+        assert storage.read_keys(["ranks/0.json", "nope.json"])[1] is None and place.read("nope.json") is None
+        assert storage.isfile("xckpt.json") and not storage.listable
+        lines = [line for line, _ in srv.requests]
+        assert lines and all(line.startswith("GET /ck/") for line in lines)
+        assert all(h.get("Range") == "bytes=0-65535" for _, h in srv.requests)
+        if isinstance(loc, dict):
+            assert all(h.get("Authorization") == "Bearer sekrit" for _, h in srv.requests)
+        with pytest.raises(XckptError, match=r"cannot be listed \(http\(s\)\), and reading it lists ranks/; copy"):
+            storage.list_prefix("ranks/")
+
+
+def test_an_xckpt_checkpoint_over_http_is_detected_and_read(xckpt_server: Any) -> None:
+    srv, _ = xckpt_server
+    want = _arrays(5)
+    spec = {"driver": "http", "base_url": srv.base, "path": "/ck", "headers": ["Authorization: Bearer sekrit"]}
+    for loc in (srv.url("ck"), srv.url("ck/"), spec):
+        assert xckpt.formats.detect(loc) == "xckpt"
+        srv.reset()
+        with xckpt.open(loc) as src:
+            assert src.format == "xckpt" and src.objects() == {"cfg": {"lr": 0.5}}
+            assert [n for n in want if _bits(src.read(n)) != _bits(want[n])] == []
+        if isinstance(loc, dict):  # the headers reach the native reader (tensorstore's chunk reads included)
+            auth = [{k.lower(): v for k, v in h.items()}.get("authorization") for _, h in srv.requests]
+            assert auth and set(auth) == {"Bearer sekrit"}
+    # Without xckpt.json its rank manifests would have to be listed.
+    with pytest.raises(CheckpointNotFoundError, match=r"xckpt: no xckpt\.json, ranks/ or data/ \(an http\(s\) location"):
+        xckpt.open(srv.url("ranks_only"))
+    with pytest.raises(XckptError, match=r"cannot be listed \(http\(s\)\), and reading it lists ranks/"):
+        xckpt.open(srv.url("ranks_only"), format="xckpt")

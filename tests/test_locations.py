@@ -306,3 +306,44 @@ def test_one_location_model_reads_and_writes_keys(tmp_path: Any) -> None:
     assert st.read("d/x.bin") == b"abc" and st.open("d/x.bin").pread(1, 2) == b"bc"
     assert st.kvstore("d") == url + "/d/" and st.child("d/x.bin").kind() == "file"
     assert st.child("d").name == url + "/d" and st.child("d").read_key("x.bin") == b"abc"
+
+
+@pytest.mark.parametrize("case", ["missing", "a directory", "below a file", "a symlink loop"])
+def test_a_local_read_fails_alike_by_place_and_by_key(tmp_path: Any, case: str) -> None:
+    """`LocalPlace.read` (the foreign formats' reads) and `read_key`/`read_keys` (the xckpt
+    format's and the manager's) read a local file one way: None where no file is, and one
+    `StorageError` (its errno, the location, the key, the advice) for any other failure."""
+    import errno
+
+    from xckpt.errors import StorageError
+    from xckpt.storage import Storage
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "f").write_bytes(b"x")
+    (root / "d").mkdir()
+    os.symlink("loop", root / "loop")
+    rel = {"missing": "nope.json", "a directory": "d", "below a file": "f/x", "a symlink loop": "loop"}[case]
+    place, storage = as_place(str(root)), Storage(str(root))
+    reads = [lambda: place.read(rel), lambda: place.read_key(rel), lambda: storage.read_key(rel)]
+    reads += [lambda: storage.read_keys([rel] * 5)[4], lambda: storage.child(rel).read()]
+    if case != "a symlink loop":
+        assert [read() for read in reads] == [None] * len(reads)
+        return
+    errors = []
+    for read in reads[:4]:
+        with pytest.raises(StorageError) as e:
+            read()
+        errors.append(e.value)
+    assert {err.errno for err in errors} == {errno.ELOOP} and len({str(err) for err in errors}) == 1
+    assert f"checkpoint {str(root)!r}: storage failed while reading loop ([Errno 40] " in str(errors[0])
+    assert str(errors[0]).endswith("check that the location exists, is reachable and readable, then retry")
+
+
+def test_a_kvstore_place_where_nothing_is_reads_none() -> None:
+    from xckpt.storage import Storage
+
+    st = Storage(f"memory://nothing-{os.getpid()}/ck")
+    st.write_key("f", b"x")
+    assert st.child("nope.json").read() is None and st.child("nope/").read() is None and st.read("nope") is None
+    assert st.child("f").read() == b"x" and st.read() is None  # a directory is no file

@@ -241,7 +241,7 @@ def test_read_all_mixed_tensors_bit_exact(tmp_path):
 def test_read_all_of_a_missing_name_names_it(tmp_path):
     xckpt.save({"a": np.ones(3, np.float32)}, str(tmp_path / "c"))
     with xckpt.open(str(tmp_path / "c")) as src:
-        with pytest.raises(MissingEntryError, match=r"has no tensor 'b'.*holds 1 tensors"):
+        with pytest.raises(MissingEntryError, match=r"has no tensor 'b'.*holds 1 tensor\b"):
             src.read_all(["a", "b"])
         assert np.array_equal(src.read_all(["a"])["a"], np.ones(3, np.float32))
 

@@ -42,17 +42,12 @@ from xckpt.convert_parallel import convert, torchrun_env
 from xckpt.errors import CheckpointNotFoundError, XckptError
 from xckpt.formats import FORMATS
 from xckpt.formats import open as open_source
-from xckpt.inspect import human_bytes
+from xckpt.inspect import human_bytes, plural
 from xckpt.layout import Shard, parse_placements
 from xckpt.native.steps import manager_steps, read_tiers, steps_table
 from xckpt.plan import plan_load
 from xckpt.rules import shipped_rule_sets
 from xckpt.source import Source
-
-
-def _n(count: int, noun: str) -> str:
-    """`count` and `noun`, plural unless there is exactly one ("1 object", "2 objects")."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _ls(ck: Source, args: argparse.Namespace) -> int:
@@ -67,7 +62,7 @@ def _ls(ck: Source, args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     objs = ck.object_names()
     print(
-        f"\n{ck.format} checkpoint: {_n(len(ck.names()), 'tensor')} ({human_bytes(total)}), {_n(len(objs), 'object')}, "
+        f"\n{ck.format} checkpoint: {plural(len(ck.names()), 'tensor')} ({human_bytes(total)}), {plural(len(objs), 'object')}, "
         f"world size {ck.world_size}" + (f", save {ck.save_id}" if ck.save_id else "")
     )
     if objs:
@@ -92,7 +87,7 @@ def _ls_location(args: argparse.Namespace) -> int:
 
 def _show(ck: Source, args: argparse.Namespace) -> int:
     t = ck.info(args.name)
-    print(f"{t.name}: {t.dtype}{list(t.shape)}, {_n(len(t.chunks), 'chunk')}, {human_bytes(t.nbytes)}")
+    print(f"{t.name}: {t.dtype}{list(t.shape)}, {plural(len(t.chunks), 'chunk')}, {human_bytes(t.nbytes)}")
     if t.placement is not None:
         print("placement:", json.dumps(t.placement.to_json()))
     if t.value_range is not None:
@@ -102,7 +97,7 @@ def _show(ck: Source, args: argparse.Namespace) -> int:
         where = c.key if c.form == "array" else f"{c.key}[{at}:{at + c.nbytes}]"
         print(f"  {c.box}  rank {c.rank}  {human_bytes(c.nbytes)}  {where}")
     if len(t.chunks) > args.limit:
-        print(f"  ... {_n(len(t.chunks) - args.limit, 'more chunk')} (--limit to see them)")
+        print(f"  ... {plural(len(t.chunks) - args.limit, 'more chunk')} (--limit to see them)")
     return 0
 
 
@@ -111,7 +106,7 @@ def _verify(ck: Source, args: argparse.Namespace) -> int:
     for p in problems:
         print("PROBLEM:", p)
     n = sum(len(ck.info(n).chunks) for n in ck.names())
-    print(f"{ck.path}: {_n(n, 'chunk')} checked, {_n(len(problems), 'problem')}")
+    print(f"{ck.path}: {plural(n, 'chunk')} checked, {plural(len(problems), 'problem')}")
     return 1 if problems else 0
 
 
@@ -174,7 +169,7 @@ def _diff(a: Source, b: Source, values: bool = False) -> int:
                 print(f"~ {name} (object): {va[name]!r} -> {vb[name]!r}")
                 objects += 1
     what = "values compared" if values else "names, dtypes and shapes compared; --values compares elements"
-    print(f"{_n(differ, 'tensor')} and {_n(objects, 'object')} differ ({what})")
+    print(f"{plural(differ, 'tensor')} and {plural(objects, 'object')} differ ({what})")
     return 1 if differ or objects else 0
 
 

@@ -88,7 +88,10 @@ class Format:
             want = "directories" if self.kinds == {"dir"} else "files"
             return f"{'a directory' if kind == 'dir' else 'a file'}, and {self.name} checkpoints are {want}"
         if not place.listable:
-            return f"no {self.looks_for} (an http(s) location cannot be listed: only a Hugging Face directory's names are probed)"
+            return (
+                f"no {self.looks_for} (an http(s) location cannot be listed: only xckpt.json and a Hugging "
+                "Face directory's names are probed)"
+            )
         return f"no {self.looks_for}"
 
 
@@ -97,8 +100,11 @@ def _is_xckpt(place: Place) -> bool:
     if local is not None:
         # data/ alone is a save that never committed: the xckpt reader says so.
         return os.path.isdir(local) and any(os.path.exists(os.path.join(local, p)) for p in ("xckpt.json", "ranks", "data"))
-    # A kvstore: a HEAD of xckpt.json and a listing of ranks/ (never of the data).
-    return place.listable and (place.isfile("xckpt.json") or place.isdir("ranks"))
+    # A kvstore: a HEAD of xckpt.json and a listing of ranks/ (never of the data); http(s)
+    # cannot list: its merged manifest only (a save without one says so when opened with format=).
+    if not place.listable:
+        return place.isfile("xckpt.json")
+    return place.isfile("xckpt.json") or place.isdir("ranks")
 
 
 def _open_xckpt(location: Any, *, allow_pickle: bool, context: Any) -> Source:
@@ -122,7 +128,9 @@ _DIR, _FILE = frozenset({"dir"}), frozenset({"file"})
 FORMATS: Mapping[str, Format] = {
     f.name: f
     for f in (
-        Format("xckpt", _is_xckpt, "xckpt.json, ranks/ or data/", _DIR, _open_xckpt, XckptSink()),
+        Format(
+            "xckpt", _is_xckpt, "xckpt.json, ranks/ or data/", _DIR, _open_xckpt, XckptSink(), http_probes=("xckpt.json",)
+        ),
         Format(  # before torch-dcp: a Megatron-Core dist checkpoint is a DCP directory plus metadata.json
             "megatron",
             megatron.detect,
@@ -234,10 +242,11 @@ def open(  # noqa: A001
     Args:
         path: a local directory or file, a kvstore URL (`file://`, `memory://`,
             `gs://`, `s3://`), a tensorstore kvstore spec dict, an `http(s)://` URL
-            (safetensors files and Hugging Face directories, torch.save files), or an open
+            (safetensors files and Hugging Face directories, torch.save files, xckpt
+            checkpoints with an `xckpt.json`), or an open
             [`Source`][xckpt.source.Source] (returned as is, seen through `rules`).
-        format: force a format (`xckpt`, `torch-dcp`, `orbax`, `safetensors`,
-            `torch`) instead of detecting it.
+        format: force a format (`xckpt`, `megatron`, `torch-dcp`, `deepspeed`, `orbax`,
+            `safetensors`, `torch`) instead of detecting it.
         allow_pickle: let pickled objects (DCP's non-tensor values; torch.save objects of
             classes outside the allow-list) be read. Tensor metadata is always read with a
             restricted unpickler; without this flag nothing runs code.

@@ -68,7 +68,7 @@ class LoadPlan(Protocol):
 
     def summary(self) -> str: ...
 
-__all__ = ["human_bytes", "text_table", "html_table", "plot_layout", "plot_plan", "plot_value_ranges", "glyph"]
+__all__ = ["human_bytes", "plural", "text_table", "html_table", "plot_layout", "plot_plan", "plot_value_ranges", "glyph"]
 
 #: Rows shown before the table says it is truncated.
 MAX_ROWS = 200
@@ -92,6 +92,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def plural(count: int, noun: str) -> str:
+    """`count` and `noun`, plural unless there is exactly one (`"1 object"`, `"2 objects"`)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _per_writer(t: Any) -> str:
@@ -150,8 +155,8 @@ def _summary(ck: Source) -> str:
     total = sum(ck.info(n).nbytes for n in names)
     save = f", save {ck.save_id}" if ck.save_id else ""
     return (
-        f"{ck.format} checkpoint {ck.path}: {len(names)} tensors ({human_bytes(total)}), "
-        f"{len(ck.object_names())} objects, {ck.world_size} writers{save}"
+        f"{ck.format} checkpoint {ck.path}: {plural(len(names), 'tensor')} ({human_bytes(total)}), "
+        f"{plural(len(ck.object_names()), 'object')}, {plural(ck.world_size, 'writer')}{save}"
     )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xckpt.formats import opened
-from xckpt.inspect import human_bytes, plot_plan
+from xckpt.inspect import human_bytes, plot_plan, plural
 from xckpt.manifest import Chunk, paused_gc
 from xckpt.source import Source
 from xckpt.targets import target_boxes
@@ -97,9 +97,9 @@ class LoadPlan:
         who = "device" if self.target == "jax" else "rank"
         busiest = f"; max {who} {m.rank} reads {human_bytes(m.bytes_to_read)}" if m else ""
         return (
-            f"{len(self.ranks)} {'devices' if self.target == 'jax' else 'ranks'} read "
+            f"{plural(len(self.ranks), 'device' if self.target == 'jax' else 'rank')} read "
             f"{human_bytes(self.total_bytes_to_read)} of {human_bytes(self.stored_bytes)} stored "
-            f"({len(self.tensors)} tensors){busiest}; over-read {self.over_read:.2f}x"
+            f"({plural(len(self.tensors), 'tensor')}){busiest}; over-read {self.over_read:.2f}x"
         )
 
     def table(self) -> str:

@@ -180,7 +180,7 @@ class Source:
         hint = " (it is an object: see objects())" if name in self.object_names() else ""
         return MissingEntryError(
             f"checkpoint {self.path!r} has no tensor {name!r}{hint}; this {self.format} checkpoint "
-            f"holds {len(names)} tensors, e.g. {names[:5]}"
+            f"holds {inspect.plural(len(names), 'tensor')}, e.g. {names[:5]}"
         )
 
     # -- tensors --------------------------------------------------------------
@@ -490,8 +490,8 @@ class Source:
 
     def __repr__(self) -> str:
         return (
-            f"<xckpt source {self.path!r} ({self.format}): {len(self.names())} tensors, "
-            f"{len(self.object_names())} objects, world_size {self.world_size}>"
+            f"<xckpt source {self.path!r} ({self.format}): {inspect.plural(len(self.names()), 'tensor')}, "
+            f"{inspect.plural(len(self.object_names()), 'object')}, world_size {self.world_size}>"
         )
 
 

@@ -63,7 +63,7 @@ from xckpt.errors import (
 from xckpt.layout import check_coverage
 from xckpt.manifest import Chunk, TensorEntry
 from xckpt.source import ChunkRead, Source
-from xckpt.storage import Blob, Place, as_place
+from xckpt.storage import Blob, Place, as_place, file_to_detect
 
 __all__ = ["FORMAT", "INDEX_NAME", "HEADER_CAP", "SafetensorsSource", "detect", "open", "parse_header"]
 
@@ -478,16 +478,16 @@ def detect(path: str | Place) -> bool:
             return False
         if place.base.endswith((".safetensors", ".safetensors.index.json")):
             return True
-        blob = place.open(where=place.name)
     except XckptError:
         return False
-    try:
-        head = blob.head(9)
+    with file_to_detect(place) as blob:
+        if blob is None:
+            return False
+        try:
+            head = blob.head(9)
+        except XckptError:
+            return False
         size = blob.size if blob.size is not None else 1 << 62
-    except XckptError:
-        return False
-    finally:
-        blob.close()
     if len(head) < 9:
         return False
     n = int.from_bytes(head[:8], "little")

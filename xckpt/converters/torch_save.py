@@ -43,7 +43,7 @@ from xckpt.errors import ObjectError, XckptError
 from xckpt.layout import check_coverage
 from xckpt.manifest import MAX_OBJECT_DEPTH, Chunk, TensorEntry, numpy_dtype
 from xckpt.source import ChunkRead, Source, group_bytes, slice_pairs
-from xckpt.storage import Blob, Place, as_place
+from xckpt.storage import Blob, Place, as_place, file_to_detect
 
 from ._foreign import describe, find_foreign, holds_foreign, rebuild
 from ._torchzip import LEGACY_MAGIC, ZIP_MAGIC, Archive, first_record_name, read_box, read_boxes
@@ -59,28 +59,23 @@ def detect(path: str | Place) -> bool:
     """A zip file with an `<archive>/data.pkl` record (torch writes it first), or a legacy
     torch.save pickle, at any location."""
     place = as_place(path)
-    try:
-        if place.kind() != "file":
+    with file_to_detect(place) as f:
+        if f is None:
             return False
-        f = place.open(where=place.name)
-    except XckptError:
-        return False
-    try:
-        head = f.head(512)
-        if head.startswith(LEGACY_MAGIC):
+        try:
+            head = f.head(512)
+            if head.startswith(LEGACY_MAGIC):
+                return True
+            name = first_record_name(head)
+            if name is None:
+                return False
+            if name.endswith("/data.pkl") and name.count("/") == 1:
+                return True  # torch writes data.pkl first
+            # Another zip writer may order records differently: look in the central directory.
+            Archive.of_file(f, place.name, unpickle=False)
             return True
-        name = first_record_name(head)
-        if name is None:
+        except XckptError:
             return False
-        if name.endswith("/data.pkl") and name.count("/") == 1:
-            return True  # torch writes data.pkl first
-        # Another zip writer may order records differently: look in the central directory.
-        Archive.of_file(f, place.name, unpickle=False)
-        return True
-    except XckptError:
-        return False
-    finally:
-        f.close()
 
 
 def _holds_tensor(v: Any, depth: int = 0) -> bool:

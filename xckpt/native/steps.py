@@ -280,8 +280,9 @@ def manager_root_error(root: Any, *, context: Any = None) -> CheckpointNotFoundE
         )
     return CheckpointNotFoundError(
         f"{name!r} is a checkpoint manager root, not one checkpoint: it holds {held}. Open one step: "
-        f"xckpt.open(root, step='latest') (step {done[-1]}) or step={done[0]}, or the step's own "
-        f"location {location_name(step_location(root, done[-1]))!r}"
+        f"xckpt.open(root, step='latest') (step {done[-1]}) or step={done[0]} (`--step latest` or "
+        f"`--step {done[0]}` on the command line), or the step's own location "
+        f"{location_name(step_location(root, done[-1]))!r}"
     )
 
 

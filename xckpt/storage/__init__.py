@@ -31,7 +31,7 @@ from xckpt.storage._location import (
     location_url,
     storage_error,
 )
-from xckpt.storage._place import HttpPlace, KvPlace, LocalPlace, Place, Storage, as_place
+from xckpt.storage._place import HttpPlace, KvPlace, LocalPlace, Place, Storage, as_place, file_to_detect
 
 __all__ = [
     "Blob",
@@ -42,6 +42,7 @@ __all__ = [
     "LocalPlace",
     "Place",
     "as_place",
+    "file_to_detect",
     "Location",
     "Storage",
     "corrupt",

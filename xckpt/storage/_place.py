@@ -31,10 +31,11 @@ Paths below a place (`rel`) use "/" and never start with it; "" is the place its
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import os
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from xckpt.errors import CheckpointNotFoundError, StorageError, XckptError
@@ -54,7 +55,7 @@ from ._location import (
     storage_error,
 )
 
-__all__ = ["Place", "LocalPlace", "KvPlace", "Storage", "HttpPlace", "as_place"]
+__all__ = ["Place", "LocalPlace", "KvPlace", "Storage", "HttpPlace", "as_place", "http_place", "file_to_detect"]
 
 #: Largest file `Place.read` returns whole (metadata, indexes, manifests).
 READ_CAP = 1 << 31
@@ -175,6 +176,11 @@ class KvPlace(Place):
         self._listing: list[str] | None = None
         self._kind: str | None = None
         self._known = False
+        # An http(s) location's files are read as `as_place` reads them, by its `HttpPlace`
+        # (Range requests; redirects, proxies); only zarr arrays go through the kvstore spec.
+        self._http = http_place(self.location)
+        if self._http is not None:
+            self.listable = False
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -245,30 +251,34 @@ class KvPlace(Place):
     # -- keys -------------------------------------------------------------------------------
 
     def _read_local(self, root: str, key: str) -> bytes | None:
-        try:
-            with open(os.path.join(root, key), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
-        except OSError as e:
-            raise storage_error(self.name, f"reading {key}", e) from e
+        return _read_file(os.path.join(root, key), self.name, key)
+
+    def _file_reads(self) -> Callable[[str], bytes | None] | None:
+        """How keys are read as files (a local disk: plain reads; http(s): its `HttpPlace`),
+        or None where the kvstore reads them."""
+        if self._http is not None:
+            return self._http.read
+        if self.local is not None:
+            return functools.partial(self._read_local, self.local)
+        return None
 
     def read_key(self, key: str) -> bytes | None:
         """The value of `key`, or None when it does not exist."""
-        if self.local is not None:
-            return self._read_local(self.local, key)
+        read = self._file_reads()
+        if read is not None:
+            return read(key)
         r = self._result(self._kv.read(key), f"reading {key}")
         return bytes(r.value) if r.state == "value" else None
 
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Read many keys concurrently."""
-        root = self.local
-        if root is not None:
+        read = self._file_reads()
+        if read is not None:
             if len(keys) <= 4:
-                return [self._read_local(root, k) for k in keys]
+                return [read(k) for k in keys]
             # Many keys (rank manifests): concurrent, as the kvstore reads them (cold, each waits on the disk).
             with cf.ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="xckpt-manifests") as ex:
-                return list(ex.map(functools.partial(self._read_local, root), keys))
+                return list(ex.map(read, keys))
         futs = [self._kv.read(k) for k in keys]
         out: list[bytes | None] = []
         for k, f in zip(keys, futs):
@@ -319,13 +329,12 @@ class KvPlace(Place):
         """Every key that starts with `prefix`, sorted (listed now, never from a kept listing)."""
         if self.local is not None and prefix.endswith("/"):
             return _list_local(self.local, prefix, self.name)
+        if self._http is not None:
+            raise _unlistable(self.name, prefix)
         try:
             keys = self._result(self._kv.list(self._ts.KvStore.KeyRange(prefix, prefix_end(prefix))), f"listing {prefix}")
-        except NotImplementedError as e:  # a kvstore that cannot list (http)
-            raise XckptError(
-                f"checkpoint {self.name!r}: this location cannot be listed ({e}), and reading it lists "
-                f"{prefix or 'its keys'}; copy it to a local disk or an object store"
-            ) from e
+        except NotImplementedError as e:  # a kvstore that cannot list
+            raise _unlistable(self.name, prefix) from e
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
     # -- the Place protocol -------------------------------------------------------------------
@@ -352,6 +361,8 @@ class KvPlace(Place):
         return self._listing
 
     def kind(self) -> str | None:
+        if self._http is not None:
+            return self._http.kind()
         if not self._known:
             self._known = True
             path = self._path
@@ -363,7 +374,7 @@ class KvPlace(Place):
 
     @property
     def base(self) -> str:
-        return self._path.rstrip("/").rsplit("/", 1)[-1]
+        return self._http.base if self._http is not None else self._path.rstrip("/").rsplit("/", 1)[-1]
 
     def _named(self, spec: dict[str, Any], rel: str | None) -> str:
         """The name of the place at `spec`, `rel` below this one (None: its parent)."""
@@ -374,6 +385,8 @@ class KvPlace(Place):
         return self.name.rstrip("/") + "/" + rel
 
     def child(self, rel: str) -> KvPlace:
+        if self.local is not None:  # a local disk's files are read as `as_place` reads them
+            return LocalPlace(os.path.join(self.local, rel))
         spec = {**self._spec(), "path": self._dir + rel}
         c = KvPlace(spec, self._context, name=self._named(spec, rel))
         if self._listing is not None:  # known from this listing: no request
@@ -389,14 +402,20 @@ class KvPlace(Place):
         return KvPlace(spec, self._context, name=self._named(spec, None))
 
     def entries(self, rel: str = "") -> list[str]:
+        if self._http is not None:
+            return []
         pre = rel.rstrip("/") + "/" if rel else ""
         return sorted({k[len(pre) :].split("/", 1)[0] for k in self._keys() if k.startswith(pre) and k != pre})
 
     def files(self, rel: str = "") -> list[str]:
+        if self._http is not None:
+            return []
         pre = rel.rstrip("/") + "/" if rel else ""
         return [k[len(pre) :] for k in self._keys() if k.startswith(pre)]
 
     def isfile(self, rel: str = "") -> bool:
+        if self._http is not None:
+            return self._http.isfile(rel)
         if not rel:
             return self.kind() == "file"
         if self._listing is not None:
@@ -404,6 +423,8 @@ class KvPlace(Place):
         return self._exists(self._dir + rel, rel)
 
     def isdir(self, rel: str = "") -> bool:
+        if self._http is not None:
+            return self._http.isdir(rel)
         if not rel:
             return self.kind() == "dir"
         pre = rel.rstrip("/") + "/"
@@ -417,11 +438,17 @@ class KvPlace(Place):
         return self._kv, rel
 
     def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
+        if self._http is not None:
+            return self._http.read(rel, limit)
+        if not rel and self.kind() != "file":
+            return None
         store, key = self._key(rel)
         r = self._result(store.read(key), f"reading {rel or 'it'}")
         return bytes(r.value) if r.state == "value" else None
 
     def open(self, rel: str = "", where: str | None = None) -> Blob:
+        if self._http is not None:
+            return self._http.open(rel, where)
         store, key = self._key(rel)
         path = self._named({**self._spec(), "path": self._dir + rel}, rel) if rel else self.name
         return KvBlob(store, key, path, where or path)
@@ -430,6 +457,8 @@ class KvPlace(Place):
         return child_location(self.url, rel.rstrip("/") + "/" if rel else "")
 
     def describe(self) -> str:
+        if self._http is not None:
+            return self._http.describe()
         kind = self.kind()
         if kind is None:
             return "nothing (no key at or below it)"
@@ -487,14 +516,7 @@ class LocalPlace(KvPlace):
         return os.path.isdir(self._p(rel))
 
     def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
-        p = self._p(rel)
-        try:
-            with open(p, "rb") as f:
-                return f.read(limit + 1)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as e:
-            raise XckptError(f"{p!r}: cannot read it ({e.strerror})") from None
+        return _read_file(self._p(rel), self.name, rel or "it", limit)
 
     def open(self, rel: str = "", where: str | None = None) -> Blob:
         p = self._p(rel)
@@ -511,6 +533,30 @@ class LocalPlace(KvPlace):
         except OSError as e:
             return f"an unreadable directory ({e.strerror})"
         return f"a directory holding {_shown(entries)}" if entries else "an empty directory"
+
+
+def _read_file(path: str, name: str, what: str, limit: int | None = None) -> bytes | None:
+    """Local file `path` whole (at most `limit + 1` bytes), or None when no file is there
+    (missing, a directory, or below a file): the one local read of `LocalPlace.read` and
+    `KvPlace.read_key`, so a failure is the same error from both.
+
+    Raises:
+        StorageError: any other OS failure (permission, I/O), naming location `name` and `what`.
+    """
+    try:
+        with open(path, "rb") as f:
+            return f.read() if limit is None else f.read(limit + 1)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    except OSError as e:
+        raise storage_error(name, f"reading {what}", e) from e
+
+
+def _unlistable(name: str, prefix: str) -> XckptError:
+    return XckptError(
+        f"checkpoint {name!r}: this location cannot be listed (http(s)), and reading it lists "
+        f"{prefix or 'its keys'}; copy it to a local disk or an object store"
+    )
 
 
 def _list_local(root: str, prefix: str, name: str) -> list[str]:
@@ -534,7 +580,13 @@ def _list_local(root: str, prefix: str, name: str) -> list[str]:
 
 
 class HttpPlace(Place):
-    """An `http(s)://` location (files probed by name; nothing listed)."""
+    """An `http(s)://` location (files probed by name; nothing listed).
+
+    Every read of an http(s) location's files goes through one (`http_place` builds it):
+    a `Storage` of such a location reads its keys by its `HttpPlace` too.
+    `location` is what was given (a spec dict keeps its headers for the readers that
+    take a location).
+    """
 
     listable = False
 
@@ -545,9 +597,10 @@ class HttpPlace(Place):
         name: str | None = None,
         *,
         probes: Sequence[str] = (),
+        location: Any = None,
     ) -> None:
         self.url = url
-        self.location = url
+        self.location = url if location is None else location
         self.name = name or url
         self.probes = tuple(probes)
         self._headers = dict(headers or {})
@@ -586,11 +639,16 @@ class HttpPlace(Place):
     def base(self) -> str:
         return urllib.parse.urlsplit(self.url).path.rstrip("/").rsplit("/", 1)[-1]
 
+    def _at(self, url: str) -> HttpPlace:
+        """The place at `url` on the same server (its headers go with it, in `location` too)."""
+        spec = {"driver": "http", "base_url": url, "headers": [f"{k}: {v}" for k, v in self._headers.items()]}
+        return HttpPlace(url, self._headers, probes=self.probes, location=spec if self._headers else url)
+
     def child(self, rel: str) -> HttpPlace:
-        return HttpPlace(self._dir + urllib.parse.quote(rel), self._headers, probes=self.probes)
+        return self._at(self._dir + urllib.parse.quote(rel))
 
     def parent(self) -> HttpPlace:
-        return HttpPlace(self.url.rstrip("/").rpartition("/")[0] + "/", self._headers, probes=self.probes)
+        return self._at(self.url.rstrip("/").rpartition("/")[0] + "/")
 
     def entries(self, rel: str = "") -> list[str]:
         return []
@@ -608,6 +666,7 @@ class HttpPlace(Place):
 
     def read(self, rel: str = "", limit: int = READ_CAP) -> bytes | None:
         blob = self._probe(rel)
+        self._blobs.pop(rel, None)  # read afresh next time (a key may be rewritten: a manifest)
         if blob is None:
             return None
         return blob.pread(0, min(blob.size or 0, limit + 1))
@@ -642,6 +701,46 @@ class HttpPlace(Place):
         return f"nothing (the server has no file there{below})"
 
 
+def http_place(location: Any, *, probes: Sequence[str] = ()) -> HttpPlace | None:
+    """The `HttpPlace` of an `http(s)://` URL or of tensorstore's http kvstore spec dict
+    (`{"driver": "http", "base_url": ..., "path": ..., "headers": [...]}`), else None.
+
+    The one parser of http(s) locations: `as_place` and `KvPlace` (`Storage`) both read
+    an http(s) location through the place it returns, so it reads the same way wherever
+    it is given.
+
+    Raises:
+        XckptError: an http spec without a `base_url` of `http(s)://`, or with bad headers.
+    """
+    if isinstance(location, str):
+        return HttpPlace(location, probes=probes) if location.startswith(("http://", "https://")) else None
+    if not isinstance(location, Mapping) or location.get("driver") != "http":
+        return None
+    spec = checked_spec(location)
+    base = spec.get("base_url")
+    if not isinstance(base, str) or not base.startswith(("http://", "https://")):
+        raise XckptError(f"http spec {location_name(spec)} needs a base_url of http(s)://")
+    path = spec.get("path", "")
+    url = base.rstrip("/") + "/" + path.lstrip("/") if path else base
+    headers = http_headers(spec.get("headers"), url)
+    return HttpPlace(url, headers, location_name(spec), probes=probes, location=spec)
+
+
+@contextlib.contextmanager
+def file_to_detect(place: Place) -> Iterator[Blob | None]:
+    """The file at `place` opened for a format's detection (its magic bytes), closed after;
+    None where no file is or it cannot be opened (detection says no, it never raises)."""
+    try:
+        blob = place.open(where=place.name) if place.kind() == "file" else None
+    except XckptError:
+        blob = None
+    try:
+        yield blob
+    finally:
+        if blob is not None:
+            blob.close()
+
+
 def as_place(location: Any, context: Any = None, *, probes: Sequence[str] = ()) -> Place:
     """The `Place` of a location: a `Place`, a local path (or `file://`
     URL), an `http(s)://` URL, another kvstore URL, or a kvstore spec dict.
@@ -656,11 +755,12 @@ def as_place(location: Any, context: Any = None, *, probes: Sequence[str] = ()) 
         return location
     if isinstance(location, os.PathLike):
         return LocalPlace(os.fspath(location))
+    http = http_place(location, probes=probes)
+    if http is not None:
+        return http
     if isinstance(location, str):
         if location.startswith("file://"):
             return LocalPlace(location[len("file://") :])
-        if location.startswith(("http://", "https://")):
-            return HttpPlace(location, probes=probes)
         if "://" not in location:
             return LocalPlace(location)
         import tensorstore as ts
@@ -672,13 +772,6 @@ def as_place(location: Any, context: Any = None, *, probes: Sequence[str] = ()) 
         return KvPlace(spec, context, name=location, given=location)
     if isinstance(location, Mapping):
         spec = checked_spec(location)
-        if spec["driver"] == "http":
-            base = spec.get("base_url")
-            if not isinstance(base, str) or not base.startswith(("http://", "https://")):
-                raise XckptError(f"http spec {location_name(spec)} needs a base_url of http(s)://")
-            path = spec.get("path", "")
-            url = base.rstrip("/") + "/" + path.lstrip("/") if path else base
-            return HttpPlace(url, http_headers(spec.get("headers"), url), location_name(spec), probes=probes)
         if spec["driver"] == "file" and set(spec) <= {"driver", "path"}:
             return LocalPlace(spec["path"])
         return KvPlace(spec, context)
