@@ -10,7 +10,8 @@ seen as a tree of files, opened from whatever a user passes by
   writes: keys read, written, listed and deleted (conditional writes included).
   `Storage` is the same class, the name the xckpt format and the manager use;
   `Storage(location)` opens any location as keys (plain file reads on a local disk);
-* `HttpPlace`: an `http(s)://` location, read-only, found by probing.
+* `HttpPlace`: an `http(s)://` location, read-only, found by probing (`http_place`
+  parses one; a `Storage` of an http location reads through it too).
 
 The family: `_location` (what a location is: parsing, names, joins, the tensorstore
 context, storage errors), `_place` (the model), `_blob` and `_http` (one stored file

@@ -18,7 +18,9 @@ chosen by `as_place` from what a user passes:
 * `HttpPlace`: an `http(s)://` URL, or `{"driver": "http", "base_url": ...,
   "path": ..., "headers": [...]}` (tensorstore's http kvstore spec, whose headers,
   e.g. `Authorization`, go with every request to that host). An http location
-  cannot be listed: files are found by probing their names.
+  cannot be listed: files are found by probing their names. It is the one reader of
+  an http location's files: a `KvPlace` (`Storage`) of one reads its keys through
+  its `HttpPlace` (`http_place`), and hands tensorstore only its zarr arrays' spec.
 
 File or directory: a local path is what the OS says. A kvstore location whose path
 is empty or ends in "/" is a directory; otherwise it is a file when that key exists,
