@@ -255,7 +255,7 @@ def open(  # noqa: A001
         context: a tensorstore Context for xckpt checkpoints.
         step: `path` is a checkpoint manager's root ([`xckpt.CheckpointManager`][xckpt.CheckpointManager]):
             open its step `step`, a step number or `"latest"` (the highest complete
-            step), instead (`xckpt.steps.resolve_step`).
+            step), instead (`xckpt.native.steps.resolve_step`).
 
     Raises:
         CheckpointNotFoundError: nothing recognised at `path`; at a manager root opened

@@ -4,7 +4,7 @@
 `<root>/<step>/` (async staging into host buffers it reuses, one save in flight),
 keeps them by policy, turns SIGTERM into a last save and exit 143, and restores at
 any world size, mesh, placement or sharding. Reading a root without a manager
-(`xckpt.open(root, step="latest")`, `xckpt ls ROOT`) lives in `xckpt.steps`.
+(`xckpt.open(root, step="latest")`, `xckpt ls ROOT`) lives in `xckpt.native.steps`.
 
 The family: `_manager` (the class), `_policy` (retention and ranking, pure),
 `_staging` (the host buffers), `_adapters` (which framework saves a state),

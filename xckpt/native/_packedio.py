@@ -12,7 +12,7 @@ each copying its part. A span is one task on the read threads:
    bytes back to back, their crc32c trailers aside), reused by the read's next span;
 2. every zarr chunk's crc32c checked;
 3. `unpack(data)` called in that thread: it checks each tensor's own crc32 from the
-   manifest and copies it out (see `xckpt.reader.Checkpoint._unpack`).
+   manifest and copies it out (see `xckpt.native.reader.Checkpoint._unpack`).
 
 So packed tensors are read while the array chunks are, every byte read once, and the
 per-tensor checks and copies run on the read threads, not in the caller's thread.

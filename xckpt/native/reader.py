@@ -2,7 +2,7 @@
 
 [`open`][xckpt.open] accepts a checkpoint only when it is complete: `xckpt.json` when
 present, else rank manifests 0..W-1 with one save_id, merged by
-`xckpt.commit.read_rank_manifests` (which also says which save is read).
+`xckpt.native.commit.read_rank_manifests` (which also says which save is read).
 Every tensor's chunks must tile it exactly. All of this is checked from the
 manifests alone, before any chunk is opened or any output allocated. Before an output is
 sized from the manifest ([`Checkpoint.read`][xckpt.native.reader.Checkpoint.read], [`Checkpoint.read_all`][xckpt.native.reader.Checkpoint.read_all]),
@@ -145,7 +145,7 @@ class Checkpoint(Source):
         self._verified_arrays: dict[str, Any] = {}
         self._checked: set[str] = set()
         self._packed_size_cache: dict[str, int] | None = None
-        #: A local directory: "plain" ranks are read with direct file I/O (xckpt.storage._fileio).
+        #: A local directory: "plain" ranks are read with direct file I/O (xckpt.native._fileio).
         self._root = _fileio.local_root(self.storage.url)
         #: Where each array chunk's bytes are (its rank's codec; another step's, for a reference).
         self._where_of = Resolver(self.storage, m, context)
@@ -331,7 +331,7 @@ class Checkpoint(Source):
 
     def _packed_meta(self, key: str, rank: int) -> tuple[int, int, str] | None:
         """(bytes, zarr chunk length, storage kind) of a "plain"/"files" rank's packed array from
-        its zarr.json, read directly; None when its layout is not one `xckpt.storage._fileio`
+        its zarr.json, read directly; None when its layout is not one `xckpt.native._fileio`
         reads (tensorstore reads it then)."""
         if key not in self._packed_stored:
             try:
@@ -367,7 +367,7 @@ class Checkpoint(Source):
 
     def _packed_spans(self, jobs: list[ChunkRead], size: int, grid: int) -> list[tuple[int, int, list[Any]]]:
         """`jobs` (packed chunks of one array) as spans of zarr chunks
-        (`xckpt.storage._packedio.plan_spans`): `(first, stop, items)`, an item a job, or
+        (`xckpt.native._packedio.plan_spans`): `(first, stop, items)`, an item a job, or
         for a tensor in several spans one `_SpannedChunk` they share."""
         jobs.sort(key=lambda j: _packed_at(j[1]))
         ranges = []
@@ -392,7 +392,7 @@ class Checkpoint(Source):
     def _submit_packed(
         self, key: str, jobs: list[ChunkRead], meta: tuple[int, int, str]
     ) -> list[tuple[ChunkRead, Any]]:
-        """Start the direct reads of packed `jobs` (see `xckpt.storage._packedio`): one task
+        """Start the direct reads of packed `jobs` (see `xckpt.native._packedio`): one task
         per span, which checks and copies out its tensors on the read thread."""
         size, grid, kind = meta
         spans = self._packed_spans(jobs, size, grid)

@@ -188,7 +188,7 @@ class Writer:
         self._hashes: dict[str, str] = {}
         self._deltas: dict[str, tuple[Any, ...]] = {}
         self.storage = NativeStorage(path, context)
-        #: A local directory: "plain" chunks are written with direct file I/O (xckpt.storage._fileio).
+        #: A local directory: "plain" chunks are written with direct file I/O (xckpt.native._fileio).
         self._root = _fileio.local_root(self.storage.url)
         if storage is None:
             storage = "files" if self._root is not None else "ocdbt"

@@ -149,7 +149,7 @@ class KvPlace(Place):
     the name the xckpt format and the manager use for it. Keys are relative to the location
     as a directory (`url`). tensorstore is imported and the kvstore opened on first use: on
     a local disk (`local`) small keys are read and directories listed with plain file reads,
-    so a process that only loads a local checkpoint, whose chunks `_fileio` reads, never
+    so a process that only loads a local checkpoint, whose chunks `xckpt.native._fileio` reads, never
     imports tensorstore (0.11-0.16 s in every fresh process, cold or warm: bench/io.py and
     bench/jax_load.py time loads in fresh processes). Writes and deletes go through the
     kvstore; conditional writes (`read_stamped`, `write_if`) claim a key atomically on the

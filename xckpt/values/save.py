@@ -5,7 +5,7 @@ group's `GroupAnnotation` (the same on every rank),
 turns the members this rank holds into `LocalRows` (numpy), calls
 `plan_mc_save` or `plan_generic_save` (checks, sorting, chunking:
 a frozen `GroupSavePlan` and the arrays it writes), then
-`write_group` on the rank's `xckpt.writer.Writer`. The on-disk
+`write_group` on the rank's `xckpt.native.writer.Writer`. The on-disk
 layout this produces is described in `xckpt.values.ranges`.
 """
 
@@ -210,7 +210,7 @@ def plan_generic_save(
 
 
 def write_group(writer: Any, plan: GroupSavePlan, arrays: Mapping[str, np.ndarray]) -> None:
-    """Carry out `plan` on a rank's `xckpt.writer.Writer` (no collectives)."""
+    """Carry out `plan` on a rank's `xckpt.native.writer.Writer` (no collectives)."""
     ann = plan.annotation
     for name, dtype, shape in plan.declares:
         writer.declare(name, numpy_dtype(dtype), shape, value_range=ann.value_range(name))
