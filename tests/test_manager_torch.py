@@ -326,3 +326,20 @@ def test_cuda_staging_pinned_side_stream(tmp_path):
         m.restore(target, step=0)
     torch.testing.assert_close(target["w"].cpu(), want0["w"], rtol=0, atol=0)
     torch.testing.assert_close(target["b"].cpu(), want0["b"], rtol=0, atol=0)
+
+
+def test_a_fresh_torch_target_is_found_to_the_one_depth_limit() -> None:
+    """An empty container nested in a torch target (a fresh optimizer's `state: {}`) is found
+    as deep as objects may nest (`MAX_OBJECT_DEPTH`, the one depth limit), no deeper."""
+    from xckpt.manager._manager import _fresh_torch_target
+    from xckpt.manifest import MAX_OBJECT_DEPTH
+
+    def nested(depth: int) -> dict[str, object]:
+        v: dict[str, object] = {}
+        for _ in range(depth):
+            v = {"x": v}
+        return v
+
+    assert _fresh_torch_target({"optim": nested(MAX_OBJECT_DEPTH)})
+    assert not _fresh_torch_target({"optim": nested(MAX_OBJECT_DEPTH + 1)})
+    assert not _fresh_torch_target({"w": torch.zeros(2), "optim": {"state": {"0": torch.zeros(1)}}})

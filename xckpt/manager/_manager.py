@@ -40,7 +40,7 @@ from typing import Any
 
 from xckpt.convert_parallel import convert
 from xckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, XckptError
-from xckpt.manifest import Manifest
+from xckpt.manifest import MAX_OBJECT_DEPTH, Manifest
 from xckpt.native._codecs import check_compression
 from xckpt.native.commit import read_rank_manifests
 from xckpt.native.steps import (
@@ -696,7 +696,7 @@ def _fresh_torch_target(target: Any) -> bool:
     would report it missing; `xckpt.torch.load` fills it (DESIGN.md section 10)."""
 
     def empty_inside(v: Any, depth: int) -> bool:
-        if not isinstance(v, (Mapping, list)) or depth > 64:
+        if not isinstance(v, (Mapping, list)) or depth > MAX_OBJECT_DEPTH:
             return False
         items = v.values() if isinstance(v, Mapping) else v
         return not v or any(empty_inside(x, depth + 1) for x in items)
