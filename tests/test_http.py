@@ -175,11 +175,15 @@ def test_convert_from_http(server: RangeServer, tmp_path: Any) -> None:
         assert _bits(back.read("big")) == _bits(_arrays(1)["big"])
 
 
+#: A bytes object stored under a key of its own (over 4 KiB), read as a file like the manifests.
+BLOB = bytes(range(256)) * 40
+
+
 @pytest.fixture(scope="module")
 def xckpt_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An xckpt checkpoint (`ck`) and the same save without its merged manifest (`ranks_only`)."""
     d = str(tmp_path_factory.mktemp("xckpt-www"))
-    xckpt.save({**_arrays(5), "cfg": {"lr": 0.5}}, os.path.join(d, "ck"))
+    xckpt.save({**_arrays(5), "cfg": {"lr": 0.5}, "blob": BLOB}, os.path.join(d, "ck"))
     shutil.copytree(os.path.join(d, "ck"), os.path.join(d, "ranks_only"))
     os.remove(os.path.join(d, "ranks_only", "xckpt.json"))
     with RangeServer(d) as srv:
@@ -219,8 +223,13 @@ def test_an_xckpt_checkpoint_over_http_is_detected_and_read(xckpt_server: Any) -
         assert xckpt.formats.detect(loc) == "xckpt"
         srv.reset()
         with xckpt.open(loc) as src:
-            assert src.format == "xckpt" and src.objects() == {"cfg": {"lr": 0.5}}
+            assert src.format == "xckpt" and src.objects() == {"cfg": {"lr": 0.5}, "blob": BLOB}
             assert [n for n in want if _bits(src.read(n)) != _bits(want[n])] == []
+        # Files (the manifest, the blob's key) by xckpt's http client; zarr arrays by tensorstore.
+        ours = {line.split()[1] for line, h in srv.requests if h.get("User-Agent") == "xckpt"}
+        theirs = {line.split()[1] for line, h in srv.requests if h.get("User-Agent") != "xckpt"}
+        assert "/ck/xckpt.json" in ours and any("/o/" in p for p in ours) and len(ours) == 2
+        assert theirs and all(p.endswith("/zarr.json") or "/c." in p for p in theirs)
         if isinstance(loc, dict):  # the headers reach the native reader (tensorstore's chunk reads included)
             auth = [{k.lower(): v for k, v in h.items()}.get("authorization") for _, h in srv.requests]
             assert auth and set(auth) == {"Bearer sekrit"}

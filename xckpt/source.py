@@ -128,7 +128,7 @@ class Source:
     formats without objects.
     """
 
-    #: The format's name: `xckpt`, `torch-dcp`, `orbax`, `safetensors`, `torch`.
+    #: The format's name: `xckpt`, `megatron`, `torch-dcp`, `deepspeed`, `orbax`, `safetensors`, `torch`.
     format: str = ""
     #: The location as given (a string; a kvstore spec is shown as JSON).
     path: str = ""

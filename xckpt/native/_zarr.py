@@ -256,7 +256,11 @@ class NativeStorage(Storage):
         return kv.write(k, data)
 
     def read_bytes(self, key: str, storage: str) -> bytes | None:
-        """Raw bytes under a data key, or None when they do not exist."""
+        """Raw bytes under a data key, or None when they do not exist. Outside OCDBT the
+        key is a file of the location, read as its other keys are (`read_key`: plain
+        reads on a local disk, its `HttpPlace` over http(s))."""
+        if storage != "ocdbt":
+            return self.read_key(key)
         kv, k = self._byte_store(key, storage)
         try:
             r = kv.read(k).result()
