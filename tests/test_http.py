@@ -233,6 +233,12 @@ def test_an_xckpt_checkpoint_over_http_is_detected_and_read(xckpt_server: Any) -
         if isinstance(loc, dict):  # the headers reach the native reader (tensorstore's chunk reads included)
             auth = [{k.lower(): v for k, v in h.items()}.get("authorization") for _, h in srv.requests]
             assert auth and set(auth) == {"Bearer sekrit"}
+    # The token in a spec's headers never shows in a name or a message.
+    with xckpt.open(spec) as src:
+        assert "sekrit" not in src.path + repr(src) and '"headers": "***"' in src.path
+    with pytest.raises(CheckpointNotFoundError) as missing:
+        xckpt.open({**spec, "path": "/nothing/"})
+    assert "sekrit" not in str(missing.value) and '"headers": "***"' in str(missing.value)
     # Without xckpt.json its rank manifests would have to be listed.
     with pytest.raises(CheckpointNotFoundError, match=r"xckpt: no xckpt\.json, ranks/ or data/ \(an http\(s\) location"):
         xckpt.open(srv.url("ranks_only"))

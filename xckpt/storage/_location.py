@@ -143,11 +143,12 @@ def not_a_location(location: Any) -> XckptError:
     )
 
 
-_SECRET_RE = re.compile(r"secret|token|password|credential", re.I)
+_SECRET_RE = re.compile(r"secret|token|password|credential|headers", re.I)
 
 
 def location_name(path: Location) -> str:
-    """How a location is named in messages: the path as given, a spec as JSON (secrets hidden)."""
+    """How a location is named in messages: the path as given, a spec as JSON (secrets hidden,
+    and an http spec's headers, which carry its tokens)."""
     if isinstance(path, Mapping):
         shown = {k: ("***" if _SECRET_RE.search(str(k)) else v) for k, v in path.items()}
         return json.dumps(shown, sort_keys=True, default=str)
