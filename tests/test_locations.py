@@ -325,6 +325,7 @@ def test_a_local_read_fails_alike_by_place_and_by_key(tmp_path: Any, case: str) 
     os.symlink("loop", root / "loop")
     rel = {"missing": "nope.json", "a directory": "d", "below a file": "f/x", "a symlink loop": "loop"}[case]
     place, storage = as_place(str(root)), Storage(str(root))
+    assert isinstance(storage.child("d"), LocalPlace) and storage.child("d").parent().files() == place.files()
     reads = [lambda: place.read(rel), lambda: place.read_key(rel), lambda: storage.read_key(rel)]
     reads += [lambda: storage.read_keys([rel] * 5)[4], lambda: storage.child(rel).read()]
     if case != "a symlink loop":

@@ -399,6 +399,8 @@ class KvPlace(Place):
         return c
 
     def parent(self) -> KvPlace:
+        if self.local is not None:
+            return LocalPlace(os.path.dirname(self.local.rstrip("/")) or "/")
         head = self._path.rstrip("/").rpartition("/")[0]
         spec = {**self._spec(), "path": head + "/" if head else ""}
         return KvPlace(spec, self._context, name=self._named(spec, None))
