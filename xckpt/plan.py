@@ -20,13 +20,13 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from xckpt.formats import opened
 from xckpt.inspect import human_bytes, plot_plan
-from xckpt.layout import Box
+from xckpt.layout import Box, MeshBoxes
 from xckpt.manifest import Chunk, paused_gc
 from xckpt.source import Source, UnitColumns
 from xckpt.targets import target_boxes
@@ -180,7 +180,8 @@ def _plan(src: Source, target: Any, host_budget: int, columns: bool = True) -> L
     """The plan; `columns=False` asks `read_units` per chunk for every tensor (the general
     path, which the column path must equal)."""
     kind, boxes = target_boxes(src, target)
-    acc = _Totals(sorted({r for per in boxes.values() for r in per}))
+    layouts = {id(per): per for per in boxes.values()}  # (tensors of one layout share their boxes)
+    acc = _Totals(sorted({r for per in layouts.values() for r in per}))
     queries: dict[int, _Queries | None] = {}  # (tensors of one layout share their boxes: built once)
     for name, per in boxes.items():
         t = src.info(name)
@@ -220,20 +221,31 @@ class _Queries:
     volume: np.ndarray
 
     @classmethod
-    def of(cls, per: Mapping[int, tuple[Box, ...]], row: Mapping[int, int], ndim: int) -> _Queries | None:
+    def of(cls, per: Mapping[int, tuple[Box, ...]], row: _Rows, ndim: int) -> _Queries | None:
         """The columns of `per`, or None where a rank holds several boxes (their units may
         coincide: the general path dedups them)."""
-        rows, offs, shapes = [], [], []
+        if isinstance(per, MeshBoxes):  # (every rank's box as arrays: no box built)
+            ranks, lo, hi = per.columns()
+            return cls(np.searchsorted(row.ranks, ranks), lo, hi, np.prod(hi - lo, axis=1, dtype=np.int64))
+        rows: list[int] = []
+        offs, shapes = [], []
         for rank, bs in per.items():
             if len(bs) > 1:
                 return None
             if bs:
-                rows.append(row[rank])
+                rows.append(row.of[rank])
                 offs.append(bs[0].offset)
                 shapes.append(bs[0].shape)
         lo = np.array(offs, np.int64).reshape(len(offs), ndim)
         shape = np.array(shapes, np.int64).reshape(len(shapes), ndim)
         return cls(np.array(rows, np.int64), lo, lo + shape, np.prod(shape, axis=1, dtype=np.int64))
+
+
+class _Rows(NamedTuple):
+    """The plan's ranks, ascending (`ranks`), and each one's row (`of`)."""
+
+    ranks: np.ndarray
+    of: dict[int, int]
 
 
 class _Totals:
@@ -242,7 +254,7 @@ class _Totals:
 
     def __init__(self, ranks: list[int]) -> None:
         self.ranks = ranks
-        self.row = {r: i for i, r in enumerate(ranks)}
+        self.row = _Rows(np.array(ranks, np.int64), {r: i for i, r in enumerate(ranks)})
         n = len(ranks)
         self.units: dict[int, dict[Hashable, int]] = {}
         self.kept = np.zeros(n, np.int64)
@@ -260,7 +272,7 @@ class _Totals:
         built: dict[int, Chunk] = {}
         for rank, bs in per.items():
             share = 0
-            got = self.units.setdefault(self.row[rank], {})
+            got = self.units.setdefault(self.row.of[rank], {})
             for box in bs:
                 share += box.volume * itemsize
                 if box.empty:
@@ -270,7 +282,7 @@ class _Totals:
                     if c is None:
                         c = built[i] = chunks[i]
                     got.update(src.read_units(name, c, common, itemsize))
-            j = self.row[rank]
+            j = self.row.of[rank]
             self.kept[j] += share
             self.largest[j] = max(int(self.largest[j]), share)
 

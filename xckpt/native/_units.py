@@ -15,20 +15,23 @@ over every rank's box at once: the cells each box meets by searchsorted on the s
 
 Anything else (explicit keys, a shared key, directories that could coincide) answers
 None, and the plan asks `read_units` per chunk.
+
+Also here: `packed_sizes`, every packed array's size (its last cell's end), which sets the
+array's span and so the units of its cells.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 import numpy as np
 
-from xckpt.manifest import GridChunks, Manifest, TensorEntry
+from xckpt.manifest import Chunk, GridChunks, Manifest, TensorEntry
 from xckpt.manifest._grids import data_dir, split_key
 from xckpt.native._zarr import packed_grid
 from xckpt.source import UnitColumns
 
-__all__ = ["PlanColumns"]
+__all__ = ["PlanColumns", "packed_sizes"]
 
 #: A packed unit's code: its packed array's id above these bits, its span index below.
 _SPAN_BITS = 32
@@ -45,6 +48,7 @@ class PlanColumns:
         self._per_rank: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, Mapping[int, str]]] = {}
         self._dirs_ok: dict[int, tuple[bool, Mapping[int, str]]] = {}
         self.shared_keys = _shared_keys(manifest)
+        self._own: dict[int, tuple[bool, GridChunks]] = {}
 
     def unit(self, code: int) -> Hashable:
         """The `read_units` key of a packed unit's code: (packed array key, span index)."""
@@ -134,23 +138,30 @@ class PlanColumns:
     def _own_arrays(self, g: GridChunks) -> bool:
         """Whether the grid's array cells' units are their box's own: a key no other tensor
         uses and, per array cell, a writer of its own."""
-        if g.key is None or g.key in self.shared_keys:
-            return False
-        ranks = g.ranks_column()
-        p = g.packed
-        if p is not None and p.cells is not None:
-            ranks = np.delete(ranks, p.cells)
-        return len(np.unique(ranks)) == len(ranks)
+        got = self._own.get(id(g))
+        if got is None:
+            ranks = g.ranks_column()
+            p = g.packed
+            if p is not None and p.cells is not None:
+                ranks = np.delete(ranks, p.cells)
+            own = g.key is not None and g.key not in self.shared_keys and len(np.unique(ranks)) == len(ranks)
+            got = self._own[id(g)] = (own, g)
+        return got[0]
 
 
 def _array_units(g: GridChunks, size: np.ndarray, lo: np.ndarray, hi: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
     """Per array cell row (its `size`, the common region `[lo, hi)` relative to the cell):
     the inner zarr chunks touched and their stored bytes (each padded whole, plus a crc32c)."""
-    inner = np.array(size)
-    if g.inner:
-        shapes, inv = np.unique(size, axis=0, return_inverse=True)
-        grids = np.array([g.inner.get(tuple(s), tuple(s)) for s in shapes.tolist()], np.int64).reshape(shapes.shape)
-        inner = grids[inv.reshape(-1)]
+    inner = size
+    if g.inner:  # each distinct cell shape looked up once (numbered by its sizes' ranks per dim)
+        shape_id = np.zeros(len(size), np.int64)
+        for d in range(size.shape[1]):
+            values, at = np.unique(size[:, d], return_inverse=True)
+            shape_id = shape_id * len(values) + at.reshape(-1)
+        _, first, inv = np.unique(shape_id, return_index=True, return_inverse=True)
+        shapes = size[first].tolist()
+        inner = np.array([g.inner.get(tuple(s), tuple(s)) for s in shapes], np.int64).reshape(len(shapes), -1)
+        inner = inner[inv.reshape(-1)]
     reads = np.prod((hi - 1) // inner - lo // inner + 1, axis=1, dtype=np.int64)
     return reads, reads * (np.prod(inner, axis=1, dtype=np.int64) * itemsize + 4)
 
@@ -168,3 +179,31 @@ def _shared_keys(manifest: Manifest) -> set[str]:
         shared |= seen & mine
         seen |= mine
     return shared
+
+
+def packed_sizes(manifest: Manifest, end: Callable[[Chunk], int]) -> dict[str, int]:
+    """Bytes of each packed array: the largest `end` of its chunks. A grid's cells are not
+    built: grids of one packed key per writer are taken together, by rank, and each array's
+    key is spelled once (4,096 writers x 100 tensors: 4,096 keys, not 409,600)."""
+    sizes: dict[str, int] = {}
+    by_rank: dict[tuple[str, int], tuple[np.ndarray, Mapping[int, str]]] = {}
+    for t in manifest.tensors.values():
+        g = t.chunks
+        if not isinstance(g, GridChunks):
+            for c in g:
+                if c.form == "packed":
+                    sizes[c.key] = max(sizes.get(c.key, 0), end(c))
+        elif g.packed is not None and g.keys is None:
+            got = by_rank.get((g.packed.key or "", id(g.dirs)))
+            if got is None:
+                got = by_rank[(g.packed.key or "", id(g.dirs))] = (np.full(manifest.world_size, -1, np.int64), g.dirs)
+            writers, last = g.packed_end_columns()
+            np.maximum.at(got[0], writers, last)
+        else:
+            for k, e in g.packed_ends().items():
+                sizes[k] = max(sizes.get(k, 0), e)
+    for (key, _), (last, dirs) in by_rank.items():
+        for r in np.flatnonzero(last >= 0).tolist():
+            k = f"{data_dir(r, dirs)}/{key}"
+            sizes[k] = max(sizes.get(k, 0), int(last[r]))
+    return sizes

@@ -33,7 +33,6 @@ from xckpt.errors import (
 from xckpt.layout import Box, box_from_index
 from xckpt.manifest import (
     Chunk,
-    GridChunks,
     Manifest,
     ObjectEntry,
     decode_value,
@@ -41,7 +40,7 @@ from xckpt.manifest import (
 from xckpt.native import _fileio, _packedio
 from xckpt.native._deltas import Patches
 from xckpt.native._refs import Resolver
-from xckpt.native._units import PlanColumns
+from xckpt.native._units import PlanColumns, packed_sizes
 from xckpt.native._zarr import NativeStorage, packed_grid
 from xckpt.native.commit import read_rank_manifests, validate
 from xckpt.source import ChunkRead, Source, UnitColumns, whole_request
@@ -254,16 +253,7 @@ class Checkpoint(Source):
     def _packed_sizes(self) -> dict[str, int]:
         """Bytes of each rank's packed array (the end of its last packed chunk)."""
         if self._packed_size_cache is None:
-            sizes: dict[str, int] = {}
-            for t in self.manifest.tensors.values():
-                if isinstance(t.chunks, GridChunks):  # by columns: a grid's cells are not built
-                    for k, end in t.chunks.packed_ends().items():
-                        sizes[k] = max(sizes.get(k, 0), end)
-                    continue
-                for c in t.chunks:
-                    if c.form == "packed":
-                        sizes[c.key] = max(sizes.get(c.key, 0), _packed_end(c))
-            self._packed_size_cache = sizes
+            self._packed_size_cache = packed_sizes(self.manifest, _packed_end)
         return self._packed_size_cache
 
     def _where(self, name: str, c: Chunk) -> str:
