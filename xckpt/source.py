@@ -120,9 +120,9 @@ class ObjectQuery(NamedTuple):
 class UnitColumns(NamedTuple):
     """The storage reads of many boxes of one tensor ([`Source.read_units_columns`][xckpt.source.Source.read_units_columns]).
 
-    Units are of two kinds. *Own* units belong to one box alone (no other box of the
-    request and no other tensor reads them): only their number and bytes per box are
-    given. *Shared* units (a packed span several tensors' cells lie in) come one row per
+    Units are of two kinds. *Own* units no other tensor reads: only their number and bytes
+    per box are given (two boxes of one request that meet one unit each count it, so a
+    plan asks with at most one box per rank). *Shared* units (a packed span several tensors' cells lie in) come one row per
     (box, unit) with an int `code`: equal codes are the same unit, across every tensor of
     the source, and `unit(code)` is the key [`read_units`][xckpt.source.Source.read_units]
     names it by (so a plan counts a unit once per rank, whichever path found it).
