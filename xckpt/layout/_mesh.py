@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from xckpt.layout._boxes import Box, Placement, Replicate, Shard, _piece
+from xckpt.layout._boxes import Box, Placement, Shard, _piece, shards_distinct_dims
 
 __all__ = ["MeshBoxes"]
 
@@ -35,13 +35,7 @@ class MeshBoxes(Mapping[int, tuple[Box, ...]]):
     @staticmethod
     def fits(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> bool:
         """Whether the placements are `Shard` of distinct dims of `shape` and `Replicate`, one per mesh axis."""
-        dims = [p.dim for p in placements if type(p) is Shard]
-        return (
-            len(mesh_shape) == len(placements)
-            and min(mesh_shape, default=1) > 0
-            and all(type(p) is Replicate or (type(p) is Shard and 0 <= p.dim < len(shape)) for p in placements)
-            and len(set(dims)) == len(dims)
-        )
+        return shards_distinct_dims(shape, mesh_shape, placements)
 
     def __len__(self) -> int:
         return self._n
