@@ -4,7 +4,8 @@ Properties (hypothesis): `GridIndex.overlap_columns` finds what `overlaps` finds
 `MeshBoxes` is `mesh_boxes` rank for rank, and its columns are its boxes; and a whole plan
 by columns equals the plan by `read_units` per chunk, on any grid (regular or uneven splits,
 ranks by rule or by list, keys by rule or by list, inner grids, packed cells, shared keys)
-beside a chunk-list tensor packed in the same arrays, for any mesh of Shard/Replicate
+beside chunk-list tensors packed in the same arrays (two rows; a tensor cut at random, whose
+boxes are paired with every rank's box by arrays), for any mesh of Shard/Replicate
 placements (uneven and empty shards), a nested shard, and a JAX-style target of several
 boxes per rank.
 """
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_grids import _dtype, axes, grids
+from test_grids import _dtype, axes, grids, tilings
 
 import xckpt
 from xckpt.layout import Box, GridAxis, GridIndex, MeshBoxes, Replicate, Shard, StridedShard, mesh_boxes
@@ -120,6 +121,22 @@ def _small(world: int, dirs: dict[int, str], itemsize: int, draw: Any) -> Tensor
     return TensorEntry(name="small", dtype=_dtype(itemsize), shape=(2, 5), chunks=tuple(chunks))
 
 
+def _cuts(world: int, dirs: dict[int, str], draw: Any) -> TensorEntry:
+    """A tensor cut at random (no grid): array chunks and chunks packed beside the grids' cells."""
+    shape, boxes = draw(tilings())
+    chunks = []
+    for i, b in enumerate(boxes):
+        r = draw(st.integers(0, world - 1))
+        d = dirs.get(r, f"data/{r}")
+        if draw(st.booleans()):
+            chunks.append(Chunk(offset=b.offset, shape=b.shape, key=f"{d}/packed", rank=r, nbytes=b.volume * 2,
+                                form="packed", byte_offset=draw(st.integers(0, 1 << 23)), crc32=0))
+        else:
+            chunks.append(Chunk(offset=b.offset, shape=b.shape, key=f"{d}/t/cut.{i}", rank=r, nbytes=b.volume * 2,
+                                grid=tuple(max(1, n // 2) for n in b.shape)))
+    return TensorEntry(name="cuts", dtype="float16", shape=shape, chunks=tuple(chunks))
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_the_plan_by_columns_equals_the_plan_by_chunks(tmp_path: Path, data: Any) -> None:
@@ -133,6 +150,8 @@ def test_the_plan_by_columns_equals_the_plan_by_chunks(tmp_path: Path, data: Any
         tensors["b"] = TensorEntry(name="b", dtype=_dtype(g2.itemsize), shape=shape2, chunks=g2)
     if data.draw(st.booleans()):
         tensors["small"] = _small(world, dict(g.dirs), g.itemsize, data.draw)
+    if data.draw(st.booleans()):
+        tensors["cuts"] = _cuts(world, dict(g.dirs), data.draw)
     ck = _checkpoint(tmp_path, tensors, world, dict(g.dirs))
     for _ in range(3):
         kind = data.draw(st.sampled_from(["mesh", "nested", "boxes"]))

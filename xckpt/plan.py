@@ -26,7 +26,7 @@ import numpy as np
 
 from xckpt.formats import opened
 from xckpt.inspect import human_bytes, plot_plan
-from xckpt.layout import Box, MeshBoxes
+from xckpt.layout import Box, BoxIndex, ChunkIndex, MeshBoxes
 from xckpt.manifest import Chunk, paused_gc
 from xckpt.source import Source, UnitColumns
 from xckpt.targets import target_boxes
@@ -192,6 +192,8 @@ def _plan(src: Source, target: Any, host_budget: int, columns: bool = True) -> L
         got = None if qs is None else src.read_units_columns(name, qs.lo, qs.hi, itemsize)
         if qs is not None and got is not None:
             acc.add_columns(qs, got, itemsize)
+        elif qs is not None and _by_pairs(t.chunk_index, len(qs.rows)):
+            acc.add_pairs(src, name, t, qs, itemsize)
         else:
             acc.add_boxes(src, name, t, per, itemsize)
     plans = []
@@ -209,6 +211,17 @@ def _plan(src: Source, target: Any, host_budget: int, columns: bool = True) -> L
         skipped=tuple(n for n in src.names() if n not in boxes),
         stored_bytes=sum(src.info(n).nbytes for n in names),
     )
+
+
+#: Pair tests per block of `_Totals.add_pairs` (a bool each), and per tensor at most.
+_PAIR_BLOCK = 1 << 22
+_PAIRS_MAX = 1 << 27
+
+
+def _by_pairs(index: ChunkIndex, boxes: int) -> bool:
+    """Whether a tensor's boxes are looked up as pairs: its chunks form no grid (a grid's
+    lookup is arithmetic), more than a scan's few, and not too many pairs to test."""
+    return isinstance(index, BoxIndex) and index.grid is None and BoxIndex.SCAN < len(index) and boxes * len(index) <= _PAIRS_MAX
 
 
 @dataclass(frozen=True)
@@ -286,12 +299,41 @@ class _Totals:
             self.kept[j] += share
             self.largest[j] = max(int(self.largest[j]), share)
 
-    def add_columns(self, qs: _Queries, got: UnitColumns, itemsize: int) -> None:
-        """A tensor by the column path."""
+    def _keep(self, qs: _Queries, itemsize: int) -> None:
         share = qs.volume * itemsize
         self.kept[qs.rows] += share
         np.maximum(self.largest[qs.rows], share, out=share)
         self.largest[qs.rows] = share
+
+    def add_pairs(self, src: Source, name: str, t: Any, qs: _Queries, itemsize: int) -> None:
+        """A tensor of chunks that form no grid, at most one box per rank: the (box, chunk)
+        pairs that meet found by comparing arrays, in blocks (a lookup per box would test
+        hundreds of candidates of an irregular layout), then `read_units` per pair."""
+        self._keep(qs, itemsize)
+        boxes, chunks = t.boxes, t.chunks
+        ndim = qs.lo.shape[1]
+        blo = np.array([b.offset for b in boxes], np.int64).reshape(len(boxes), ndim)
+        bhi = blo + np.array([b.shape for b in boxes], np.int64).reshape(len(boxes), ndim)
+        rows = qs.rows.tolist()
+        built: dict[int, Chunk] = {}
+        step = max(1, _PAIR_BLOCK // max(1, len(boxes)))
+        for s in range(0, len(rows), step):
+            qlo, qhi = qs.lo[s : s + step], qs.hi[s : s + step]
+            meet = np.ones((len(qlo), len(boxes)), bool)
+            for d in range(ndim):
+                meet &= (qlo[:, None, d] < bhi[None, :, d]) & (blo[None, :, d] < qhi[:, None, d])
+            q, i = np.nonzero(meet)
+            lo, hi = np.maximum(qlo[q], blo[i]).tolist(), np.minimum(qhi[q], bhi[i]).tolist()
+            for k, c_id, a, b in zip((q + s).tolist(), i.tolist(), lo, hi):
+                c = built.get(c_id)
+                if c is None:
+                    c = built[c_id] = chunks[c_id]
+                common = Box.trusted(tuple(a), tuple(y - x for x, y in zip(a, b)))
+                self.units.setdefault(rows[k], {}).update(src.read_units(name, c, common, itemsize))
+
+    def add_columns(self, qs: _Queries, got: UnitColumns, itemsize: int) -> None:
+        """A tensor by the column path."""
+        self._keep(qs, itemsize)
         self.own_reads[qs.rows] += got.own_reads
         self.own_bytes[qs.rows] += got.own_bytes
         if len(got.code):

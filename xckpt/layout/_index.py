@@ -333,6 +333,11 @@ class BoxIndex(ChunkIndex):
     def __len__(self) -> int:
         return len(self.boxes)
 
+    @property
+    def grid(self) -> GridIndex | None:
+        """The grid the boxes form (in some order), or None: a lookup then tests candidates."""
+        return self._grid
+
     def box(self, i: int) -> Box:
         return self.boxes[i]
 
