@@ -17,7 +17,7 @@ only when one is drawn:
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from xckpt.errors import XckptError
@@ -212,7 +212,7 @@ def _xy(box: Box) -> tuple[tuple[int, int], tuple[int, int]]:
     return (0, 0), (1, 1)
 
 
-def _target_boxes(ck: Source, name: str, target: Any) -> tuple[str, dict[int, tuple[Box, ...]]]:
+def _target_boxes(ck: Source, name: str, target: Any) -> tuple[str, Mapping[int, tuple[Box, ...]]]:
     """("rank" or "device", rank -> boxes of `name`) for a torch or JAX target."""
     if isinstance(target, tuple) and len(target) == 2:
         target = {name: target}

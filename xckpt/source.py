@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -66,7 +66,7 @@ from xckpt.errors import (
 from xckpt.layout import Box, ReadRequest, box_from_index, plan_reads
 from xckpt.manifest import Chunk, TensorEntry, paused_gc
 
-__all__ = ["Source", "ChunkRead", "ObjectQuery", "whole_request", "local_path", "readable_objects"]
+__all__ = ["Source", "ChunkRead", "ObjectQuery", "whole_request", "local_path", "readable_objects", "UnitColumns"]
 
 
 class ChunkRead(NamedTuple):
@@ -114,6 +114,31 @@ class ObjectQuery(NamedTuple):
     rank: int = 0
     world_size: int | None = None
     per_rank: str = "error"
+
+
+
+class UnitColumns(NamedTuple):
+    """The storage reads of many boxes of one tensor ([`Source.read_units_columns`][xckpt.source.Source.read_units_columns]).
+
+    Units are of two kinds. *Own* units no other tensor reads: only their number and bytes
+    per box are given (two boxes of one request that meet one unit each count it, so a
+    plan asks with at most one box per rank). *Shared* units (a packed span several tensors' cells lie in) come one row per
+    (box, unit) with an int `code`: equal codes are the same unit, across every tensor of
+    the source, and `unit(code)` is the key [`read_units`][xckpt.source.Source.read_units]
+    names it by (so a plan counts a unit once per rank, whichever path found it).
+
+    Attributes:
+        own_reads, own_bytes: per box, its own units and their stored bytes.
+        box, code, nbytes: per shared unit row, the box, the unit and its stored bytes.
+        unit: the `read_units` key of a code.
+    """
+
+    own_reads: np.ndarray
+    own_bytes: np.ndarray
+    box: np.ndarray
+    code: np.ndarray
+    nbytes: np.ndarray
+    unit: Callable[[int], Hashable]
 
 
 class Source:
@@ -259,6 +284,16 @@ class Source:
         reads whole pieces (zarr chunks, packed byte runs) says so by overriding.
         """
         return {(name, chunk.key, chunk.offset, box.offset, box.shape): box.volume * itemsize}
+
+    def read_units_columns(self, name: str, lo: np.ndarray, hi: np.ndarray, itemsize: int) -> UnitColumns | None:
+        """[`read_units`][xckpt.source.Source.read_units] of many boxes of tensor `name` at once, as columns.
+
+        `plan_load`'s fast path: box `q` is `[lo[q], hi[q])` (`(boxes, ndim)` int64 arrays);
+        the answer counts the same units with the same bytes as `read_units` over every
+        chunk each box meets, without a Python object per unit. None (the default): the
+        source has no such path for `name`, and `plan_load` asks `read_units` per chunk.
+        """
+        return None
 
     @paused_gc()
     def read_all(

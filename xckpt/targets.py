@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from xckpt.errors import UnsupportedPlacementError, XckptError
 from xckpt.layout import (
     Box,
+    MeshBoxes,
     Placement,
     Replicate,
     Shard,
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 #: name -> rank (or device id) -> the boxes it holds.
-RankBoxes = dict[str, dict[int, tuple[Box, ...]]]
+RankBoxes = dict[str, Mapping[int, tuple[Box, ...]]]
 
 
 class Entries(Protocol):
@@ -76,7 +77,7 @@ def torch_target_boxes(src: Entries, target: Mapping[str, Any]) -> RankBoxes:
     """name -> rank -> boxes, for targets given as names/globs -> (mesh_shape, placements)."""
     out: RankBoxes = {}
     # Tensors of one shape and target share their boxes (a model's layers): computed once.
-    by_layout: dict[tuple[Any, ...], dict[int, tuple[Box, ...]]] = {}
+    by_layout: dict[tuple[Any, ...], Mapping[int, tuple[Box, ...]]] = {}
     for name in src.names():
         spec = target.get(name)
         if spec is None:
@@ -100,6 +101,8 @@ def torch_target_boxes(src: Entries, target: Mapping[str, Any]) -> RankBoxes:
         fitted = fit_placements(placements, len(shape))
         layout = (tuple(shape), mesh_shape, fitted)
         per = by_layout.get(layout)
+        if per is None and MeshBoxes.fits(shape, mesh_shape, fitted):
+            per = by_layout[layout] = MeshBoxes(shape, mesh_shape, fitted)  # (boxes built when asked for)
         if per is None:
             by_coord = mesh_boxes(shape, mesh_shape, fitted)
             strides = [math.prod(mesh_shape[i + 1 :]) for i in range(len(mesh_shape))]

@@ -51,6 +51,7 @@ from xckpt.layout._index import (
     covers,
     plan_reads,
 )
+from xckpt.layout._mesh import MeshBoxes
 
 __all__ = [
     "c_strides",
@@ -68,6 +69,7 @@ __all__ = [
     "index_sets",
     "boxes_for_coordinate",
     "mesh_boxes",
+    "MeshBoxes",
     "fsdp_boxes_for_coordinate",
     "check_coverage",
     "choose_writer",

@@ -404,6 +404,18 @@ def boxes_for_coordinate(
     return _boxes_from_runs(dim_runs(global_shape, mesh_shape, coord, placements, name=name))
 
 
+def shards_distinct_dims(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> bool:
+    """Whether the placements are one per mesh axis, each `Replicate` or a `Shard` of a dim of
+    `shape` no other axis shards (a coordinate's box is then one piece per axis)."""
+    dims = [p.dim for p in placements if type(p) is Shard]
+    return (
+        len(mesh_shape) == len(placements)
+        and min(mesh_shape, default=1) > 0
+        and all(type(p) is Replicate or (type(p) is Shard and 0 <= p.dim < len(shape)) for p in placements)
+        and len(set(dims)) == len(dims)
+    )
+
+
 def mesh_boxes(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -411,13 +423,7 @@ def mesh_boxes(
 ) -> dict[tuple[int, ...], tuple[Box, ...]]:
     """Boxes for every mesh coordinate (row-major coordinate order)."""
     shape = tuple(int(s) for s in global_shape)
-    dims = [p.dim for p in placements if type(p) is Shard]
-    if (
-        len(mesh_shape) == len(placements)
-        and min(mesh_shape, default=1) > 0
-        and all(type(p) is Replicate or (type(p) is Shard and 0 <= p.dim < len(shape)) for p in placements)
-        and len(set(dims)) == len(dims)
-    ):
+    if shards_distinct_dims(shape, mesh_shape, placements):
         # Each tensor dim split by one mesh axis at most: a coordinate's box is one piece per
         # axis, each axis's pieces computed once (3,000 ranks: 3,000 pieces, not 3,000 splits).
         pieces = [

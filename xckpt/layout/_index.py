@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from xckpt.errors import LayoutError
 from xckpt.layout._boxes import Box
 
@@ -129,6 +131,7 @@ class GridIndex(ChunkIndex):
         self.n = n
         #: Per dimension (step, extent, count, points, stride): what a lookup reads, unpacked once.
         self._dims = tuple((a.step, a.extent, c, a.points, s) for a, c, s in zip(self.axes, self.counts, self.strides))
+        self._points: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.n
@@ -201,6 +204,56 @@ class GridIndex(ChunkIndex):
                 trusted(tuple(c[3] for c in combo), tuple(c[4] for c in combo)),
             ))
         return out
+
+    def points(self, d: int) -> np.ndarray:
+        """Dimension `d`'s split points as an int64 array (`count + 1` of them), made once."""
+        got = self._points.get(d)
+        if got is None:
+            a = self.axes[d]
+            if a.step:
+                got = np.minimum(np.arange(a.count + 1, dtype=np.int64) * a.step, a.extent)
+            else:
+                got = np.asarray(a.points, np.int64)
+            got = self._points[d] = got
+        return got
+
+    def overlap_columns(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """[`overlaps`][xckpt.layout.GridIndex.overlaps] of many boxes at once, as columns.
+
+        Args:
+            lo, hi: `(boxes, ndim)` int64 arrays: box `q` is `[lo[q], hi[q])`.
+
+        Returns:
+            `(q, cell, common_lo, common_hi)`: one row per (box, cell) pair that share an
+            element, ordered by box, then cell id (the order of `overlaps`).
+        """
+        n, ndim = lo.shape
+        if ndim != len(self.axes):
+            raise LayoutError(f"boxes of rank {ndim} looked up in a grid of rank {len(self.axes)}")
+        first, span = [], []
+        count = np.ones(n, np.int64)
+        for d in range(ndim):  # per dimension, the cells [first, first + span) that [lo, hi) meets
+            p = self.points(d)
+            j0 = np.searchsorted(p, lo[:, d], "right") - 1
+            j1 = np.searchsorted(p, hi[:, d], "left")
+            k = np.where(hi[:, d] > lo[:, d], j1 - j0, 0)
+            first.append(j0)
+            span.append(k)
+            count *= k
+        q = np.repeat(np.arange(n, dtype=np.int64), count)
+        local = np.arange(len(q), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        cell = np.zeros(len(q), np.int64)
+        clo = np.empty((len(q), ndim), np.int64)
+        chi = np.empty((len(q), ndim), np.int64)
+        for d in reversed(range(ndim)):  # row-major: the last dimension varies fastest
+            k = span[d][q]
+            j = first[d][q] + local % np.maximum(k, 1)
+            local //= np.maximum(k, 1)
+            cell += j * self.strides[d]
+            p = self.points(d)
+            np.maximum(p[j], lo[q, d], out=clo[:, d])
+            np.minimum(p[j + 1], hi[q, d], out=chi[:, d])
+        return q, cell, clo, chi
 
     def find(self, target: Box) -> list[int]:
         if target.ndim != len(self.axes):
@@ -279,6 +332,11 @@ class BoxIndex(ChunkIndex):
 
     def __len__(self) -> int:
         return len(self.boxes)
+
+    @property
+    def grid(self) -> GridIndex | None:
+        """The grid the boxes form (in some order), or None: a lookup then tests candidates."""
+        return self._grid
 
     def box(self, i: int) -> Box:
         return self.boxes[i]

@@ -242,9 +242,9 @@ class GridChunks(Sequence[Chunk]):
         """The bytes of every cell (or of cells `ids`), int64, by arithmetic: no cell is built."""
         ids = np.arange(self.grid_index.n, dtype=np.int64) if ids is None else ids
         nbytes = np.full(len(ids), self.itemsize, np.int64)
-        for a, s, c in zip(self.grid_index.axes, self.grid_index.strides, self.grid_index.counts):
-            sizes = np.array([a.size(j) for j in range(c)], np.int64)
-            nbytes *= sizes[(ids // s) % c]
+        index = self.grid_index
+        for d, (s, c) in enumerate(zip(index.strides, index.counts)):
+            nbytes *= np.diff(index.points(d))[(ids // s) % c]
         return nbytes
 
     def chunk(self, i: int) -> Chunk:
@@ -278,20 +278,33 @@ class GridChunks(Sequence[Chunk]):
         p = self.packed
         if p is None:
             return {}
-        ids = np.arange(self.grid_index.n, dtype=np.int64) if p.cells is None else p.cells
-        nbytes = self.nbytes_column(ids)
-        ends = np.asarray(p.byte_offset, np.int64) + nbytes + (4 if p.crc32 is None else 0)
-        out: dict[str, int] = {}
         if self.keys is not None:
+            ids, ends = self._packed_cell_ends()
+            out: dict[str, int] = {}
             for i, e in zip(ids.tolist(), ends.tolist()):
                 out[self.keys[i]] = max(out.get(self.keys[i], 0), e)
             return out
-        # One packed array per writer: the largest end per rank, by numpy (409,600 cells: no loop).
-        ranks = self.ranks_column()[ids]
-        writers, inv = np.unique(ranks, return_inverse=True)
+        writers, last = self.packed_end_columns()
+        return {f"{data_dir(r, self.dirs)}/{p.key}": e for r, e in zip(writers.tolist(), last.tolist())}
+
+    def _packed_cell_ends(self) -> tuple[np.ndarray, np.ndarray]:
+        """The packed cells' ids and the end of each one's bytes (and crc32) in its packed array."""
+        p = self.packed
+        if p is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        ids = np.arange(self.grid_index.n, dtype=np.int64) if p.cells is None else p.cells
+        return ids, np.asarray(p.byte_offset, np.int64) + self.nbytes_column(ids) + (4 if p.crc32 is None else 0)
+
+    def packed_end_columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """`packed_ends` of a grid whose packed cells lie in one packed array per writer (`key`,
+        not `keys`), as columns: the writers with packed cells, ascending, and the end of each
+        one's last cell."""
+        ids, ends = self._packed_cell_ends()
+        # The largest end per rank, by numpy (409,600 cells: no loop).
+        writers, inv = np.unique(self.ranks_column()[ids], return_inverse=True)
         last = np.zeros(len(writers), np.int64)
         np.maximum.at(last, inv.reshape(-1), ends)
-        return {f"{data_dir(r, self.dirs)}/{p.key}": e for r, e in zip(writers.tolist(), last.tolist())}
+        return writers, last
 
     # -- JSON ---------------------------------------------------------------------
 

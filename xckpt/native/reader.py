@@ -33,7 +33,6 @@ from xckpt.errors import (
 from xckpt.layout import Box, box_from_index
 from xckpt.manifest import (
     Chunk,
-    GridChunks,
     Manifest,
     ObjectEntry,
     decode_value,
@@ -41,9 +40,10 @@ from xckpt.manifest import (
 from xckpt.native import _fileio, _packedio
 from xckpt.native._deltas import Patches
 from xckpt.native._refs import Resolver
+from xckpt.native._units import PlanColumns, packed_sizes
 from xckpt.native._zarr import NativeStorage, packed_grid
 from xckpt.native.commit import read_rank_manifests, validate
-from xckpt.source import ChunkRead, Source, whole_request
+from xckpt.source import ChunkRead, Source, UnitColumns, whole_request
 from xckpt.storage import Location, corrupt, storage_error
 
 __all__ = ["Checkpoint"]
@@ -145,6 +145,7 @@ class Checkpoint(Source):
         self._verified_arrays: dict[str, Any] = {}
         self._checked: set[str] = set()
         self._packed_size_cache: dict[str, int] | None = None
+        self._columns: PlanColumns | None = None
         #: A local directory: "plain" ranks are read with direct file I/O (xckpt.native._fileio).
         self._root = _fileio.local_root(self.storage.url)
         #: Where each array chunk's bytes are (its rank's codec; another step's, for a reference).
@@ -243,19 +244,16 @@ class Checkpoint(Source):
         ]
         return {(key, idx): cell for idx in itertools.product(*ranges)}
 
+    def read_units_columns(self, name: str, lo: np.ndarray, hi: np.ndarray, itemsize: int) -> UnitColumns | None:
+        """`read_units` of many boxes of a grid tensor at once (`xckpt.native._units`)."""
+        if self._columns is None:
+            self._columns = PlanColumns(self.manifest, self._packed_sizes())
+        return self._columns.columns(self.info(name), lo, hi, itemsize)
+
     def _packed_sizes(self) -> dict[str, int]:
         """Bytes of each rank's packed array (the end of its last packed chunk)."""
         if self._packed_size_cache is None:
-            sizes: dict[str, int] = {}
-            for t in self.manifest.tensors.values():
-                if isinstance(t.chunks, GridChunks):  # by columns: a grid's cells are not built
-                    for k, end in t.chunks.packed_ends().items():
-                        sizes[k] = max(sizes.get(k, 0), end)
-                    continue
-                for c in t.chunks:
-                    if c.form == "packed":
-                        sizes[c.key] = max(sizes.get(c.key, 0), _packed_end(c))
-            self._packed_size_cache = sizes
+            self._packed_size_cache = packed_sizes(self.manifest, _packed_end)
         return self._packed_size_cache
 
     def _where(self, name: str, c: Chunk) -> str:
