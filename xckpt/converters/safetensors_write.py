@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from xckpt._stream import crc32c
 from xckpt.errors import XckptError
 from xckpt.manifest import encode_value
 from xckpt.sink import Sink, WriteJob
@@ -100,18 +101,34 @@ def _header(job: WriteJob, names: list[str], metadata: dict[str, str] | None) ->
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_file(job: WriteJob, path: str, names: list[str], metadata: dict[str, str] | None) -> None:
-    """One safetensors file of `names` at `path` (created; fsynced): header, then each tensor's bytes."""
+def write_file(
+    job: WriteJob, path: str, names: list[str], metadata: dict[str, str] | None, *, digest: bool = False
+) -> tuple[int, int]:
+    """One safetensors file of `names` at `path` (created; fsynced): header, then each tensor's bytes.
+
+    Returns the file's size and, with `digest`, its crc32c, computed from the bytes as
+    they are written (no read back; 0 without `digest`)."""
     header = _header(job, names, metadata)
-    with open(path, "xb") as f:
-        f.write(header)
+    crc, size = crc32c(np.frombuffer(header, np.uint8)) if digest else 0, len(header)
+    with open(path, "xb", buffering=0) as f:
+        _write_all(f, memoryview(header))
         for n in names:
             for piece in job.rows(n):
-                f.write(memoryview(piece.reshape(-1).view(np.uint8)))
+                flat = piece.reshape(-1).view(np.uint8)
+                if digest:
+                    crc = crc32c(flat, crc)
+                size += flat.nbytes
+                _write_all(f, memoryview(flat))
                 job.bar.update(piece.nbytes)
-                del piece  # free it before the next piece is read: one piece in memory
-        f.flush()
+                del piece, flat  # free it before the next piece is read: one piece in memory
         os.fsync(f.fileno())
+    return size, crc
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    """All of `view` to the unbuffered file `f` (a raw write may take part of it)."""
+    while view.nbytes:
+        view = view[f.write(view) :]
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
