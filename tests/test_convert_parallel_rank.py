@@ -22,6 +22,7 @@ import pytest
 import xckpt
 import xckpt._convert_worker as cw
 import xckpt.convert_parallel as cp
+from xckpt._parts import file_digest
 from xckpt.errors import XckptError
 
 
@@ -51,6 +52,8 @@ def test_rank_child_writes_reports_errors_and_its_death(tmp_path):
     try:
         done = child.call("write", [0])
         assert [r["part"] for r in done] == [0] and os.path.exists(os.path.join(spec.tmp, plan.shard_file(0)))
+        # the shard's size and crc32c, taken as it was written, are the file's
+        assert done[0]["files"] == [[plan.shard_file(0), *file_digest(os.path.join(spec.tmp, plan.shard_file(0)))]]
         assert bar.n == plan.parts[0].nbytes  # its progress reaches the rank
         assert child.call("verify", done) is None
         with pytest.raises(XckptError, match=r"IndexError"):

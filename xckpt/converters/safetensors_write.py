@@ -114,15 +114,27 @@ def write_file(
         _write_all(f, memoryview(header))
         for n in names:
             for piece in job.rows(n):
-                flat = piece.reshape(-1).view(np.uint8)
-                if digest:
-                    crc = crc32c(flat, crc)
-                size += flat.nbytes
-                _write_all(f, memoryview(flat))
+                crc = _put(f, piece.reshape(-1).view(np.uint8), crc if digest else None)
+                size += piece.nbytes
                 job.bar.update(piece.nbytes)
-                del piece, flat  # free it before the next piece is read: one piece in memory
+                del piece  # free it before the next piece is read: one piece in memory
         os.fsync(f.fileno())
     return size, crc
+
+
+#: Bytes of a piece written at a time (its crc32c first, while they are in cache).
+_SLICE = 4 << 20
+
+
+def _put(f: Any, flat: np.ndarray, crc: int | None) -> int:
+    """`flat` (bytes) to the unbuffered file `f` in slices, each one's crc32c taken first
+    (the read leaves it in cache for the write); the crc32c continued, or 0 for None."""
+    for at in range(0, flat.nbytes, _SLICE):
+        part = flat[at : at + _SLICE]
+        if crc is not None:
+            crc = crc32c(part, crc)
+        _write_all(f, memoryview(part))
+    return crc or 0
 
 
 def _write_all(f: Any, view: memoryview) -> None:
