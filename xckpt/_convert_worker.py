@@ -188,11 +188,17 @@ class _BatchedBar:
 
 
 def _threads() -> int:
-    """This process's OS threads (Linux); -1 where it cannot tell."""
+    """This process's OS threads (Linux); -1 where it cannot tell, or where one of them is
+    tensorstore's (named `ts_...`; started before `xckpt` was imported)."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        tasks = os.listdir("/proc/self/task")
+        for t in tasks:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                if f.read().startswith("ts_"):
+                    return -1
     except OSError:
         return -1
+    return len(tasks)
 
 
 #: The threads this process ran when `xckpt` was imported: those the libraries below it
