@@ -3,8 +3,9 @@
 The output is cut into parts by `xckpt._parts.make_plan` (byte-balanced, one
 output file each, decided by the source and the options, never by the number of
 workers), and the parts are written by workers: `workers=N` local processes (the caller
-and `N - 1` spawned ones; each takes the next part when it is free, the largest first), or every rank of a
-`torchrun` job (each rank its byte-balanced share, `xckpt._parts.assign`). A
+and `N - 1` children started before it plans, forked where that is safe, see
+`xckpt._convert_worker`; each takes the next part when it is free, the largest first), or
+every rank of a `torchrun` job (each rank its byte-balanced share, `xckpt._parts.assign`). A
 worker opens the source itself (its own connections to object storage) and reads only
 the boxes of its parts. Every part goes into a temporary output beside `dst`
 (`.<dst name>.xckpt-convert`); a journal beside it (`.<dst name>.xckpt-journal/`)
