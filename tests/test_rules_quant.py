@@ -199,8 +199,15 @@ def test_torch_load_dequantizes_into_the_state_dict(fp8_file: Any, mxfp4_file: A
     assert torch.equal(sd[f"{GPT_OSS}down_proj"], mxfp4_expected(tensors, "float32")[f"{GPT_OSS}down_proj"])
 
 
+@pytest.mark.parametrize("band", [None, 3000])
 @pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
-def test_convert_to_safetensors_reads_back(fp8_file: Any, mxfp4_file: Any, tmp_path: Path, kind: str) -> None:
+def test_convert_to_safetensors_reads_back(
+    fp8_file: Any, mxfp4_file: Any, tmp_path: Path, kind: str, band: int | None, monkeypatch: Any
+) -> None:
+    """Also with the large tensors written in bands of rows (`WriteJob.rows`; bands of a few
+    rows here, which cross the 128-row scale blocks), verified (crc32c per source box)."""
+    if band is not None:
+        monkeypatch.setattr(xckpt.sink, "ROWS_BAND", band)
     path, tensors = fp8_file if kind == "fp8" else mxfp4_file
     want = fp8_expected(tensors, "bfloat16") if kind == "fp8" else mxfp4_expected(tensors, "bfloat16")
     out = xckpt.convert(path, tmp_path / "out.safetensors", rules={"fp8": "fp8_block_dequant", "mxfp4": "mxfp4_dequant"}[kind])

@@ -451,14 +451,15 @@ def _write_dcp(job: WriteJob, plan: Plan, part: Part) -> dict[str, Any]:
 
 def _write_shard(job: WriteJob, plan: Plan, part: Part, meta: Mapping[str, str]) -> dict[str, Any]:
     path = os.path.join(job.dst, plan.shard_file(part.index))
-    write_file(
+    size, crc = write_file(
         job,
         path + ".partial",
         [n for n, _ in part.items],
         dict(meta) if part.index == 0 else {"format": "pt"},
+        digest=True,
     )
     os.rename(path + ".partial", path)
-    return {}
+    return {"files": [[plan.shard_file(part.index), size, crc]]}
 
 
 def write_part(
@@ -482,11 +483,17 @@ def write_part(
     else:
         FORMATS[plan.format].sink.write(job)
         extra = {}
+    # the files' digests: computed while writing (a shard), else read back (fsynced first)
+    files = extra.pop("files", None)
+    if journal is None:
+        files = []
+    elif files is None:
+        files = _digests(plan, part.index, job.dst)
     result: PartResult = {
         "plan_id": plan.plan_id,
         "part": part.index,
         "nbytes": part.nbytes,
-        "files": _digests(plan, part.index, job.dst) if journal is not None else [],
+        "files": files,
         "crcs": [[n, list(o), list(s), c] for (n, o, s), c in job.crcs.items()],
         **extra,
     }

@@ -3,8 +3,9 @@
 The output is cut into parts by `xckpt._parts.make_plan` (byte-balanced, one
 output file each, decided by the source and the options, never by the number of
 workers), and the parts are written by workers: `workers=N` local processes (the caller
-and `N - 1` spawned ones; each takes the next part when it is free, the largest first), or every rank of a
-`torchrun` job (each rank its byte-balanced share, `xckpt._parts.assign`). A
+and `N - 1` children started before it plans, forked where that is safe, see
+`xckpt._convert_worker`; each takes the next part when it is free, the largest first), or
+every rank of a `torchrun` job (each rank its byte-balanced share, `xckpt._parts.assign`). A
 worker opens the source itself (its own connections to object storage) and reads only
 the boxes of its parts. Every part goes into a temporary output beside `dst`
 (`.<dst name>.xckpt-convert`); a journal beside it (`.<dst name>.xckpt-journal/`)
@@ -38,21 +39,16 @@ reader needs every part's manifest); no `overwrite` or `resume` there.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import datetime
-import multiprocessing as mp
+import functools
 import os
-import socket
-import subprocess
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 from xckpt import formats
+from xckpt._convert_worker import _BatchedBar, _Child, _Spec, _Worker, start_children
 from xckpt._parts import (
     DEFAULT_PART_SIZE,
     Journal,
@@ -61,14 +57,8 @@ from xckpt._parts import (
     assign,
     clear_commit,
     commit_files,
-    fingerprint,
-    kept_part,
-    make_plan,
-    options_of,
-    write_part,
 )
 from xckpt._progress import progress
-from xckpt._stream import crc32c
 from xckpt.convert import (
     ConvertOptions,
     VerifyMismatchError,
@@ -76,20 +66,14 @@ from xckpt.convert import (
     _check_from_format,
     _check_structure,
     _commit,
-    _globs,
-    _open,
-    _read_back,
     _remove,
     convert_one,
     destination,
     guess_format,
     parse_size,
 )
-from xckpt.converters.safetensors_write import metadata_of
-from xckpt.errors import CheckpointExistsError, CorruptChunkError, XckptError
-from xckpt.layout import Box
-from xckpt.sink import WriteJob
-from xckpt.source import Source, local_path
+from xckpt.errors import CheckpointExistsError, XckptError
+from xckpt.source import local_path
 from xckpt.storage import Storage
 
 __all__ = ["convert", "torchrun_env", "GROUP_TIMEOUT_S"]
@@ -105,152 +89,7 @@ def torchrun_env() -> bool:
     return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) and env["WORLD_SIZE"] not in ("", "1")
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """Everything a worker needs (picklable): where to read, what to write, where."""
-
-    src: Any
-    from_format: str | None
-    rules: Any
-    include: Any
-    exclude: Any
-    allow_pickle: bool
-    fmt: str
-    hf_dir: bool
-    part_size: int | None
-    tmp: Any  # a local path, or (xckpt in object storage, written in place) the destination
-    journal: str | None  # None: the destination is in object storage (no resume)
-    verify: bool
-    compression: str | None = None
-
-
-class _Worker:
-    """One process's side: the source opened once, the plan, jobs for parts."""
-
-    def __init__(self, spec: _Spec, bar: Any, plan: Plan | None = None) -> None:
-        self.spec = spec
-        self.bar = bar
-        self.src: Source = _open(
-            spec.src, spec.from_format, spec.rules, spec.include, spec.exclude, spec.allow_pickle
-        )
-        try:
-            self.names = tuple(self.src.names())
-            obj_names = self.src.object_names()
-            self.skipped = [] if spec.allow_pickle else sorted(self.src.pickled_objects() & set(obj_names))
-            wanted = [n for n in obj_names if n not in set(self.skipped)]
-            self.objects = self.src.objects(wanted, per_rank="list") if wanted else {}
-            self.per_rank = frozenset(self.src.per_rank_objects() & set(wanted))
-            self.plan = plan if plan is not None else self._plan()
-        except BaseException:
-            self.src.close()
-            raise
-        self.journal = Journal(spec.journal) if spec.journal is not None else None
-
-    def _plan(self) -> Plan:
-        s = self.spec
-        opts = options_of(
-            s.fmt,
-            hf_dir=s.hf_dir,
-            part_size=s.part_size,
-            rules=s.rules,
-            include=_globs(s.include, "include"),
-            exclude=_globs(s.exclude, "exclude"),
-            allow_pickle=s.allow_pickle,
-            layout="parts",
-            compression=s.compression,
-        )
-        fp = fingerprint(self.src, self.names, self.objects, opts)
-        return make_plan(self.src, self.names, s.fmt, hf_dir=s.hf_dir, part_size=s.part_size or 0, fp=fp)
-
-    def job(self, record: bool | None = None) -> WriteJob:
-        s = self.spec
-        return WriteJob(
-            self.src,
-            s.tmp,
-            self.names,
-            self.objects,
-            s.part_size if s.hf_dir else None,
-            self.bar,
-            self.per_rank,
-            record=s.verify if record is None else record,
-            save_id=self.plan.save_id,
-            compression=s.compression,
-        )
-
-    def write(self, p: int) -> PartResult:
-        """Part `p`: kept when the journal says it is finished and its bytes match, else written."""
-        part = self.plan.parts[p]
-        kept = kept_part(self.plan, p, self.spec.tmp, self.journal) if self.journal is not None else None
-        if kept is not None:
-            self.bar.update(part.nbytes)
-            return kept
-        job = self.job()
-        meta = metadata_of(job) if self.plan.kind == "hf-dir" and p == 0 else {}
-        return write_part(job, self.plan, part, self.journal, meta)
-
-    def verify(self, results: Sequence[PartResult]) -> None:
-        """Re-read every box of `results` through the output's reader; compare crc32c."""
-        fmt = self.spec.fmt
-        keys = {(n, tuple(o), tuple(s)): c for r in results for n, o, s, c in r["crcs"]}
-        if not keys:
-            return
-        with formats.open(self.spec.tmp, format=fmt) as back:
-            try:
-                crc = 0
-                for key, buf, last in _read_back(back, list(keys), split=fmt != "xckpt"):
-                    crc = crc32c(buf, crc)
-                    if last:
-                        crc, got = 0, crc
-                        if got != keys[key]:
-                            raise VerifyMismatchError(self._mismatch(key, got, keys[key]))
-            except VerifyMismatchError:
-                raise
-            except CorruptChunkError as e:
-                raise VerifyMismatchError(
-                    f"conversion of {self.src.path!r} to {fmt} does not read back as written: {e}; nothing "
-                    "was written to the destination. Check the disk and convert again"
-                ) from None
-
-    def _mismatch(self, key: tuple[str, tuple[int, ...], tuple[int, ...]], got: int, want: int) -> str:
-        name, offset, shape = key
-        return (
-            f"conversion of {self.src.path!r} to {self.spec.fmt}: tensor {name!r}, box {Box(offset, shape)} "
-            f"reads back with crc32c {got:08x}, the source's is {want:08x}; nothing was written to the "
-            "destination. Check the disk and convert again"
-        )
-
-    def close(self) -> None:
-        self.src.close()
-
-
 # -- local worker processes ---------------------------------------------------------------------
-
-_STATE: dict[str, Any] = {}
-
-
-class _SharedBar:
-    """Progress of a worker process: bytes added to a counter the caller's bar polls."""
-
-    def __init__(self, counter: Any) -> None:
-        self._counter = counter
-
-    def update(self, n: int = 1) -> None:
-        with self._counter.get_lock():
-            self._counter.value += n
-
-
-def _init(spec: _Spec, plan: Plan, counter: Any) -> None:
-    _STATE["worker"] = _Worker(spec, _SharedBar(counter), plan)
-
-
-def _task_write(p: int) -> PartResult:
-    result: PartResult = _STATE["worker"].write(p)
-    return result
-
-
-def _task_verify(results: list[PartResult]) -> None:
-    _STATE["worker"].verify(results)
-
 
 def _poll(bar: Any, read: Callable[[], int], stop: threading.Event) -> None:
     seen, stopped = 0, False
@@ -262,22 +101,16 @@ def _poll(bar: Any, read: Callable[[], int], stop: threading.Event) -> None:
 
 
 class _Pool:
-    """The caller's worker and `workers - 1` spawned processes, each with the source opened
-    once, for the parts and then their verify (one pool: a process's start, imports
-    included, is paid once). The caller writes parts too, from the start, while the
-    spawned processes are still importing: with 2 workers only one process is started."""
+    """The caller's worker and its children (started first, see `start_children`), for the
+    parts and then their verify: each takes the next task when free."""
 
-    def __init__(self, spec: _Spec, plan: Plan, workers: int, bar: Any, own: _Worker) -> None:
-        ctx = mp.get_context("spawn")  # tensorstore's threads do not survive fork
-        self.plan, self.bar, self.own, self.n = plan, bar, own, workers - 1
-        self.counter = ctx.Value("q", 0)
-        self.ex = cf.ProcessPoolExecutor(
-            self.n, mp_context=ctx, initializer=_init, initargs=(spec, plan, self.counter)
-        )
+    def __init__(self, plan: Plan, own: _Worker, children: Sequence[_Child]) -> None:
+        self.plan, self.own, self.children = plan, own, list(children)
 
-    def _share(self, tasks: Sequence[Any], local: Callable[[Any], Any], remote: Callable[[Any], Any]) -> list[Any]:
-        """`local(t)` or `remote(t)` of every task, in order: this process and each spawned
-        one take the next task when free; the first error stops the handing out and is raised."""
+    def _share(self, tasks: Sequence[Any], local: Callable[[Any], Any], what: str) -> list[Any]:
+        """`local(t)` or a child's `call(what, t)` of every task, in order: this process and
+        each child take the next task when free; the first error stops the handing out and
+        is raised."""
         out: list[Any] = [None] * len(tasks)
         lock, todo = threading.Lock(), iter(range(len(tasks)))
         errors: list[BaseException] = []
@@ -286,53 +119,36 @@ class _Pool:
             with lock:
                 return None if errors else next(todo, None)
 
-        def run(fn: Callable[[int], Any]) -> None:
+        def run(fn: Callable[[Any], Any]) -> None:
             while (i := take()) is not None:
                 try:
-                    out[i] = fn(i)
+                    out[i] = fn(tasks[i])
                 except BaseException as e:  # noqa: BLE001 - raised by the caller below
                     with lock:
                         errors.append(e)
 
-        feeders = [threading.Thread(target=run, args=(lambda i: self.ex.submit(remote, tasks[i]).result(),),
-                                    daemon=True) for _ in range(self.n)]
+        feeders = [threading.Thread(target=run, args=(functools.partial(c.call, what),), daemon=True)
+                   for c in self.children]
         for t in feeders:
             t.start()
         try:
-            run(lambda i: local(tasks[i]))
+            run(local)
         finally:
             for t in feeders:
                 t.join()
         if errors:
-            if isinstance(errors[0], cf.process.BrokenProcessPool):
-                raise XckptError(
-                    f"a conversion worker process died ({errors[0]}); the parts finished so far are kept: run "
-                    "the same conversion again with resume=True (--resume)"
-                ) from None
             raise errors[0]
         return out
 
     def write(self) -> list[PartResult]:
-        """Every part, the largest first, each to the next free process; progress polled."""
-        stop = threading.Event()
-        poller = threading.Thread(
-            target=_poll, args=(self.bar, lambda: self.counter.value, stop), daemon=True
-        )
-        poller.start()
+        """Every part, the largest first, each to the next free process."""
         order = [p.index for p in sorted(self.plan.parts, key=lambda p: (-p.nbytes, p.index))]
-        try:
-            done = self._share(order, self.own.write, _task_write)
-        finally:
-            stop.set()
-            poller.join()
-        by_part = dict(zip(order, done))
+        done = self._share([[i] for i in order], lambda ps: [self.own.write(p) for p in ps], "write")
+        by_part = {r["part"]: r for rs in done for r in rs}
         return [by_part[i] for i in range(len(self.plan.parts))]
 
     def verify(self, results: list[PartResult]) -> None:
-        self._share([[r] for r in results], self.own.verify, _task_verify)
-
-    def close(self) -> None:
-        self.ex.shutdown(wait=True, cancel_futures=True)
+        self._share([[r] for r in results], self.own.verify, "verify")
 
 
 # -- the driver ---------------------------------------------------------------------------------
@@ -373,37 +189,40 @@ def _finish(spec: _Spec, worker: _Worker, results: list[PartResult], out: str, r
 def _local(
     spec: _Spec, workers: int, out: str, replace: bool, resume: bool, show_progress: bool | None
 ) -> None:
-    worker = _Worker(spec, None)
-    pool: _Pool | None = None
+    # The children first, before this process opens the source (forked while no tensorstore
+    # thread runs here; or fresh interpreters, importing while this process plans).
+    children = start_children(workers - 1, None)
+    worker: _Worker | None = None
     try:
+        worker = _Worker(spec, None)
         if worker.skipped:
             _warn_skipped(worker)
         plan = worker.plan
+        while len(children) > max(0, len(plan.parts) - 1):  # no more processes than parts
+            children.pop().close()
         total = sum(p.nbytes for p in plan.parts)
         with progress(total, f"convert to {spec.fmt} ({workers} workers)", show_progress) as bar:
             worker.bar = bar
             _check(formats.FORMATS[spec.fmt], worker.job())
             _prepare_tmp(plan, spec, resume)
-            if workers == 1 or len(plan.parts) == 1:
-                results = [worker.write(p.index) for p in plan.parts]
-            else:
-                pool = _Pool(spec, plan, min(workers, len(plan.parts)), bar, worker)
-                results = pool.write()
+            for c in children:
+                c.bar = bar
+                c.start(spec, plan)
+            pool = _Pool(plan, worker, children)
+            results = pool.write()
         commit_files(worker.job(record=False), plan, results)
         try:
             if spec.verify:
-                if pool is None:
-                    worker.verify(results)
-                else:
-                    pool.verify(results)
+                pool.verify(results)
             _finish(spec, worker, results, out, replace)
         except VerifyMismatchError:
             _discard(spec)  # damaged: a resume must not keep it
             raise
     finally:
-        if pool is not None:
-            pool.close()
-        worker.close()
+        for c in children:
+            c.close()
+        if worker is not None:
+            worker.close()
 
 
 def _discard(spec: _Spec) -> None:
@@ -454,82 +273,17 @@ def _warn_skipped(worker: _Worker) -> None:
 _BAR_KEY = "xckpt/convert/bytes"
 
 
-class _BatchedBar:
-    """Progress passed on by `send(bytes)` in steps of 64 MiB: a rank's to the process
-    group's store, a rank's child's to the rank."""
-
-    def __init__(self, send: Callable[[int], Any]) -> None:
-        self._send, self._held = send, 0
-
-    def update(self, n: int = 1) -> None:
-        self._held += n
-        if self._held >= 64 << 20:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._held:
-            self._send(self._held)
-        self._held = 0
-
-
-def _rank_child(fd: int) -> None:
-    """A rank's child process: writes and verifies the parts the rank is sent (see `_RankChild`)."""
-    conn = Connection(fd)
-    spec, plan = conn.recv()
-    bar = _BatchedBar(lambda n: conn.send(("bytes", n)))
-    worker = _Worker(spec, bar, plan)
+def _rank_child(spec: _Spec, plan: Plan, bar: Any) -> _Child:
+    """The process that writes and verifies a rank's parts: a fresh interpreter (no torch
+    imported, so a rank's working memory is not on top of torch's; and a rank, with torch's
+    and gloo's threads, must not fork); the rank only agrees and commits."""
+    child = _Child(bar, fork=False, who="this rank's conversion process")
     try:
-        while (msg := conn.recv())[0] != "close":
-            try:
-                done = [worker.write(p) for p in msg[1]] if msg[0] == "write" else None
-                if msg[0] == "verify":
-                    worker.verify(msg[1])
-                bar.flush()
-                conn.send(("done", done))
-            except Exception as e:  # noqa: BLE001 - sent to the rank, raised there as an XckptError
-                conn.send(("error", f"{type(e).__name__}: {e}"))
-    finally:
-        worker.close()
-
-
-class _RankChild:
-    """The process that writes and verifies a rank's parts, started fresh (no torch imported,
-    so a rank's working memory is not on top of torch's); the rank only agrees and commits."""
-
-    def __init__(self, spec: _Spec, plan: Plan, bar: Any) -> None:
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        code = f"from xckpt.convert_parallel import _rank_child; _rank_child({theirs.fileno()})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
-        theirs.close()
-        self.conn, self.bar = Connection(ours.detach()), bar
-        self.conn.send((spec, plan))
-
-    def call(self, what: str, arg: Any) -> Any:
-        """Send the child `what` ("write": part indices; "verify": their results); its answer."""
-        try:
-            self.conn.send((what, arg))
-            while True:
-                kind, value = self.conn.recv()
-                if kind == "bytes":
-                    self.bar.update(value)
-                elif kind == "error":
-                    raise XckptError(value)
-                else:
-                    return value
-        except (EOFError, OSError):
-            raise XckptError(
-                f"this rank's conversion process died (exit code {self.proc.wait()}); the parts finished so far "
-                "are kept: run the same conversion again with resume=True (--resume)"
-            ) from None
-
-    def close(self) -> None:
-        try:
-            self.conn.send(("close", None))
-        except OSError:
-            pass
-        self.conn.close()
-        self.proc.wait()
+        child.start(spec, plan)
+    except BaseException:
+        child.close()
+        raise
+    return child
 
 
 def _agree(dist: Any, value: Any) -> list[Any]:
@@ -591,7 +345,7 @@ def _torchrun_body(
     store = _store(dist)
     sbar = _BatchedBar(lambda n: store.add(_BAR_KEY, n) if store is not None else None)
     got = _attempt(lambda: _Worker(spec, sbar))
-    child: _RankChild | None = None
+    child: _Child | None = None
     try:
         ids = _agree(dist, got.plan.plan_id if isinstance(got, _Worker) else got)
         _raise_any(ids, "opening the source and planning")
@@ -607,7 +361,7 @@ def _torchrun_body(
         ready = _attempt(lambda: _rank0_prepare(worker, plan, spec, resume)) if rank == 0 else None
         _raise_any(_agree(dist, ready), "preparing the output")
         mine = assign(plan, world)[rank]
-        child = _RankChild(spec, plan, sbar) if mine else None
+        child = _rank_child(spec, plan, sbar) if mine else None
         with _rank0_bar(rank, store, sum(p.nbytes for p in plan.parts), spec.fmt, world, show_progress):
             results = _attempt(lambda: child.call("write", mine) if child is not None else [])
             sbar.flush()

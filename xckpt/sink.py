@@ -30,6 +30,10 @@ __all__ = ["Sink", "WriteJob", "Progress", "BoxKey", "CONVERT_INFLIGHT_BYTES", "
 #: Bytes the xckpt sink may hold in flight during a conversion.
 CONVERT_INFLIGHT_BYTES = 32 << 20
 
+#: Bytes of a band of rows `WriteJob.rows` gives of a large one-chunk tensor: read (and
+#: converted by rules) into a buffer that stays in cache until it is written.
+ROWS_BAND = 8 << 20
+
 #: A source box: (tensor name, offset, shape).
 BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 
@@ -283,7 +287,8 @@ class WriteJob:
 
         Pieces are bands of whole rows (dimension 0) that no source chunk
         crosses: a row-sharded tensor streams one chunk at a time, a
-        column-sharded one comes as one piece. Records a crc32c per source box;
+        column-sharded one comes as one piece, a large one-chunk tensor in
+        bands of about `ROWS_BAND` bytes. Records a crc32c per source box;
         the next piece is read in the background while the caller writes one.
         A piece is valid only until the next is asked for (its buffer is reused).
         """
@@ -291,9 +296,14 @@ class WriteJob:
         chunks = [c for c in t.chunks if c.box.volume]
         if t.nbytes == 0:
             return
-        if len(t.shape) == 0 or len(chunks) == 1:
+        whole = len(chunks) == 1 and chunks[0].box == t.box
+        if len(t.shape) == 0 or (len(chunks) == 1 and not (whole and t.nbytes > 2 * ROWS_BAND and t.shape[0] > 1)):
             yield self.tensor(name, reuse=True)
             self._buffers.trim()
+            return
+        if whole:  # a large one-chunk tensor in bands of rows, each written while it is in cache
+            for _, _, band in self.bands(name, max_bytes=ROWS_BAND):
+                yield band
             return
         bands: list[list[Any]] = []  # [start, end, chunks]
         for c in sorted(chunks, key=lambda c: c.offset[0]):

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from xckpt._stream import crc32c
 from xckpt.errors import XckptError
 from xckpt.manifest import encode_value
 from xckpt.sink import Sink, WriteJob
@@ -100,18 +101,46 @@ def _header(job: WriteJob, names: list[str], metadata: dict[str, str] | None) ->
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_file(job: WriteJob, path: str, names: list[str], metadata: dict[str, str] | None) -> None:
-    """One safetensors file of `names` at `path` (created; fsynced): header, then each tensor's bytes."""
+def write_file(
+    job: WriteJob, path: str, names: list[str], metadata: dict[str, str] | None, *, digest: bool = False
+) -> tuple[int, int]:
+    """One safetensors file of `names` at `path` (created; fsynced): header, then each tensor's bytes.
+
+    Returns the file's size and, with `digest`, its crc32c, computed from the bytes as
+    they are written (no read back; 0 without `digest`)."""
     header = _header(job, names, metadata)
-    with open(path, "xb") as f:
-        f.write(header)
+    crc, size = crc32c(np.frombuffer(header, np.uint8)) if digest else 0, len(header)
+    with open(path, "xb", buffering=0) as f:
+        _write_all(f, memoryview(header))
         for n in names:
             for piece in job.rows(n):
-                f.write(memoryview(piece.reshape(-1).view(np.uint8)))
+                crc = _put(f, piece.reshape(-1).view(np.uint8), crc if digest else None)
+                size += piece.nbytes
                 job.bar.update(piece.nbytes)
                 del piece  # free it before the next piece is read: one piece in memory
-        f.flush()
         os.fsync(f.fileno())
+    return size, crc
+
+
+#: Bytes of a piece written at a time (its crc32c first, while they are in cache).
+_SLICE = 4 << 20
+
+
+def _put(f: Any, flat: np.ndarray, crc: int | None) -> int:
+    """`flat` (bytes) to the unbuffered file `f` in slices, each one's crc32c taken first
+    (the read leaves it in cache for the write); the crc32c continued, or 0 for None."""
+    for at in range(0, flat.nbytes, _SLICE):
+        part = flat[at : at + _SLICE]
+        if crc is not None:
+            crc = crc32c(part, crc)
+        _write_all(f, memoryview(part))
+    return crc or 0
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    """All of `view` to the unbuffered file `f` (a raw write may take part of it)."""
+    while view.nbytes:
+        view = view[f.write(view) :]
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
