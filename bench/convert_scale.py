@@ -31,6 +31,9 @@ per-file torch script that loads each file, runs DeepSeek's ``weight_dequant`` m
 torch on the CPU and saves it, one process per file, 2 at a time (the same number of
 processes; one at a time would take a minute a GB on 2 cores). After the rows the
 bench checks that xckpt's output and the script's hold the same tensors, bit for bit.
+One more row runs ``--workers 1`` pinned to one core (``taskset -c 0``): a worker overlaps
+its reads and writes on two threads, so unpinned on 2 cores ``--workers 1`` already uses more
+than one; the pinned row is the base for the throughput per core (N workers on N cores).
 Targets (issue 32): ``--workers 2`` at least 1.6x the throughput of ``--workers 1``; at least
 1.5x the per-file script with 2 processes; peak RSS per process at most 2x the largest
 (bfloat16) tensor + 300 MB.
@@ -139,6 +142,7 @@ def _run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 PLAIN_ANCHOR = "per-file torch script, 2 process(es)"
 DEQUANT_ANCHOR = "fp8 -> bf16, per-file torch script, 2 process(es)"
+ONE_CORE = "fp8 -> bf16, --workers 1 on 1 core"
 
 
 def rows(src: str, fp8: str, work: str, suite: str) -> list[tuple[str, list[str]]]:
@@ -161,6 +165,9 @@ def rows(src: str, fp8: str, work: str, suite: str) -> list[tuple[str, list[str]
         deq = ["--to", "safetensors", "--max-shard-size", "500MB", "--rules", "fp8_block_dequant", "--no-verify"]
         for label, head, tail in how:
             out.append((f"fp8 -> bf16, {label}", [*head, fp8, f"{work}/out", *deq, *tail]))
+        # one worker overlaps its reads and writes on two threads: this row is one worker's
+        # throughput on one core, the base of the scaling per core (N workers on N cores)
+        out.append((ONE_CORE, ["taskset", "-c", "0", *cli, fp8, f"{work}/out", *deq, "--workers", "1"]))
         out.append((DEQUANT_ANCHOR, ["per-file", fp8, f"{work}/out", "2", "1"]))
     return out
 
@@ -240,15 +247,18 @@ def _measure(label: str, argv: list[str], work: str, nbytes: int, repeat: int, k
 def _table(results: list[dict[str, Any]]) -> list[list[str]]:
     """The rows as text, each against its suite's per-file script with 2 processes and its `--workers 1`."""
     base = {r["row"]: r for r in results}
-    table = [["row", "seconds", "GB/s", "vs per-file x2", "vs --workers 1", "CPU s", "peak RSS MiB"]]
+    table = [["row", "seconds", "GB/s", "vs per-file x2", "vs --workers 1", "vs 1 worker on 1 core", "CPU s",
+              "peak RSS MiB"]]
     for r in results:
         fp8 = r["row"].startswith("fp8")
         anchor = base.get(DEQUANT_ANCHOR if fp8 else PLAIN_ANCHOR)
         one = base.get(r["row"].split(", ")[0] + ", --workers 1" + ("" if fp8 else ", " + r["row"].split(", ")[-1]))
+        core = base.get(ONE_CORE) if fp8 else None
         ratio = f"{anchor['seconds'] / r['seconds']:.2f}x" if anchor else "-"
         vs1 = f"{one['seconds'] / r['seconds']:.2f}x" if one and "per-file" not in r["row"] else "-"
-        table.append([r["row"], f"{r['seconds']:.2f}", f"{r['gb_per_s']:.2f}", ratio, vs1, f"{r['cpu_s']:.1f}",
-                      f"{r['peak_rss_mib']:.0f}"])
+        vs_core = f"{core['seconds'] / r['seconds']:.2f}x" if core and "per-file" not in r["row"] else "-"
+        table.append([r["row"], f"{r['seconds']:.2f}", f"{r['gb_per_s']:.2f}", ratio, vs1, vs_core,
+                      f"{r['cpu_s']:.1f}", f"{r['peak_rss_mib']:.0f}"])
     return table
 
 
