@@ -18,6 +18,7 @@ Format (version 6), one JSON object:
                         "placement"?: {...}, "value_range"?: {...}}
                        | {"dtype", "shape", "grid": {...}, ...}   # a grid (version 5)
                        | [dtype, shape, rank, byte_offset, crc32]},   # a packed row
+     "table": {...},                         # a rank manifest's one-chunk tensors as columns (6)
      "objects": [{"name", "kind": "json" | "bytes", "per_rank", "rank", ...}],
      "metadata": {...},
      "checksum": "sha256:<hex>"}           # last member, see below
@@ -116,7 +117,7 @@ class Manifest:
     deltas: Mapping[str, tuple[Patch, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        table, listed = None, set()
+        table, listed = None, set[str]()
         if self.rank is not None and self.world_size > 1:  # a rank manifest of a save of several ranks
             table, listed = table_json(self.tensors, self.rank, self.dirs.get(self.rank, f"data/{self.rank}"))
         tensors, packed = _tensors_to_json(

@@ -249,7 +249,9 @@ class RankMerge:
         t = h.table
         if self._run is not None:
             self._run.flush()
-        if type(t) is not dict or t.keys() != _TABLE or (h.tensors and not h.tensors.keys().isdisjoint(t["names"])):
+        rank = h.rank
+        if (rank is None or type(t) is not dict or t.keys() != _TABLE
+                or (h.tensors and not h.tensors.keys().isdisjoint(t["names"]))):
             self._flush_runs()
             return self._entries(h._replace(tensors=with_table(h.tensors, t, where, h.rank, h.dirs), table=None),
                                  where, dirs)
@@ -266,9 +268,9 @@ class RankMerge:
             run = self._table_run = self._start_table(h, where)
         if run is None:
             return self._entries(h._replace(tensors=with_table({}, t, where, h.rank, h.dirs), table=None), where, dirs)
-        d = h.dirs.get(h.rank, f"data/{h.rank}") if h.rank is not None else ""
-        self.rank_dirs.setdefault(h.rank, d)
-        run.pending.append((h, where, h.rank, self.dir_ids.id(d)))
+        d = h.dirs.get(rank, f"data/{rank}")
+        self.rank_dirs.setdefault(rank, d)
+        run.pending.append((h, where, rank, self.dir_ids.id(d)))
         if run.full():
             self._flush_runs()
         return None
@@ -282,8 +284,8 @@ class RankMerge:
             return None
         if set(map(type, names)) != {str} or set(map(type, keys)) != {str} or len(set(names)) != len(names):
             return None
-        accs = [self.tensors.get(n) for n in names]
-        if any(a is None for a in accs):
+        accs = [a for a in map(self.tensors.get, names) if a is not None]
+        if len(accs) != len(names):
             return None
         d = h.dirs.get(rank, f"data/{rank}")
         if any(split_key(f"{d}/{k}") is None for k in keys):

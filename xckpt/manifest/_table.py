@@ -25,10 +25,18 @@ from typing import Any
 import numpy as np
 
 from xckpt.errors import ManifestError
-from xckpt.manifest._checks import _ITEMSIZES, DTYPES, MAX_CHUNKS, MAX_EXTENT, MAX_NAME_LEN, MAX_NDIM, MAX_TENSOR_BYTES
-from xckpt.manifest._checks import numpy_dtype
+from xckpt.manifest._checks import (
+    _ITEMSIZES,
+    DTYPES,
+    MAX_CHUNKS,
+    MAX_EXTENT,
+    MAX_NAME_LEN,
+    MAX_NDIM,
+    MAX_TENSOR_BYTES,
+    numpy_dtype,
+)
 from xckpt.manifest._entries import TensorEntry
-from xckpt.manifest._grids import _column, column_json, split_key
+from xckpt.manifest._grids import _column, column_json
 
 __all__ = ["TableRun", "expand_table", "table_json"]
 
@@ -42,7 +50,8 @@ _ROWS = 128
 def table_json(tensors: Mapping[str, TensorEntry], rank: int, data_dir: str) -> tuple[dict[str, Any] | None, set[str]]:
     """The `"table"` member of rank `rank`'s manifest and the names it lists: every tensor
     with one chunk, written by this rank under `data_dir`, with no placement or value range
-    (array chunks with their inner grid, packed chunks with byte offset and crc32)."""
+    (array chunks with their inner grid, packed chunks with byte offset and crc32), but a
+    whole tensor packed (a packed row)."""
     names: list[str] = []
     dtypes: list[str] = []
     keys: list[str] = []
@@ -61,8 +70,8 @@ def table_json(tensors: Mapping[str, TensorEntry], rank: int, data_dir: str) -> 
         if c.rank != rank or c.value_range is not None or not c.key.startswith(data_dir + "/"):
             continue
         if c.form == "packed":
-            if c.byte_offset is None or c.crc32 is None:
-                continue
+            if c.byte_offset is None or c.crc32 is None or (c.shape == t.shape and not any(c.offset)):
+                continue  # (a whole tensor packed is a packed row, as compact)
             g, b, k = (0,) * len(c.shape), c.byte_offset, c.crc32
         else:
             if c.grid is None:
