@@ -567,6 +567,35 @@ def test_chunk_table_merge_equals_the_object_merge(ten_ranks: list[bytes], tmp_p
     _merges_agree(docs, tmp_path_factory)
 
 
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d["table"].update(offset="AAAA"), r"ranks/3\.json: table offset is a base64 column of 4 characters"),
+        (lambda d: d["table"].update(names="small"), r"ranks/3\.json: the table's names must be a list"),
+        (lambda d: d["table"]["dtypes"].__setitem__(1, "int4"), r"ranks/3\.json, tensor 'big' \(table\): unknown dtype"),
+        (lambda d: d["table"].pop("crc32"), r"ranks/3\.json: the table must be an object with exactly the members"),
+        (lambda d: d["tensors"].update(small={"dtype": "float32", "shape": [40, 3], "chunks": []}),
+         r"ranks/3\.json: tensor 'small' is listed both in tensors and in the table"),
+        (lambda d: d.update(rank=None),
+         r"ranks/3\.json(: a merged manifest \(rank null\) has no table| says it is rank None)"),
+        (lambda d: d.update(version=5), r"ranks/3\.json: a version 5 manifest has no table member"),
+    ],
+)
+def test_chunk_table_errors_name_the_file_and_the_member(ten_ranks: list[bytes], tmp_path: Path, edit: Any,
+                                                         match: str) -> None:
+    """A bad chunk table is a ManifestError naming the checkpoint's rank manifest and the
+    member, from the merge of an open as from `Manifest.loads`."""
+    docs = [orjson.loads(d) for d in ten_ranks]
+    edit(docs[3])
+    (tmp_path / "ranks").mkdir()
+    for r, d in enumerate(docs):
+        (tmp_path / "ranks" / f"{r}.json").write_bytes(_signed(d))
+    with pytest.raises(ManifestError, match=match):
+        xckpt.open(str(tmp_path))
+    with pytest.raises(ManifestError, match=match):
+        Manifest.loads((tmp_path / "ranks" / "3.json").read_bytes(), f"{tmp_path}/ranks/3.json")
+
+
 def _merges_agree(docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> None:
     """Rank manifests merged as columns (`read_rank_manifests`) and as entry objects
     (`Manifest.loads`, `merge_manifests`) agree: the same chunks, or the same type of error."""
