@@ -256,7 +256,9 @@ class RankMerge:
             return self._entries(h._replace(tensors=with_table(h.tensors, t, where, h.rank, h.dirs), table=None),
                                  where, dirs)
         if h.tensors:
-            self._flush_runs()
+            # (entries with no chunks, a rank's empty shards, add none: the held ranks may wait)
+            if not all(type(e) is dict and e.get("chunks") == [] for e in h.tensors.values()):
+                self._flush_runs()
             self._entries(h, where, dirs)
         run = self._table_run
         try:

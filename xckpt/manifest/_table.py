@@ -198,21 +198,43 @@ class TableRun:
         if cols is None:
             return [(p[0], p[1]) for p in pend]
         off, ext, grid, bo, crc, packed = cols
+        ranks, dirs = [p[2] for p in pend], [p[3] for p in pend]
+        if len(pend) == 1:
+            self._push_one(off[0].tolist(), ext[0].tolist(), grid[0].tolist(), bo[0].tolist(), crc[0].tolist(),
+                           ranks[0], dirs[0], inner)
+            return []
         r = len(pend)
-        ranks = np.array([p[2] for p in pend], np.int64).tobytes()
-        dirs = np.array([p[3] for p in pend], np.int64).tobytes()
+        rank_b, dir_b = np.array(ranks, np.int64).tobytes(), np.array(dirs, np.int64).tobytes()
+        ids = _inner_ids(grid, packed, self.stops, inner).T.copy()
+        sfx, bo_t, crc_t = np.repeat(np.array(self.sfx, np.int64)[:, None], r, 1), bo.T.copy(), crc.T.copy()
         for j, acc in enumerate(self.accs):
             s, e = self.stops[j], self.stops[j + 1]
             acc.offs.frombytes(off[:, s:e].tobytes())
             acc.shps.frombytes(ext[:, s:e].tobytes())
-            acc.ranks.frombytes(ranks)
-            acc.dirs.frombytes(dirs)
-            acc.sfx.frombytes(np.full(r, self.sfx[j], np.int64).tobytes())
-            acc.inner.frombytes(_inner_ids(grid[:, s:e], packed[:, j], inner).tobytes())
-            acc.bo.frombytes(bo[:, j].tobytes())
-            acc.crc.frombytes(crc[:, j].tobytes())
+            acc.ranks.frombytes(rank_b)
+            acc.dirs.frombytes(dir_b)
+            acc.sfx.frombytes(sfx[j].tobytes())
+            acc.inner.frombytes(ids[j].tobytes())
+            acc.bo.frombytes(bo_t[j].tobytes())
+            acc.crc.frombytes(crc_t[j].tobytes())
             acc.n += r
         return []
+
+    def _push_one(self, off: list[int], ext: list[int], grid: list[int], bo: list[int], crc: list[int],
+                  rank: int, d: int, inner: Any) -> None:
+        """One held rank's chunks into the columns (quicker in Python than numpy per tensor)."""
+        none = inner.id(None)
+        for j, acc in enumerate(self.accs):
+            s, e = self.stops[j], self.stops[j + 1]
+            acc.offs.extend(off[s:e])
+            acc.shps.extend(ext[s:e])
+            acc.ranks.append(rank)
+            acc.dirs.append(d)
+            acc.sfx.append(self.sfx[j])
+            acc.inner.append(none if bo[j] != -1 else inner.id(tuple(grid[s:e])))
+            acc.bo.append(bo[j])
+            acc.crc.append(crc[j])
+            acc.n += 1
 
     def _columns(self, pend: list[tuple[Any, str, int, int]]) -> tuple[np.ndarray, ...] | None:
         """The held ranks' integer columns, each `(ranks, values)` int64, checked in bulk
@@ -246,11 +268,19 @@ class TableRun:
         return off, ext, grid, bo, crc, packed
 
 
-def _inner_ids(g: np.ndarray, packed: np.ndarray, inner: Any) -> np.ndarray:
-    """Each chunk's inner grid id (a packed chunk's: None's) for one tensor's rows `g`."""
-    r = len(packed)
-    if not packed.any() and (g == g[:1]).all():
-        return np.full(r, inner.id(tuple(g[0].tolist())), np.int64)
-    if packed.all():
-        return np.full(r, inner.id(None), np.int64)
-    return np.array([inner.id(None if p else tuple(row)) for p, row in zip(packed.tolist(), g.tolist())], np.int64)
+def _inner_ids(grid: np.ndarray, packed: np.ndarray, stops: list[int], inner: Any) -> np.ndarray:
+    """Each chunk's inner grid id (a packed chunk's: None's), `(ranks, tensors)`: one
+    lookup per tensor whose rows are alike, one per row of the others."""
+    r, n = packed.shape
+    same_dim = (grid == grid[:1]).all(axis=0)
+    same = [bool(same_dim[s:e].all()) for s, e in zip(stops[:-1], stops[1:])]
+    any_p: list[bool] = packed.any(axis=0).tolist()
+    all_p: list[bool] = packed.all(axis=0).tolist()
+    first = grid[0].tolist()
+    row = [inner.id(None) if all_p[j] else inner.id(tuple(first[stops[j]:stops[j + 1]])) if same[j] and not any_p[j]
+           else -1 for j in range(n)]
+    out = np.repeat(np.array(row, np.int64)[None, :], r, 0)
+    for j in [j for j in range(n) if row[j] == -1]:
+        g, p = grid[:, stops[j]:stops[j + 1]].tolist(), packed[:, j].tolist()
+        out[:, j] = [inner.id(None if pk else tuple(gr)) for pk, gr in zip(p, g)]
+    return out
