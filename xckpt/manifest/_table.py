@@ -274,8 +274,8 @@ def _inner_ids(grid: np.ndarray, packed: np.ndarray, stops: list[int], inner: An
     r, n = packed.shape
     same_dim = (grid == grid[:1]).all(axis=0)
     same = [bool(same_dim[s:e].all()) for s, e in zip(stops[:-1], stops[1:])]
-    any_p: list[bool] = packed.any(axis=0).tolist()
-    all_p: list[bool] = packed.all(axis=0).tolist()
+    any_p: list[bool] = np.any(packed, axis=0).tolist()
+    all_p: list[bool] = np.all(packed, axis=0).tolist()
     first = grid[0].tolist()
     row = [inner.id(None) if all_p[j] else inner.id(tuple(first[stops[j]:stops[j + 1]])) if same[j] and not any_p[j]
            else -1 for j in range(n)]
