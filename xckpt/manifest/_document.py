@@ -254,7 +254,7 @@ class Header(NamedTuple):
 def parse_header(d: Any, where: str, *, keep_table: bool = False) -> Header:
     """Check a manifest document's format, version and every member but its tensors and objects.
 
-    A rank manifest's chunk table (version 6) is expanded into `tensors` (after its
+    A rank manifest's chunk table (version 6) is expanded into `tensors` (before its
     entries), unless `keep_table`: then it stays raw in `Header.table`, for `RankMerge`."""
     if not isinstance(d, dict):
         raise ManifestError(f"{where}: a manifest must be a JSON object")
@@ -331,7 +331,7 @@ def with_table(tensors: dict[str, Any], table: Any, where: str, rank: int | None
     both = [n for n in more if n in tensors]
     if both:
         raise ManifestError(f"{where}: tensor {both[0]!r} is listed both in tensors and in the table"[:300])
-    return {**tensors, **more}
+    return {**more, **tensors}  # (the table's tensors first: a writer's split tensors come first in its order)
 
 
 @paused_gc()

@@ -244,8 +244,8 @@ class RankMerge:
                               wh, h.dirs if h.version >= GRID_VERSION else None)
 
     def _add_table(self, h: Header, where: str, dirs: dict[int, str] | None) -> None:
-        """A rank manifest with a chunk table: its entries one by one, its table held by a
-        `TableRun` when it lists the tensors of the run's ranks, else merged entry by entry."""
+        """A rank manifest with a chunk table: its table held by a `TableRun` when it lists
+        the tensors of the run's ranks, else merged entry by entry; then its entries."""
         t = h.table
         if self._run is not None:
             self._run.flush()
@@ -255,11 +255,6 @@ class RankMerge:
             self._flush_runs()
             return self._entries(h._replace(tensors=with_table(h.tensors, t, where, h.rank, h.dirs), table=None),
                                  where, dirs)
-        if h.tensors:
-            # (entries with no chunks, a rank's empty shards, add none: the held ranks may wait)
-            if not all(type(e) is dict and e.get("chunks") == [] for e in h.tensors.values()):
-                self._flush_runs()
-            self._entries(h, where, dirs)
         run = self._table_run
         try:
             fits = run is not None and run.fits(t)
@@ -269,13 +264,18 @@ class RankMerge:
             self._flush_runs()
             run = self._table_run = self._start_table(h, where)
         if run is None:
-            return self._entries(h._replace(tensors=with_table({}, t, where, h.rank, h.dirs), table=None), where, dirs)
-        d = h.dirs.get(rank, f"data/{rank}")
-        self.rank_dirs.setdefault(rank, d)
-        run.pending.append((h, where, rank, self.dir_ids.id(d)))
-        if run.full():
-            self._flush_runs()
-        return None
+            self._entries(h._replace(tensors=with_table({}, t, where, rank, h.dirs), table=None), where, dirs)
+        else:
+            d = h.dirs.get(rank, f"data/{rank}")
+            self.rank_dirs.setdefault(rank, d)
+            run.pending.append((h, where, rank, self.dir_ids.id(d)))
+            if run.full():
+                self._flush_runs()
+        if h.tensors:  # (after the table, as a manifest's tensors are read)
+            # (entries with no chunks, a rank's empty shards, add none: the held ranks may wait)
+            if not all(type(e) is dict and e.get("chunks") == [] for e in h.tensors.values()):
+                self._flush_runs()
+            self._entries(h, where, dirs)
 
     def _start_table(self, h: Header, where: str) -> TableRun | None:
         """A run started by this rank's table, when every tensor it lists was seen before
