@@ -48,10 +48,11 @@ _ROWS = 128
 
 
 def table_json(tensors: Mapping[str, TensorEntry], rank: int, data_dir: str) -> tuple[dict[str, Any] | None, set[str]]:
-    """The `"table"` member of rank `rank`'s manifest and the names it lists: every tensor
-    with one chunk, written by this rank under `data_dir`, with no placement or value range
-    (array chunks with their inner grid, packed chunks with byte offset and crc32), but a
-    whole tensor packed (a packed row)."""
+    """The `"table"` member of rank `rank`'s manifest and the names it lists: the tensors
+    from the first on while each has one chunk, written by this rank under `data_dir`, with
+    no placement or value range (array chunks with their inner grid, packed chunks with
+    byte offset and crc32), and is not a whole tensor packed (a packed row). A reader
+    lists the table's tensors first, so the writer's order is kept."""
     names: list[str] = []
     dtypes: list[str] = []
     keys: list[str] = []
@@ -65,17 +66,17 @@ def table_json(tensors: Mapping[str, TensorEntry], rank: int, data_dir: str) -> 
     cut = len(data_dir) + 1
     for n, t in tensors.items():
         if t.placement is not None or t.value_range is not None or len(t.chunks) != 1:
-            continue
+            break
         c = t.chunks[0]
         if c.rank != rank or c.value_range is not None or not c.key.startswith(data_dir + "/"):
-            continue
+            break
         if c.form == "packed":
             if c.byte_offset is None or c.crc32 is None or (c.shape == t.shape and not any(c.offset)):
-                continue  # (a whole tensor packed is a packed row, as compact)
+                break  # (a whole tensor packed is a packed row, as compact)
             g, b, k = (0,) * len(c.shape), c.byte_offset, c.crc32
         else:
             if c.grid is None:
-                continue
+                break
             g, b, k = c.grid, NO_OFFSET, 0
         names.append(n)
         dtypes.append(t.dtype)
