@@ -41,6 +41,7 @@ from xckpt.layout import (
 )
 from xckpt.layout._boxes import _boxes_from_indices
 from xckpt.manifest import GridChunks, Manifest, TensorEntry, manifest_bytes
+from xckpt.manifest._document import with_table
 from xckpt.manifest._grids import Packed
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -527,16 +528,82 @@ HOSTILE = [None, True, 1.0, -1, 2**63, 10**30, "x", [], [0], [0, 0, 0], [True, 0
 )
 def test_columnar_merge_equals_the_object_merge(ten_ranks: list[bytes], tmp_path_factory: pytest.TempPathFactory,
                                                 rank: int, name: str, field: str, value: Any) -> None:
+    docs = [orjson.loads(d) for d in ten_ranks]
+    for d in docs:  # (the chunk table's tensors as entries: the merge of entry objects)
+        d["tensors"] = with_table(d["tensors"], d.pop("table"), "x", d["rank"], {})
+    if field in ("dtype", "placement", "value_range", "tensor shape"):  # the entry's own members
+        docs[rank]["tensors"][name][field.replace("tensor ", "")] = value
+    else:
+        docs[rank]["tensors"][name]["chunks"][0][field] = value
+    _merges_agree(docs, tmp_path_factory)
+
+
+TABLE_INTS = [0, 1, 3, 40, 299, 2**31, 2**32 - 1, 2**56, 2**62, 2**62 + 1, 2**63, 2**64 - 1]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    st.integers(0, 9), st.integers(0, 3),
+    st.sampled_from(["names", "dtypes", "keys", "ndim", "shape", "offset", "extent", "grid", "byte_offset", "crc32"]),
+    st.one_of(st.sampled_from(HOSTILE), st.sampled_from(TABLE_INTS).map(lambda v: ("int", v))),
+)
+def test_chunk_table_merge_equals_the_object_merge(ten_ranks: list[bytes], tmp_path_factory: pytest.TempPathFactory,
+                                                   rank: int, j: int, member: str, value: Any) -> None:
+    """A rank manifest's chunk table (columns) merged in bulk gives what its tensors merged
+    as entry objects give, for hostile values of every member (a whole member replaced,
+    or one value of a list or column), or the same type of error."""
+    docs = [orjson.loads(d) for d in ten_ranks]
+    t = docs[rank]["table"]
+    if isinstance(value, tuple):  # one value of a list or a column
+        if isinstance(t[member], list):
+            t[member][j % len(t[member])] = value[1] if j % 2 else str(value[1])
+        else:
+            dt = {"ndim": "u1", "crc32": "<u4"}.get(member, "<u8")
+            col = np.frombuffer(base64.b64decode(t[member]), dt).copy()
+            col[j % len(col)] = value[1] % (1 << (8 * col.itemsize))
+            t[member] = base64.b64encode(col.tobytes()).decode()
+    else:
+        t[member] = value
+    _merges_agree(docs, tmp_path_factory)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d["table"].update(offset="AAAA"), r"ranks/3\.json: table offset is a base64 column of 4 characters"),
+        (lambda d: d["table"].update(names="small"), r"ranks/3\.json: the table's names must be a list"),
+        (lambda d: d["table"]["dtypes"].__setitem__(1, "int4"), r"ranks/3\.json, tensor 'big' \(table\): unknown dtype"),
+        (lambda d: d["table"].pop("crc32"), r"ranks/3\.json: the table must be an object with exactly the members"),
+        (lambda d: d["tensors"].update(small={"dtype": "float32", "shape": [40, 3], "chunks": []}),
+         r"ranks/3\.json: tensor 'small' is listed both in tensors and in the table"),
+        (lambda d: d.update(rank=None),
+         r"ranks/3\.json(: a merged manifest \(rank null\) has no table| says it is rank None)"),
+        (lambda d: d.update(version=5), r"ranks/3\.json: a version 5 manifest has no table member"),
+    ],
+)
+def test_chunk_table_errors_name_the_file_and_the_member(ten_ranks: list[bytes], tmp_path: Path, edit: Any,
+                                                         match: str) -> None:
+    """A bad chunk table is a ManifestError naming the checkpoint's rank manifest and the
+    member, from the merge of an open as from `Manifest.loads`."""
+    docs = [orjson.loads(d) for d in ten_ranks]
+    edit(docs[3])
+    (tmp_path / "ranks").mkdir()
+    for r, d in enumerate(docs):
+        (tmp_path / "ranks" / f"{r}.json").write_bytes(_signed(d))
+    with pytest.raises(ManifestError, match=match):
+        xckpt.open(str(tmp_path))
+    with pytest.raises(ManifestError, match=match):
+        Manifest.loads((tmp_path / "ranks" / "3.json").read_bytes(), f"{tmp_path}/ranks/3.json")
+
+
+def _merges_agree(docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank manifests merged as columns (`read_rank_manifests`) and as entry objects
+    (`Manifest.loads`, `merge_manifests`) agree: the same chunks, or the same type of error."""
     from xckpt.errors import XckptError
     from xckpt.manifest import merge_manifests
     from xckpt.native._zarr import NativeStorage as Storage
     from xckpt.native.commit import read_rank_manifests, validate
 
-    docs = [orjson.loads(d) for d in ten_ranks]
-    if field in ("dtype", "placement", "value_range", "tensor shape"):  # the entry's own members
-        docs[rank]["tensors"][name][field.replace("tensor ", "")] = value
-    else:
-        docs[rank]["tensors"][name]["chunks"][0][field] = value
     datas = [_signed(d) for d in docs]
     root = tmp_path_factory.mktemp("m")
     (root / "ranks").mkdir()

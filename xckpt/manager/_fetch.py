@@ -94,7 +94,7 @@ def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str, pars
     merge = RankMerge(where, world)
     for r in range(world):
         wh = f"{where}/ranks/{r}.json"
-        h = parsed[r] if r in parsed else parse_header(parse_document(docs[r], wh), wh)
+        h = parsed[r] if r in parsed else parse_header(parse_document(docs[r], wh), wh, keep_table=True)
         if h.rank != r or h.save_id != save_id or h.world_size != world:
             raise ManifestError(f"{wh} is rank {h.rank} of save {h.save_id!r}, expected rank {r} of {save_id!r}")
         merge.add(h, wh)

@@ -7,6 +7,7 @@ read, before anything is sized from it. The family:
 * `_checks`: format constants, bounds, the dtype table and field checks;
 * `_entries`: [`TensorEntry`][xckpt.manifest.TensorEntry] (with its `Chunk` boxes), `ObjectEntry`;
 * `_rows`: packed rows, the compact form of a whole tensor packed in its rank's array;
+* `_table`: a rank manifest's chunk table, its single-chunk tensors as columns (version 6);
 * `_objects`: non-tensor values as tagged JSON (never pickle);
 * `_signed`: the manifest's own checksum and the claim written before a save;
 * `_chunks`: `Chunk`, one stored box and where its bytes live;

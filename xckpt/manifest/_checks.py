@@ -32,6 +32,9 @@ COLUMNS_VERSION = 6
 #: The first version whose packed chunks are followed in their packed array by their crc32
 #: (4 bytes, little-endian), so a grid's packed cells need not list them (see `xckpt.manifest._grids`).
 TRAILER_VERSION = 6
+#: The first version whose rank manifests may list single-chunk tensors in a chunk table
+#: (columns, see `xckpt.manifest._table`).
+TABLE_VERSION = 6
 #: How a rank's data/<rank>/ is organised (see xckpt.storage); "files" from version 3.
 STORAGE_KINDS = ("files", "plain", "ocdbt")
 

@@ -18,6 +18,7 @@ Format (version 6), one JSON object:
                         "placement"?: {...}, "value_range"?: {...}}
                        | {"dtype", "shape", "grid": {...}, ...}   # a grid (version 5)
                        | [dtype, shape, rank, byte_offset, crc32]},   # a packed row
+     "table": {...},                         # a rank manifest's one-chunk tensors as columns (6)
      "objects": [{"name", "kind": "json" | "bytes", "per_rank", "rank", ...}],
      "metadata": {...},
      "checksum": "sha256:<hex>"}           # last member, see below
@@ -71,6 +72,7 @@ from xckpt.manifest._checks import (
     MAX_WORLD_SIZE,
     READ_VERSIONS,
     STORAGE_KINDS,
+    TABLE_VERSION,
     VERSION,
     _int,
     _str,
@@ -88,6 +90,7 @@ from xckpt.manifest._incremental import (
 )
 from xckpt.manifest._rows import _packed_keys, _tensor_entries, _tensors_to_json
 from xckpt.manifest._signed import _checksum_state, manifest_bytes
+from xckpt.manifest._table import expand_table, table_json
 
 __all__ = ["Manifest", "Header", "merge_manifests", "parse_document", "parse_header"]
 
@@ -114,7 +117,12 @@ class Manifest:
     deltas: Mapping[str, tuple[Patch, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        tensors, packed = _tensors_to_json(self.tensors)
+        table, listed = None, set[str]()
+        if self.rank is not None and self.world_size > 1:  # a rank manifest of a save of several ranks
+            table, listed = table_json(self.tensors, self.rank, self.dirs.get(self.rank, f"data/{self.rank}"))
+        tensors, packed = _tensors_to_json(
+            {n: t for n, t in self.tensors.items() if n not in listed} if listed else self.tensors
+        )
         dirs = dict(self.dirs)
         for t in self.tensors.values():
             if isinstance(t.chunks, GridChunks):
@@ -132,6 +140,7 @@ class Manifest:
             "storage": {str(r): s for r, s in sorted(self.storage.items())},
             "packed": {str(r): k for r, k in sorted(packed.items())},
             "tensors": tensors,
+            **({"table": table} if table is not None else {}),
             "objects": [o.to_json() for o in self.objects],
             "metadata": dict(self.metadata),
         }
@@ -238,10 +247,15 @@ class Header(NamedTuple):
     refs: dict[str, Ref] = {}  # noqa: RUF012
     hashes: dict[str, str] = {}  # noqa: RUF012
     deltas: dict[str, tuple[Patch, ...]] = {}  # noqa: RUF012
+    #: The raw chunk table (`xckpt.manifest._table`), when asked to keep it (else its tensors are in `tensors`).
+    table: Any = None
 
 
-def parse_header(d: Any, where: str) -> Header:
-    """Check a manifest document's format, version and every member but its tensors and objects."""
+def parse_header(d: Any, where: str, *, keep_table: bool = False) -> Header:
+    """Check a manifest document's format, version and every member but its tensors and objects.
+
+    A rank manifest's chunk table (version 6) is expanded into `tensors` (before its
+    entries), unless `keep_table`: then it stays raw in `Header.table`, for `RankMerge`."""
     if not isinstance(d, dict):
         raise ManifestError(f"{where}: a manifest must be a JSON object")
     if d.get("format") != FORMAT:
@@ -298,11 +312,26 @@ def parse_header(d: Any, where: str) -> Header:
     late = [k for k in ("codecs", "refs", "hashes", "deltas") if k in d]
     if late and d["version"] < INCREMENTAL_VERSION:
         raise ManifestError(f"{where}: a version {d['version']} manifest has no {late[0]} member; the file was edited")
+    table = d.get("table")
+    if table is not None:
+        if d["version"] < TABLE_VERSION:
+            raise ManifestError(f"{where}: a version {d['version']} manifest has no table member; the file was edited")
+        if not keep_table:
+            tensors_raw, table = with_table(tensors_raw, table, where, rank, dirs), None
     return Header(
         d["version"], save_id, world_size, rank, storage, packed, dirs, metadata, tensors_raw, objects_raw,
         check_codecs(d.get("codecs"), where, world_size), refs := check_refs(d.get("refs"), where),
-        check_hashes(d.get("hashes"), where), check_deltas(d.get("deltas"), where, refs),
+        check_hashes(d.get("hashes"), where), check_deltas(d.get("deltas"), where, refs), table,
     )
+
+
+def with_table(tensors: dict[str, Any], table: Any, where: str, rank: int | None, dirs: Mapping[int, str]) -> dict[str, Any]:
+    """A manifest's `tensors` and its chunk table's tensors as one dict of entry JSON."""
+    more = expand_table(table, where, rank, dirs.get(rank, f"data/{rank}") if rank is not None else "")
+    both = [n for n in more if n in tensors]
+    if both:
+        raise ManifestError(f"{where}: tensor {both[0]!r} is listed both in tensors and in the table"[:300])
+    return {**more, **tensors}  # (the table's tensors first: a writer's split tensors come first in its order)
 
 
 @paused_gc()

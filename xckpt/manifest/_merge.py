@@ -28,6 +28,7 @@ from xckpt.manifest._checks import (
     GRID_VERSION,
     MAX_EXTENT,
     MAX_KEY_LEN,
+    MAX_NDIM,
     MAX_TENSOR_BYTES,
     TRAILER_VERSION,
     VERSION,
@@ -36,11 +37,13 @@ from xckpt.manifest._checks import (
     numpy_dtype,
 )
 from xckpt.manifest._chunks import Chunk, raw_chunk_fields
-from xckpt.manifest._document import Header, Manifest
+from xckpt.manifest._document import Header, Manifest, with_table
 from xckpt.manifest._entries import ObjectEntry, TensorEntry
-from xckpt.manifest._grids import GRID_MIN_CELLS, grid_from_columns, split_key
+from xckpt.manifest._grids import GRID_MIN_CELLS, _column, grid_from_columns, split_key
 from xckpt.manifest._rows import _tensor_entries
 from xckpt.manifest._runs import Run
+from xckpt.manifest._table import _MEMBER_SET as _TABLE
+from xckpt.manifest._table import TableRun
 
 __all__ = ["RankMerge"]
 
@@ -197,6 +200,8 @@ class RankMerge:
         self._checked = False
         #: Ranks taken whole (`xckpt.manifest._runs`), not yet in the columns.
         self._run: Run | None = None
+        #: Ranks whose chunk tables are held (`xckpt.manifest._table`), not yet in the columns.
+        self._table_run: TableRun | None = None
         #: The lowest version merged: from version 6 on, packed chunks carry their crc32 in the data.
         self.min_version = VERSION
 
@@ -214,12 +219,90 @@ class RankMerge:
         self.deltas.update(h.deltas)
         dirs = h.dirs if h.version >= GRID_VERSION else None
         self.min_version = min(self.min_version, h.version)
+        if h.table is not None:
+            self._add_table(h, where, dirs)
+            return self._objects(h, where)
+        if self._table_run is not None and self._table_run.pending:
+            self._flush_runs()
         if not self._take_run(h):
-            if self._run is not None:
-                self._run.flush()  # (earlier ranks' chunks go first: chunks stay in rank order)
+            self._flush_runs()  # (earlier ranks' chunks go first: chunks stay in rank order)
             self._entries(h, where, dirs)
+        return self._objects(h, where)
+
+    def _objects(self, h: Header, where: str) -> None:
         for o in h.objects:
             self._add_object(ObjectEntry.from_json(o, where))
+
+    def _flush_runs(self) -> None:
+        """Hand the ranks held by either kind of run to the columns."""
+        if self._run is not None:
+            self._run.flush()
+        run = self._table_run
+        if run is not None:
+            for h, wh in run.flush(self.inner_ids):  # (ranks a bulk check refused: their fields named)
+                self._entries(h._replace(tensors=with_table({}, h.table, wh, h.rank, h.dirs), table=None),
+                              wh, h.dirs if h.version >= GRID_VERSION else None)
+
+    def _add_table(self, h: Header, where: str, dirs: dict[int, str] | None) -> None:
+        """A rank manifest with a chunk table: its table held by a `TableRun` when it lists
+        the tensors of the run's ranks, else merged entry by entry; then its entries."""
+        t = h.table
+        if self._run is not None:
+            self._run.flush()
+        rank = h.rank
+        if (rank is None or type(t) is not dict or t.keys() != _TABLE
+                or (h.tensors and not h.tensors.keys().isdisjoint(t["names"]))):
+            self._flush_runs()
+            return self._entries(h._replace(tensors=with_table(h.tensors, t, where, h.rank, h.dirs), table=None),
+                                 where, dirs)
+        run = self._table_run
+        try:
+            fits = run is not None and run.fits(t)
+        except (TypeError, ValueError):
+            fits = False
+        if run is None or not fits:
+            self._flush_runs()
+            run = self._table_run = self._start_table(h, where)
+        if run is None:
+            self._entries(h._replace(tensors=with_table({}, t, where, rank, h.dirs), table=None), where, dirs)
+        else:
+            d = h.dirs.get(rank, f"data/{rank}")
+            self.rank_dirs.setdefault(rank, d)
+            run.pending.append((h, where, rank, self.dir_ids.id(d)))
+            if run.full():
+                self._flush_runs()
+        if h.tensors:  # (after the table, as a manifest's tensors are read)
+            # (entries with no chunks, a rank's empty shards, add none: the held ranks may wait)
+            if not all(type(e) is dict and e.get("chunks") == [] for e in h.tensors.values()):
+                self._flush_runs()
+            self._entries(h, where, dirs)
+
+    def _start_table(self, h: Header, where: str) -> TableRun | None:
+        """A run started by this rank's table, when every tensor it lists was seen before
+        with its dtype and shape, and its keys are valid; else None."""
+        t, rank = h.table, h.rank
+        names, keys = t["names"], t["keys"]
+        if rank is None or type(names) is not list or type(keys) is not list or not names or len(keys) != len(names):
+            return None
+        if set(map(type, names)) != {str} or set(map(type, keys)) != {str} or len(set(names)) != len(names):
+            return None
+        accs = [a for a in map(self.tensors.get, names) if a is not None]
+        if len(accs) != len(names):
+            return None
+        d = h.dirs.get(rank, f"data/{rank}")
+        if any(split_key(f"{d}/{k}") is None for k in keys):
+            return None
+        try:
+            nds = _column(t["ndim"], len(accs), 0, MAX_NDIM + 1, "table ndim", where, "u1").tolist()
+            shape = _column(t["shape"], sum(nds), 0, MAX_EXTENT + 1, "table shape", where, "<u8").tolist()
+        except ManifestError:
+            return None
+        if t["dtypes"] != [a.entry.dtype for a in accs] or shape != [x for a in accs for x in a.raw_shape]:
+            return None
+        for a in accs:
+            if a.n < 0:
+                a.start(self)
+        return TableRun(t, accs, nds, shape, [self.sfx_ids.id(k) for k in keys])
 
     def _take_run(self, h: Header) -> bool:
         """The rank's entries taken whole by a `Run`, when it
@@ -227,8 +310,7 @@ class RankMerge:
         names = tuple(h.tensors)
         run = self._run
         if run is None or run.names != names:
-            if run is not None:
-                run.flush()
+            self._flush_runs()
             accs = [self.tensors.get(n) for n in names]
             if not names or any(a is None or a.n < 0 for a in accs):
                 self._run = None
@@ -462,8 +544,7 @@ class RankMerge:
     def result(self) -> Manifest:
         """The merged manifest (`rank` None). Tensors that form grids are
         `GridChunks`; the others' coverage is the caller's to check."""
-        if self._run is not None:
-            self._run.flush()
+        self._flush_runs()
         dirs = dict(self.declared_dirs)
         for r, d in self.rank_dirs.items():  # where the keys are, whatever a document declared
             if d != f"data/{r}":

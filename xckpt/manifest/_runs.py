@@ -157,6 +157,8 @@ class Run:
                 nds = nds.copy()
                 for j in reversed(p_idx):
                     del nds[j]
+        if len(grids) != n - len(p_idx):
+            return None  # (an array chunk with no grid: the chunk-at-a-time path takes it)
         if grids and (set(map(type, grids)) != _LIST or list(map(len, grids)) != nds):
             return None  # (a grid member in a packed chunk, or an empty one, fails the count)
         if not _ints_ok(list(chain.from_iterable(grids)), 1, MAX_EXTENT):

@@ -96,7 +96,7 @@ def read_rank_manifests(
         if claim is not None:
             claims[r] = claim
             continue
-        h = parse_header(parse_document(data, wh), wh)
+        h = parse_header(parse_document(data, wh), wh, keep_table=True)
         del data
         if h.rank != r:
             raise ManifestError(f"{where}/ranks/{r}.json says it is rank {h.rank}")
