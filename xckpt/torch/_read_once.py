@@ -404,19 +404,46 @@ def _read_round(
     pin: bool,
 ) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor]:
     """Read this rank's groups of the round and fill its own targets: the buffers to send,
-    and the scratch buffer the reads went to (device copies out of it may still run)."""
+    and the scratch buffer the reads went to (device copies out of it may still run).
+
+    A read that is one cell needed by one other rank alone (a whole chunk of a part this
+    rank holds for a rank that holds none) goes straight into that rank's send buffer;
+    the others go to the scratch buffer and are copied from it."""
     groups = [g for g in rnd if g.reader == me]
+    out: list[tuple[int, torch.Tensor]] = []
+    made: dict[tuple[int, ...], tuple[torch.Tensor, np.ndarray, dict[int, int]]] = {}
+    for dst, cells in sends_by.items():
+        key = tuple(id(c) for c in cells)
+        if key not in made:
+            layout, total = _layout(cells)
+            buf, raw = _host(total, False)
+            made[key] = (buf, raw, {id(c): off for c, off in zip(cells, layout)})
+        out.append((dst, made[key][0]))
+    # the send buffer of each cell one rank alone needs (one buffer holds it)
+    send_of = {id(c): made[tuple(id(x) for x in cells)] for cells in sends_by.values() for c in cells if len(c.ranks) == 1}
+    direct: dict[tuple[int, int], np.ndarray] = {}  # (group, read) -> its view in a send buffer
+    for g in groups:
+        per_read: dict[int, list[Cell]] = {}
+        for c in g.cells:
+            per_read.setdefault(c.read, []).append(c)
+        for j, cs in per_read.items():
+            c = cs[0]
+            if len(cs) == 1 and c.box == g.reads[j][1] and me not in c.ranks and len(c.ranks) == 1:
+                _buf, raw, where = send_of[id(c)]
+                direct[(id(g), j)] = _view(raw, where[id(c)], c.box.shape, dtypes[c.name])
     reads = [(g, j, name, box) for g in groups for j, (name, box, _i) in enumerate(g.reads)]
     offs, pos = [], 0
-    for _g, _j, name, box in reads:
-        pos = -(-pos // ALIGN) * ALIGN
+    for g, j, name, box in reads:
         offs.append(pos)
-        pos += box.volume * dtypes[name].itemsize
+        if (id(g), j) not in direct:
+            pos = -(-pos // ALIGN) * ALIGN
+            offs[-1] = pos
+            pos += box.volume * dtypes[name].itemsize
     keep, scratch = _host(pos, pin)
-    views = {
-        (id(g), j): (box, _view(scratch, off, box.shape, dtypes[name]))
-        for (g, j, name, box), off in zip(reads, offs)
-    }
+    views: dict[tuple[int, int], tuple[L.Box, np.ndarray]] = {}
+    for (g, j, name, box), off in zip(reads, offs):
+        at = direct.get((id(g), j))
+        views[(id(g), j)] = (box, at if at is not None else _view(scratch, off, box.shape, dtypes[name]))
     ckpt.read_into([(name, box, views[(id(g), j)][1]) for g, j, name, box in reads], show_progress=False)
 
     def cell_data(g: Group, c: Cell) -> np.ndarray:
@@ -428,18 +455,11 @@ def _read_round(
         for c in g.cells:
             if me in c.ranks:
                 mine.fill(c.name, c.box, cell_data(g, c))
-    out: list[tuple[int, torch.Tensor]] = []
-    made: dict[tuple[int, ...], torch.Tensor] = {}
-    for dst, cells in sends_by.items():
-        key = tuple(id(c) for c in cells)
-        buf = made.get(key)
-        if buf is None:
-            layout, total = _layout(cells)
-            buf, raw = _host(total, False)
-            made[key] = buf
-            for c, off in zip(cells, layout):
-                np.copyto(
-                    _view(raw, off, c.box.shape, dtypes[c.name]), cell_data(owner[id(c)], c), casting="no"
-                )
-        out.append((dst, buf))
+    for cells in {tuple(id(c) for c in cells): cells for cells in sends_by.values()}.values():
+        _buf, raw, where = made[tuple(id(c) for c in cells)]  # (a cell several ranks need: in each buffer)
+        for c in cells:
+            g = owner[id(c)]
+            if (id(g), c.read) in direct:
+                continue  # read straight into its place
+            np.copyto(_view(raw, where[id(c)], c.box.shape, dtypes[c.name]), cell_data(g, c), casting="no")
     return out, keep
