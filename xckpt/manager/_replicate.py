@@ -55,8 +55,10 @@ MAP_AT = 1 << 20
 #: Bytes of one message of a larger file.
 CHUNK = 4 << 20
 #: Receive buffers of `CHUNK` bytes each receiver keeps (32 MiB): this many messages are
-#: in flight while one is written, so a sender does not wait on a receiver's writes
-#: (two gave 0.65-0.70x a plain send on 2 shared cores, eight about 0.8x; `bench/tiers.py`).
+#: in flight while one is written, so a sender seldom waits on its receiver's writes. With
+#: two, replication was 0.65-0.70x a plain send (`bench/tiers.py`); in a gloo test of 4
+#: ranks sending 32 MiB each on the shared 2-core machine, eight gave 0.86x and two 0.75x
+#: (medians of 15; receiving into a mapping of the file instead cost more CPU, in page faults).
 RECV_BUFFERS = 8
 
 #: Seconds any one exchange of a replication may wait for the other ranks.
