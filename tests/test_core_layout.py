@@ -295,3 +295,15 @@ def test_inner_chunks_respect_the_target_and_waste_little(shape, itemsize, targe
     for g, s in zip(grid, shape):
         pieces = -(-s // g)
         assert pieces * g - s < pieces  # less than one element of padding per piece
+
+
+def test_plan_reads_exact_chunk_by_lookup():
+    """A box equal to one saved chunk is found by `BoxIndex.exact`, with the same read as a scan."""
+    from xckpt.layout._index import BoxIndex
+
+    boxes = [Box((0, 0), (3, 4)), Box((3, 0), (5, 4)), Box((8, 0), (1, 4))]
+    index = BoxIndex(boxes)
+    assert index.exact(Box((3, 0), (5, 4))) == 1
+    assert index.exact(Box((3, 0), (4, 4))) is None  # inside a chunk, not equal: the lookup answers
+    for target in [Box((3, 0), (5, 4)), Box((2, 1), (4, 2)), Box((0, 0), (9, 4))]:
+        assert plan_reads(index, target) == plan_reads(boxes, target)

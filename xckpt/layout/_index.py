@@ -39,6 +39,11 @@ class ChunkIndex:
         """The ids of the boxes sharing an element with `target`, ascending."""
         raise NotImplementedError
 
+    def exact(self, target: Box) -> int | None:
+        """The id of the box equal to `target`, when the index can tell without a lookup
+        (None: not known; `find` answers)."""
+        return None
+
     def overlaps(self, target: Box) -> list[tuple[int, Box, Box]]:
         """`(id, box, common region)` for each box meeting `target`, by id."""
         out = []
@@ -279,6 +284,7 @@ class BoxIndex(ChunkIndex):
 
     def __init__(self, boxes: Sequence[Box]) -> None:
         self.boxes = boxes
+        self._exact: dict[Box, int] | None = None
         self._grid: GridIndex | None = None
         self._ids: list[int] = []
         self._dim = 0
@@ -341,6 +347,14 @@ class BoxIndex(ChunkIndex):
     def box(self, i: int) -> Box:
         return self.boxes[i]
 
+    def exact(self, target: Box) -> int | None:
+        """The id of the box equal to `target` (a load at the saved sharding reads whole
+        chunks: one dictionary lookup instead of intersections), or None."""
+        by = self._exact
+        if by is None:
+            by = self._exact = {b: i for i, b in enumerate(self.boxes)}
+        return by.get(target)
+
     def find(self, target: Box) -> list[int]:
         if target.empty:
             return []
@@ -389,6 +403,10 @@ def plan_reads(chunks: Sequence[Box] | ChunkIndex, target: Box) -> tuple[ReadReq
     if target.empty:
         return ()
     if isinstance(chunks, ChunkIndex):
+        i = chunks.exact(target)  # saved chunks never overlap: an equal one is the only one
+        if i is not None:
+            full = tuple(slice(0, s) for s in target.shape)
+            return (ReadRequest(i, target, full, full),)
         return tuple(
             ReadRequest(i, common, common.slices(b), common.slices(target))
             for i, b, common in chunks.overlaps(target)

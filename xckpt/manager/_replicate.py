@@ -18,8 +18,9 @@ local-tier thread, one step at a time):
    replication's own, so it never interleaves with the training's or the manager's
    collectives); each receiver writes the head's data files;
 3. the larger files, in `CHUNK`-byte messages: each sender posts them all at once,
-   straight from a mapping of its files (no copy of ours); each receiver keeps two in
-   flight into two reused buffers and writes one to its file while the next arrives.
+   straight from a mapping of its files (no copy of ours); each receiver keeps
+   `RECV_BUFFERS` in flight into as many reused buffers and writes one to its file
+   while the next ones arrive.
    A receiver that cannot write goes on receiving (its senders finish) and reports it
    in step 4;
 4. each receiver writes the rank manifest last (its checksum checked, a temporary name,
@@ -53,6 +54,12 @@ __all__ = ["Replicator", "Incoming", "head", "map_file", "pack", "unpack", "TIME
 MAP_AT = 1 << 20
 #: Bytes of one message of a larger file.
 CHUNK = 4 << 20
+#: Receive buffers of `CHUNK` bytes each receiver keeps (32 MiB): this many messages are
+#: in flight while one is written, so a sender seldom waits on its receiver's writes. With
+#: two, replication was 0.65-0.70x a plain send (`bench/tiers.py`); in a gloo test of 4
+#: ranks sending 32 MiB each on the shared 2-core machine, eight gave 0.86x and two 0.75x
+#: (medians of 15; receiving into a mapping of the file instead cost more CPU, in page faults).
+RECV_BUFFERS = 8
 
 #: Seconds any one exchange of a replication may wait for the other ranks.
 TIMEOUT_S = 600.0
@@ -267,14 +274,14 @@ class Replicator:
             self._wait(dist.batch_isend_irecv(ops), step, "replica")
 
     def _buffers(self) -> list[Any]:
-        """Two receive buffers of `CHUNK` bytes, made (and touched) once per replicator."""
+        """`RECV_BUFFERS` receive buffers of `CHUNK` bytes, made (and touched) once per replicator."""
         if not self._bufs:
-            self._bufs = [self._torch.zeros(CHUNK, dtype=self._torch.uint8) for _ in range(2)]
+            self._bufs = [self._torch.zeros(CHUNK, dtype=self._torch.uint8) for _ in range(RECV_BUFFERS)]
         return self._bufs
 
     def _receive(self, incoming: dict[int, Incoming], step: int, write: bool) -> BaseException | None:
-        """Receive the larger files of every incoming part in `CHUNK`-byte messages, two in
-        flight, each written to its file while the next arrives. A failure to write stops
+        """Receive the larger files of every incoming part in `CHUNK`-byte messages,
+        `RECV_BUFFERS` in flight, each written to its file while the next ones arrive. A failure to write stops
         the writing, never the receiving (the senders finish); it is returned."""
         dist = self._dist
         jobs = [
@@ -284,20 +291,21 @@ class Replicator:
             for off in range(0, max(size, 1), CHUNK)
         ]
         bufs = self._buffers()
-        works: list[Any] = [None, None]
+        ring = len(bufs)
+        works: list[Any] = [None] * ring
 
         def post(k: int) -> Any:
             s, _path, _off, n = jobs[k]
-            return dist.irecv(bufs[k % 2][:n], self._ranks[s], group=self.group) if n else None
+            return dist.irecv(bufs[k % ring][:n], self._ranks[s], group=self.group) if n else None
 
-        for k in range(min(2, len(jobs))):
+        for k in range(min(ring, len(jobs))):
             works[k] = post(k)
         fail: BaseException | None = None if write else XckptError("not written")
         fd, at = -1, ""
         try:
             for k, (_s, path, _off, n) in enumerate(jobs):
-                if works[k % 2] is not None:
-                    self._wait([works[k % 2]], step, "replica")
+                if works[k % ring] is not None:
+                    self._wait([works[k % ring]], step, "replica")
                 if fail is None:
                     try:
                         if path != at:
@@ -305,11 +313,11 @@ class Replicator:
                                 os.close(fd)
                             fd, at = -1, path
                             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                        _write_all(fd, memoryview(bufs[k % 2].numpy())[:n])
+                        _write_all(fd, memoryview(bufs[k % ring].numpy())[:n])
                     except OSError as e:
                         fail = e
-                if k + 2 < len(jobs):
-                    works[k % 2] = post(k + 2)
+                if k + ring < len(jobs):
+                    works[k % ring] = post(k + ring)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -320,8 +328,8 @@ class Replicator:
 
         Two rounds: the heads (the small files and the manifest, in one message per
         destination), then the larger files in `CHUNK`-byte messages, sent straight from a
-        mapping of the file and received into two reused buffers, each written to the copy
-        while the next arrives."""
+        mapping of the file and received into `RECV_BUFFERS` reused buffers, each written to
+        the copy while the next ones arrive."""
         torch, dist = self._torch, self._dist
         payload = torch.zeros(0, dtype=torch.uint8)
         big: list[tuple[str, int]] = []

@@ -270,18 +270,26 @@ class Tiers:
         overwrite = os.path.exists(mine)
         drop_merged(d)  # a merged manifest of an earlier save of this step (the writer would refuse it)
         save_id = f"local-{step}-{self.run}-{self._n}"
-        finish = start_save(
-            kind,
-            state,
-            d,
-            save_id=save_id,
-            overwrite=overwrite,
-            metadata=meta,
-            staging=staging,
-            async_save=True,
-            process_group=self.pg,
-            rank_local=True,
-        )
+        # No row comparison while staging a local step: its writer stores whole chunks, and
+        # the next persistent save finds the buffers refilled since its base (the staging's
+        # generation), so it uses no rows found here either; comparing would only lengthen
+        # the stall.
+        rows_for, staging.rows_for = staging.rows_for, None
+        try:
+            finish = start_save(
+                kind,
+                state,
+                d,
+                save_id=save_id,
+                overwrite=overwrite,
+                metadata=meta,
+                staging=staging,
+                async_save=True,
+                process_group=self.pg,
+                rank_local=True,
+            )
+        finally:
+            staging.rows_for = rows_for
         self._written.clear()
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="xckpt-local")

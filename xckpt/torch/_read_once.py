@@ -15,14 +15,16 @@ Call protocol (`load_once`, every rank of the group, same order):
 1. one exchange of every rank's requests, or of its failure so far (a target that
    does not fit, a missing name, ...), with a `fingerprint` of the checkpoint
    it opened: all ranks raise if any rank failed or opened another checkpoint;
-2. each rank reads its solo parts;
-3. per round: the reader of each group reads it and copies its cells to its own
+2. per round: the reader of each group reads it and copies its cells to its own
    targets and to one send buffer per destination; one exchange of outcomes (a
    failed read, e.g. a corrupt chunk, fails every rank); one batch of
    point-to-point sends and receives (`batch_isend_irecv`: measured faster than
    `all_to_all_single` and than one broadcast per reader on gloo, and a buffer
    every destination needs alike is sent from one copy); each rank copies what it
    received into its targets;
+3. each rank reads its solo parts while the first round's data travel (after every
+   round when there is none): the others wait for what a rank reads for them, not for
+   its own parts; a failed solo read fails every rank at the next exchange of outcomes;
 4. a last exchange of outcomes.
 
 Every collective is waited for with `TIMEOUT_S`: a rank that stops (killed, or
@@ -166,15 +168,14 @@ class _Comm:
             "Every rank stopped; fix the failing rank's problem and load again",
         )
 
-    def exchange(
+    def post(
         self,
         sends: Sequence[tuple[int, torch.Tensor]],
         recvs: Sequence[tuple[int, int]],
-        what: str,
         pin: bool,
-    ) -> dict[int, torch.Tensor]:
-        """Send each `(rank, buffer)`; receive `(rank, nbytes)`; the received buffers (CPU,
-        pinned when `pin` and they arrive in host memory)."""
+    ) -> tuple[list[Any], dict[int, torch.Tensor]]:
+        """Start sending each `(rank, buffer)` and receiving `(rank, nbytes)`: the works to
+        wait for (`received`) and the buffers the data arrive in."""
         dist = self.dist
         ops, got = [], {}
         on_host = self.device.type == "cpu"
@@ -183,9 +184,13 @@ class _Comm:
             ops.append(dist.P2POp(dist.irecv, buf, self._global(src), self.group))
         for dst, buf in sends:
             ops.append(dist.P2POp(dist.isend, buf.to(self.device), self._global(dst), self.group))
-        if ops:
-            self._wait(dist.batch_isend_irecv(ops), what)
-        return got if on_host else {r: b.to("cpu") for r, b in got.items()}
+        return (dist.batch_isend_irecv(ops) if ops else []), got
+
+    def received(self, works: Sequence[Any], got: dict[int, torch.Tensor], what: str) -> dict[int, torch.Tensor]:
+        """Wait for `post`'s works; the received buffers (CPU, pinned when `post` pinned them)."""
+        if works:
+            self._wait(works, what)
+        return got if self.device.type == "cpu" else {r: b.to("cpu") for r, b in got.items()}
 
 
 # -- one rank's side ---------------------------------------------------------------------------
@@ -330,21 +335,28 @@ def _rounds(
     pin: bool,
     bar: Any,
 ) -> BaseException | None:
-    """This rank's solo reads, then every round (see the module); its failure, if any."""
+    """Every round, this rank's solo reads while the first round's data travel (the other
+    ranks wait for what this one reads and sends, not for its own parts; see the module);
+    its failure, if any."""
     fail: BaseException | None = None
-    try:
-        direct: list[tuple[str, L.Box, np.ndarray]] = []
-        staged: list[tuple[str, L.Box, torch.Tensor]] = []
-        for name, box in plan.solo[rank]:
-            part = mine.part(name, box)
-            (direct if isinstance(part, np.ndarray) else staged).append((name, box, part))
-        if direct:
-            ckpt.read_into(direct, show_progress=False)
-        if staged:
-            ring.run(ckpt, staged, show_progress=False)
-        bar.update(sum(b.volume * dtypes[n].itemsize for n, b in plan.solo[rank]))
-    except Exception as e:  # shared with every rank below
-        fail = e
+    solo_done = False
+
+    def solo() -> BaseException | None:
+        try:
+            direct: list[tuple[str, L.Box, np.ndarray]] = []
+            staged: list[tuple[str, L.Box, torch.Tensor]] = []
+            for name, box in plan.solo[rank]:
+                part = mine.part(name, box)
+                (direct if isinstance(part, np.ndarray) else staged).append((name, box, part))
+            if direct:
+                ckpt.read_into(direct, show_progress=False)
+            if staged:
+                ring.run(ckpt, staged, show_progress=False)
+            bar.update(sum(b.volume * dtypes[n].itemsize for n, b in plan.solo[rank]))
+        except Exception as e:  # shared with every rank (the next round's exchange, or the last)
+            return e
+        return None
+
     try:
         for k, rnd in enumerate(plan.rounds):
             what = f"round {k + 1} of {len(plan.rounds)}"
@@ -358,7 +370,11 @@ def _rounds(
                     fail = e
             comm.share(fail, f"reading {what}")
             recvs = [(src, _layout(cells)[1]) for src, cells in recvs_by.items()]
-            got = comm.exchange(out, recvs, f"the data of {what}", pin)
+            works, got = comm.post(out, recvs, pin)
+            if not solo_done:
+                solo_done = True
+                fail = solo()  # None before: `share` raised otherwise
+            got = comm.received(works, got, f"the data of {what}")
             try:
                 for src, cells in recvs_by.items():
                     buf = got[src].numpy()
@@ -367,9 +383,11 @@ def _rounds(
                 wait_all(copier.mark())
                 bar.update(sum(c.nbytes for g in rnd for c in g.cells if rank in c.ranks))
             except Exception as e:
-                fail = e
+                fail = fail or e
                 wait_all(copier.mark())
             del scratch
+        if not solo_done:
+            fail = fail or solo()
     finally:
         copier.finish()
         wait_all(copier.mark())
@@ -386,19 +404,46 @@ def _read_round(
     pin: bool,
 ) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor]:
     """Read this rank's groups of the round and fill its own targets: the buffers to send,
-    and the scratch buffer the reads went to (device copies out of it may still run)."""
+    and the scratch buffer the reads went to (device copies out of it may still run).
+
+    A read that is one cell needed by one other rank alone (a whole chunk of a part this
+    rank holds for a rank that holds none) goes straight into that rank's send buffer;
+    the others go to the scratch buffer and are copied from it."""
     groups = [g for g in rnd if g.reader == me]
+    out: list[tuple[int, torch.Tensor]] = []
+    made: dict[tuple[int, ...], tuple[torch.Tensor, np.ndarray, dict[int, int]]] = {}
+    for dst, cells in sends_by.items():
+        key = tuple(id(c) for c in cells)
+        if key not in made:
+            layout, total = _layout(cells)
+            buf, raw = _host(total, False)
+            made[key] = (buf, raw, {id(c): off for c, off in zip(cells, layout)})
+        out.append((dst, made[key][0]))
+    # the send buffer of each cell one rank alone needs (one buffer holds it)
+    send_of = {id(c): made[tuple(id(x) for x in cells)] for cells in sends_by.values() for c in cells if len(c.ranks) == 1}
+    direct: dict[tuple[int, int], np.ndarray] = {}  # (group, read) -> its view in a send buffer
+    for g in groups:
+        per_read: dict[int, list[Cell]] = {}
+        for c in g.cells:
+            per_read.setdefault(c.read, []).append(c)
+        for j, cs in per_read.items():
+            c = cs[0]
+            if len(cs) == 1 and c.box == g.reads[j][1] and me not in c.ranks and len(c.ranks) == 1:
+                _buf, raw, where = send_of[id(c)]
+                direct[(id(g), j)] = _view(raw, where[id(c)], c.box.shape, dtypes[c.name])
     reads = [(g, j, name, box) for g in groups for j, (name, box, _i) in enumerate(g.reads)]
     offs, pos = [], 0
-    for _g, _j, name, box in reads:
-        pos = -(-pos // ALIGN) * ALIGN
+    for g, j, name, box in reads:
         offs.append(pos)
-        pos += box.volume * dtypes[name].itemsize
+        if (id(g), j) not in direct:
+            pos = -(-pos // ALIGN) * ALIGN
+            offs[-1] = pos
+            pos += box.volume * dtypes[name].itemsize
     keep, scratch = _host(pos, pin)
-    views = {
-        (id(g), j): (box, _view(scratch, off, box.shape, dtypes[name]))
-        for (g, j, name, box), off in zip(reads, offs)
-    }
+    views: dict[tuple[int, int], tuple[L.Box, np.ndarray]] = {}
+    for (g, j, name, box), off in zip(reads, offs):
+        at = direct.get((id(g), j))
+        views[(id(g), j)] = (box, at if at is not None else _view(scratch, off, box.shape, dtypes[name]))
     ckpt.read_into([(name, box, views[(id(g), j)][1]) for g, j, name, box in reads], show_progress=False)
 
     def cell_data(g: Group, c: Cell) -> np.ndarray:
@@ -410,18 +455,11 @@ def _read_round(
         for c in g.cells:
             if me in c.ranks:
                 mine.fill(c.name, c.box, cell_data(g, c))
-    out: list[tuple[int, torch.Tensor]] = []
-    made: dict[tuple[int, ...], torch.Tensor] = {}
-    for dst, cells in sends_by.items():
-        key = tuple(id(c) for c in cells)
-        buf = made.get(key)
-        if buf is None:
-            layout, total = _layout(cells)
-            buf, raw = _host(total, False)
-            made[key] = buf
-            for c, off in zip(cells, layout):
-                np.copyto(
-                    _view(raw, off, c.box.shape, dtypes[c.name]), cell_data(owner[id(c)], c), casting="no"
-                )
-        out.append((dst, buf))
+    for cells in {tuple(id(c) for c in cells): cells for cells in sends_by.values()}.values():
+        _buf, raw, where = made[tuple(id(c) for c in cells)]  # (a cell several ranks need: in each buffer)
+        for c in cells:
+            g = owner[id(c)]
+            if (id(g), c.read) in direct:
+                continue  # read straight into its place
+            np.copyto(_view(raw, where[id(c)], c.box.shape, dtypes[c.name]), cell_data(g, c), casting="no")
     return out, keep

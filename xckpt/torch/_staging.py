@@ -77,6 +77,8 @@ class Stager:
         self.buffers = buffers
         self.events: list[Any] = []
         self._streams: dict[Any, Any] = {}
+        # row deltas: a pool that compares no tensor (`rows_for` None) is not asked per box
+        self._compare = getattr(buffers, "rows_for", True) is not None
         buffers.begin()
 
     def stage(self, key: Hashable, part: Any) -> np.ndarray:
@@ -85,7 +87,8 @@ class Stager:
             buf = self.buffers.take(
                 key, tuple(part.shape), part.dtype, lambda: np.empty(part.shape, part.dtype)
             )
-            self.buffers.compare(key, buf, part)  # row deltas: compare, then copy
+            if self._compare:
+                self.buffers.compare(key, buf, part)  # row deltas: compare, then copy
             np.copyto(buf, part, casting="no")
             return buf
         t = part.detach()
@@ -104,7 +107,7 @@ class Stager:
         elif t.device.type == "cuda":
             self._cuda_copy(host, t)
         else:
-            if t.device.type == "cpu" and t.is_contiguous() and t.dim() == 2:
+            if self._compare and t.device.type == "cpu" and t.is_contiguous() and t.dim() == 2:
                 self.buffers.compare(key, as_numpy(host), as_numpy(t))  # row deltas: compare, then copy
             host.copy_(t)  # a CPU tensor (or another device: a blocking copy)
         return as_numpy(host)
