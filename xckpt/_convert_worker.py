@@ -25,16 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from xckpt import formats
-from xckpt._parts import (
-    Journal,
-    PartResult,
-    Plan,
-    fingerprint,
-    kept_part,
-    make_plan,
-    options_of,
-    write_part,
-)
+from xckpt._parts import Journal, PartResult, Plan, fingerprint, kept_part, make_plan, options_of, write_part
 from xckpt._stream import crc32c
 from xckpt.convert import VerifyMismatchError, _globs, _open, _read_back
 from xckpt.converters.safetensors_write import metadata_of
