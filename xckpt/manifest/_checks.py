@@ -195,6 +195,18 @@ def _dims(v: Any) -> tuple[int, ...] | None:
 
 
 _ITEMSIZES: dict[str, int] = {}
+
+
+def itemsize_of(dtype: str) -> int | None:
+    """Bytes per element of a dtype name, or None when it is not one of `DTYPES` (cached)."""
+    itemsize = _ITEMSIZES.get(dtype)
+    if itemsize is None:
+        if dtype not in DTYPES:
+            return None
+        itemsize = _ITEMSIZES[dtype] = numpy_dtype(dtype).itemsize
+    return itemsize
+
+
 #: The all-zero offset of each rank: most chunks start at the origin and share it.
 ZEROS = tuple((0,) * n for n in range(MAX_NDIM + 1))
 #: Tensor shapes seen (bounded): the 20,000 tensors of a model share a few dozen shapes.

@@ -28,7 +28,6 @@ import numpy as np
 from xckpt.errors import ManifestError
 from xckpt.layout import Box, BoxIndex, ChunkIndex
 from xckpt.manifest._checks import (
-    _ITEMSIZES,
     DTYPES,
     MAX_CHUNKS,
     MAX_ELEMENTS,
@@ -43,6 +42,7 @@ from xckpt.manifest._checks import (
     _ints,
     _shape,
     _str,
+    itemsize_of,
     numpy_dtype,
     shared_shape,
 )
@@ -401,11 +401,9 @@ class TensorEntry:
         if type(dtype) is not str or shape is None or type(raw) is not list or len(raw) > MAX_CHUNKS:
             return None
         shape = shared_shape(shape)
-        itemsize = _ITEMSIZES.get(dtype)
+        itemsize = itemsize_of(dtype)
         if itemsize is None:
-            if dtype not in DTYPES:
-                return None
-            itemsize = _ITEMSIZES[dtype] = numpy_dtype(dtype).itemsize
+            return None
         elements = math.prod(shape)
         if elements > MAX_ELEMENTS or elements * itemsize > MAX_TENSOR_BYTES:
             return None

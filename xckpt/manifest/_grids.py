@@ -442,16 +442,21 @@ def column_json(v: np.ndarray | Sequence[int], dtype: str) -> str:
     return base64.b64encode(np.asarray(v, dtype=dtype).tobytes()).decode("ascii")
 
 
+def b64_len(count: int, size: int) -> int:
+    """Characters of the padded base64 of `count` integers of `size` bytes each."""
+    return 4 * -(-count * size // 3)
+
+
 def _column(v: Any, n: int, lo: int, hi: int, what: str, where: str, dtype: str) -> np.ndarray:
     """A column (a list of `n` integers, or the base64 of `n` little-endian `dtype`
     integers) as int64, each in `[lo, hi)`; the string's length is checked before it is decoded."""
     if type(v) is not str:
         return _int_list(v, n, lo, hi, what, where)
     size = np.dtype(dtype).itemsize
-    if len(v) != 4 * -(-n * size // 3):
+    if len(v) != b64_len(n, size):
         raise ManifestError(
             f"{where}: {what} is a base64 column of {len(v)} characters; {n} little-endian {8 * size}-bit "
-            f"integers take {4 * -(-n * size // 3)}"
+            f"integers take {b64_len(n, size)}"
         )
     try:
         raw = base64.b64decode(v, validate=True)

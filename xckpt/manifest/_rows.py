@@ -13,7 +13,6 @@ from typing import Any
 
 from xckpt.errors import ManifestError
 from xckpt.manifest._checks import (
-    _ITEMSIZES,
     DTYPES,
     MAX_ELEMENTS,
     MAX_TENSOR_BYTES,
@@ -27,6 +26,7 @@ from xckpt.manifest._checks import (
     _new,
     _set,
     _shape,
+    itemsize_of,
     numpy_dtype,
     shared_shape,
 )
@@ -120,11 +120,9 @@ def _tensor_entries(
 
 def _row_kind(dtype: str, shp: list[int], rank: int, keys: Mapping[int, str]) -> tuple[Any, ...] | None:
     """(shape, offset, key, nbytes) of a row's dtype, shape and rank when all are valid, else None."""
-    itemsize = _ITEMSIZES.get(dtype)
+    itemsize = itemsize_of(dtype)
     if itemsize is None:
-        if dtype not in DTYPES:
-            return None
-        itemsize = _ITEMSIZES[dtype] = numpy_dtype(dtype).itemsize
+        return None
     shape = _dims(shp)
     key = keys.get(rank)
     if shape is None or key is None:

@@ -26,17 +26,16 @@ import numpy as np
 
 from xckpt.errors import ManifestError
 from xckpt.manifest._checks import (
-    _ITEMSIZES,
     DTYPES,
     MAX_CHUNKS,
     MAX_EXTENT,
     MAX_NAME_LEN,
     MAX_NDIM,
     MAX_TENSOR_BYTES,
-    numpy_dtype,
+    itemsize_of,
 )
 from xckpt.manifest._entries import TensorEntry
-from xckpt.manifest._grids import _column, column_json
+from xckpt.manifest._grids import _column, b64_len, column_json
 
 __all__ = ["TableRun", "expand_table", "table_json"]
 
@@ -132,7 +131,7 @@ def expand_table(raw: Any, where: str, rank: int | None, data_dir: str) -> dict[
             raise ManifestError(f"{w}: unknown dtype {dtype!r}"[:300])
         q = p + nd
         e = ext[p:q]
-        nbytes = math.prod(e) * _itemsize(dtype)
+        nbytes = math.prod(e) * (itemsize_of(dtype) or 0)
         if nbytes >= MAX_TENSOR_BYTES:
             raise ManifestError(f"{w}: extent {e} claims {nbytes} bytes, over the limit of {MAX_TENSOR_BYTES}")
         c: dict[str, Any] = {"offset": off[p:q], "shape": e, "key": f"{data_dir}/{key}", "rank": rank, "nbytes": nbytes}
@@ -149,16 +148,7 @@ def expand_table(raw: Any, where: str, rank: int | None, data_dir: str) -> dict[
     return out
 
 
-def _itemsize(dtype: str) -> int:
-    size = _ITEMSIZES.get(dtype)
-    return size if size is not None else numpy_dtype(dtype).itemsize
-
-
 _MEMBER_SET = set(_MEMBERS)
-
-
-def _b64_len(count: int, size: int) -> int:
-    return 4 * -(-count * size // 3)
 
 
 class TableRun:
@@ -245,7 +235,7 @@ class TableRun:
 
         def col(m: str, count: int, size: int) -> np.ndarray:
             s = [p[0].table[m] for p in pend]
-            if set(map(type, s)) != {str} or set(map(len, s)) != {_b64_len(count, size)}:
+            if set(map(type, s)) != {str} or set(map(len, s)) != {b64_len(count, size)}:
                 raise ValueError(m)
             raw = b"".join([binascii.a2b_base64(x, strict_mode=True) for x in s])
             if len(raw) != r * count * size:
