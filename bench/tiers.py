@@ -130,20 +130,28 @@ def _saves(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res: d
     local = os.path.join(cfg["shm"], "A" if rank < 2 else "B")
     m = CheckpointManager(cfg["roots"]["disk"] + "-l", local=local, local_every=1, save_every=10**9, local_keep=2,
                           ranks_per_node=2, handle_preemption=False)
-    stalls = []
-    for step in range(1, 7):
+    stalls, reps = [], []
+    rep = m._tiers.rep  # type: ignore[union-attr]
+    for step in range(1, 10):
         dist.barrier()
         t0 = time.perf_counter()
         m.save(step, sd)
         stalls.append(time.perf_counter() - t0)
         m.wait()
+        reps.append((rep.seconds, rep.reused_bytes))
     res["local_stall"] = median(stalls[1:])  # the first allocates the buffers
-    # one more replication of the last local step, against a plain send of the same bytes
-    rep = m._tiers.rep  # type: ignore[union-attr]
-    step_dir = m._tiers.step_dir(6)  # type: ignore[union-attr]
-    res["replicate_s"] = _timed(dist, lambda: rep.run(6, step_dir, None))
+    # each round's replication on its slowest rank. local_keep=2: from step 4 on, each receives
+    # into the spares of the step retention dropped (step 1's after step 3), mapped anew in
+    # steps 4-6, and from step 7 on into the same files again, their mappings kept
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, reps)
+    took = [max(r[i][0] for r in every) for i in range(len(reps))]
+    res["replicate_s"] = median(took[6:])
+    res["replicate_first_spares_s"] = median(took[3:6])
+    res["replicate_fresh_s"] = took[1]  # step 2: fresh files (step 1 also makes the receive buffers)
+    res["reused_bytes"] = sum(r[-1][1] for r in every)
     res["replicated_bytes"] = rep.sent_bytes
-    res["plain_send_s"] = _plain_send(dist, rank, rep)
+    res["plain_send_cold_s"], res["plain_send_s"] = _plain_send(dist, rank, rep)
     m.close()
     for kind, root in cfg["roots"].items():
         p = CheckpointManager(root, save_every=1, keep_last=1, handle_preemption=False)
@@ -166,8 +174,10 @@ def _saves(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res: d
     res["dcp_stall"] = median(stalls[1:])
 
 
-def _plain_send(dist: Any, rank: int, rep: Any) -> float:
-    """The same bytes each rank replicated, sent with one gloo batch_isend_irecv."""
+def _plain_send(dist: Any, rank: int, rep: Any) -> tuple[float, float]:
+    """The same bytes each rank replicated, sent with one gloo batch_isend_irecv: the first
+    send, into receive buffers no page of which is in memory yet, and the median of 5 more into
+    the same buffers (the anchor: a plain send at its fastest)."""
     import torch
 
     n = torch.tensor([rep.sent_bytes // max(1, len(rep.dsts))], dtype=torch.int64)
@@ -175,7 +185,8 @@ def _plain_send(dist: Any, rank: int, rep: Any) -> float:
     rep._exchange([(d, n) for d in rep.dsts], list(sizes.items()), 0)
     payload = torch.ones(int(n.item()), dtype=torch.uint8)
     got = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes.items()}
-    return _timed(dist, lambda: rep._exchange([(d, payload) for d in rep.dsts], list(got.items()), 0))
+    times = [_timed(dist, lambda: rep._exchange([(d, payload) for d in rep.dsts], list(got.items()), 0)) for _ in range(6)]
+    return times[0], median(times[1:])
 
 
 def _restores(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res: dict[str, Any]) -> None:
@@ -267,6 +278,7 @@ def _one(spec: Any, s3: Any, profile: str | None = None) -> dict[str, Any]:
     r0 = dict(per[0])
     r0["restore_tiers_root_bytes"] = sum(p["restore_tiers_root_bytes"] for p in per)
     r0["replicated_bytes"] = sum(p["replicated_bytes"] for p in per)
+    r0["reused_bytes"] = per[0]["reused_bytes"]  # already summed over ranks
     r0["exact"] = all(p[k] for p in per for k in p if k.endswith("_exact"))
     return r0
 
@@ -323,13 +335,20 @@ def main() -> None:
         ["restore from disk root", med("restore_disk_s"), med("restore_disk_s") / med("restore_s3_s")],
         ["restore from tiers, node B lost", med("restore_tiers_s"), med("restore_tiers_s") / med("restore_s3_s")],
         ["plain gloo send (anchor)", med("plain_send_s"), 1.0],
+        ["plain gloo send, receive buffers' first use", med("plain_send_cold_s"),
+         med("plain_send_s") / med("plain_send_cold_s")],
         ["replication", med("replicate_s"), rep_gbps / plain_gbps],
+        ["replication, spares mapped anew (rounds 4-6)", med("replicate_first_spares_s"),
+         med("plain_send_s") / med("replicate_first_spares_s")],
+        ["replication into fresh files (round 2, before any spares)", med("replicate_fresh_s"),
+         med("plain_send_s") / med("replicate_fresh_s")],
     ]
     print(f"\nstate {mib:.0f} MiB (W1, rows split over 4 gloo ranks = 2 nodes), medians of {args.repeats}; "
           f"load {load_average()}\n")
     print(markdown_table(["what", "seconds", "ratio to its anchor"], rows))
     print(f"\nreplication {rep_gbps:.2f} GB/s, plain send {plain_gbps:.2f} GB/s; bytes read from the root during "
-          f"the tier restore: {max(r['restore_tiers_root_bytes'] for r in runs)}")
+          f"the tier restore: {max(r['restore_tiers_root_bytes'] for r in runs)}; the last replication received "
+          f"{med('reused_bytes') / max(1, med('replicated_bytes')):.0%} of its bytes into spares")
     for k, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {k}")
     path = out_dir() / "tiers.json"

@@ -134,13 +134,23 @@ def _phase_save(rank: int, world: int, base: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         m = _manager(os.path.join(base, "root"), local)
+        inodes = {}  # each local step's own data files (name -> inode), once its round is done
         for step in range(1, 9):
             saved = m.save(step, _state(step, mesh))
             assert saved == (step % 5 == 0)
-        m.wait()
+            m.wait()
+            own = os.path.join(local, str(step), "data", str(rank))
+            if step % 2 == 0:
+                inodes[step] = {os.path.relpath(os.path.join(b, n), own): os.stat(os.path.join(b, n)).st_ino
+                                for b, _d, ns in os.walk(own) for n in ns if n.startswith("c.")}
         out = {"local": m.local_steps(), "steps": m.steps(), "warnings": [str(w.message) for w in caught]}
+    out["inodes"] = [sorted(inodes[s].items()) for s in (2, 4, 6, 8)]
+    torch.distributed.barrier()  # the node's other rank has released its part of step 4 too
     out["files"] = sorted(os.listdir(os.path.join(local, "8", "ranks")))
     out["dirs"] = sorted(os.listdir(local))
+    out["reused"] = m._tiers.rep.reused_bytes  # step 8's replica, received into step 2's spares
+    spares = os.path.join(local, ".spare")
+    out["spares"] = sorted(os.path.relpath(os.path.join(b, n), spares) for b, _d, ns in os.walk(spares) for n in ns)
     out["restored"] = _restore(m, mesh)
     # node A's own copy of rank 0's part of step 8 damaged: node B's replica serves
     if rank == 0:
@@ -155,6 +165,8 @@ def _phase_save(rank: int, world: int, base: str) -> dict:
     torch.distributed.barrier()
     out["merged_damaged"] = _restore(m, mesh)
     m.close()
+    torch.distributed.barrier()
+    out["closed"] = sorted(os.listdir(local))
     return out
 
 
@@ -250,7 +262,19 @@ def test_saves_local_steps_replicated_to_the_other_node(phases):
     assert all(x["local"] == [6, 8] and x["steps"] == [5] for x in r)
     # each node holds its own ranks' parts and the other node's: all four
     assert all(x["files"] == ["0.json", "1.json", "2.json", "3.json"] for x in r)
-    assert all(x["dirs"] == ["6", "8"] for x in r)  # local_keep=2
+    assert [x["dirs"] for x in r] == [[".spare", "6", "8"]] * 4, [(x["dirs"], x["spares"], x["reused"]) for x in r]
+    # each rank keeps its files of the step retention dropped (4: its own part's and the replica it
+    # received), to write the next step into; step 8's came into step 2's; a closed manager leaves
+    # no spares
+    for rank, x in enumerate(r):
+        src = (rank + 2) % 4
+        mine = {tuple(f.split("/")[:2]) for f in x["spares"] if f.startswith(f"{rank}/")}
+        assert mine == {(str(rank), str(rank)), (str(rank), str(src))}
+        # its own write of step 8 wrote over the files of step 2 (dropped after step 6): the same inodes
+        two, four, six, eight = x["inodes"]
+        assert eight == two and len({i for _n, i in two + four + six}) == 3 * len(two) > 0
+        assert x["reused"] > 0
+        assert x["closed"] == ["6", "8"]
     assert all(x["restored"][:2] == (8, True) for x in r)
     assert not any(x["warnings"] for x in r)
 
@@ -408,7 +432,8 @@ def test_one_process_local_steps_through_the_copy_hook(tmp_path):
         m.save(step, sd)
         sd["w"].add_(1000)  # the caller goes on at once: what was staged stays
     m.wait()
-    assert m.local_steps() == [4, 6] and m.steps() == [4] and sorted(os.listdir(local)) == ["4", "6"]
+    # step 2's files kept as spares, for the next local step to write over
+    assert m.local_steps() == [4, 6] and m.steps() == [4] and sorted(os.listdir(local)) == [".spare", "4", "6"]
     assert len(calls) == 2 * (3 + 1)  # local steps 2, 4, 6 and persistent step 4
     target = {"w": torch.empty(64, 8), "h": torch.empty(5, dtype=torch.bfloat16), "n": None}
     m.restore(target)
@@ -417,6 +442,7 @@ def test_one_process_local_steps_through_the_copy_hook(tmp_path):
     m.restore(target, step=4)
     assert target["n"] == 4
     m.close()
+    assert sorted(os.listdir(local)) == ["4", "6"]  # no spares once closed
     assert CheckpointManager(str(tmp_path / "root"), local=local, replicas=0).local_steps() == [4, 6]
 
 

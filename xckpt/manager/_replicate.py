@@ -18,9 +18,11 @@ local-tier thread, one step at a time):
    replication's own, so it never interleaves with the training's or the manager's
    collectives); each receiver writes the head's data files;
 3. the larger files, in `CHUNK`-byte messages: each sender posts them all at once,
-   straight from a mapping of its files (no copy of ours); each receiver keeps
-   `RECV_BUFFERS` in flight into as many reused buffers and writes one to its file
-   while the next ones arrive.
+   straight from a mapping of its files (no copy of ours); each receiver receives a
+   file that has a spare (the same file of the source's replica in a step retention
+   dropped, `xckpt.manager._spares`) straight into a mapping of the spare, renamed into
+   the step: no write, and no page for the kernel to find. Any other file goes through
+   `RECV_BUFFERS` reused buffers, one written to the file while the next ones arrive.
    A receiver that cannot write goes on receiving (its senders finish) and reports it
    in step 4;
 4. each receiver writes the rank manifest last (its checksum checked, a temporary name,
@@ -35,9 +37,11 @@ raise instead of hanging. Bytes travel as uint8 tensors, never pickles.
 
 from __future__ import annotations
 
+import collections
 import json
 import mmap
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +50,8 @@ import numpy as np
 from xckpt._wait import wait_works
 from xckpt.errors import ManifestError, XckptError
 from xckpt.manifest import parse_document
+
+from ._spares import Mappings, claim
 
 __all__ = ["Replicator", "Incoming", "head", "map_file", "pack", "unpack", "TIMEOUT_S"]
 
@@ -122,15 +128,19 @@ def pack(step_dir: str, rank: int) -> np.ndarray:
     return head(step_dir, rank)[0]
 
 
-def map_file(path: str, size: int) -> Any:
+def map_file(path: str, size: int, maps: Mappings | None = None) -> Any:
     """A uint8 tensor over the file at `path` (`size` bytes, read in full when mapped), so
-    gloo sends straight from the page cache. The mapping goes once the tensor is dropped."""
+    gloo sends straight from the page cache. The mapping is kept in `maps` (a file the tier
+    wrote over, mapped in an earlier round, is not mapped again), or goes once the tensor is
+    dropped."""
     import torch
 
     fd = os.open(path, os.O_RDWR)
     try:
         if os.fstat(fd).st_size != size:
             raise XckptError(f"{path} changed size while it was replicated")
+        if maps is not None:
+            return torch.from_numpy(maps.map(fd, size))
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
@@ -227,7 +237,15 @@ class Replicator:
     Built on every rank at the same point (it makes a gloo group over the manager's group).
     """
 
-    def __init__(self, process_group: Any, rank: int, world: int, pairs: Sequence[tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        process_group: Any,
+        rank: int,
+        world: int,
+        pairs: Sequence[tuple[int, int]],
+        spares: str | None = None,
+        keep: int = 1,
+    ) -> None:
         import torch
         import torch.distributed as dist
 
@@ -238,9 +256,20 @@ class Replicator:
         self.rank, self.world = rank, world
         self.dsts = [d for s, d in pairs if s == rank]
         self.srcs = [s for s, d in pairs if d == rank]
-        #: Bytes this rank sent in its last replication (benchmarks read it).
-        self.sent_bytes = 0
+        #: Where this rank's spares are (`xckpt.manager._spares`); None: every replica is a fresh file.
+        self.spares = spares
+        self._maps = Mappings(keep + 1)
+        #: Bytes this rank sent in its last replication, and received into spares (benchmarks read them).
+        self.sent_bytes = self.reused_bytes = 0
+        #: Seconds of its last replication: making its head, then from every rank's local
+        #: write done (the first exchange) to every replica stored (the last).
+        self.seconds = 0.0
         self._bufs: list[Any] = []
+
+    def close(self) -> None:
+        """Drop the receive buffers and the spares' mappings."""
+        self._maps.close()
+        self._bufs = []
 
     def _wait(self, works: Sequence[Any], step: int, what: str) -> None:
         wait_works(
@@ -279,45 +308,73 @@ class Replicator:
             self._bufs = [self._torch.zeros(CHUNK, dtype=self._torch.uint8) for _ in range(RECV_BUFFERS)]
         return self._bufs
 
-    def _receive(self, incoming: dict[int, Incoming], step: int, write: bool) -> BaseException | None:
-        """Receive the larger files of every incoming part in `CHUNK`-byte messages,
-        `RECV_BUFFERS` in flight, each written to its file while the next ones arrive. A failure to write stops
-        the writing, never the receiving (the senders finish); it is returned."""
-        dist = self._dist
+    def _post_receives(self, incoming: dict[int, Incoming], write: bool) -> tuple[list[Any], Any]:
+        """Claim a spare (`xckpt.manager._spares`) for each larger file of every incoming part.
+        When every one has one, post all their receives now, straight into the spares, and
+        return `(works, None)`; otherwise `([], receive)`, where `receive(step, fail)` receives
+        them all in order (`_through_buffers`) once this rank's sends are posted."""
+        mapped: dict[str, Any] = {}
+        if write and self.spares is not None:
+            for s, part in incoming.items():
+                for name, size in part.pending:
+                    path = os.path.join(part.step_dir, name)
+                    arr = claim(self.spares, s, name, path, size, self._maps)
+                    if arr is not None:
+                        mapped[path] = self._torch.from_numpy(arr)
+                        self.reused_bytes += size
+        self._maps.next_round()
         jobs = [
             (s, os.path.join(part.step_dir, name), off, min(CHUNK, size - off))
             for s, part in incoming.items()
             for name, size in part.pending
             for off in range(0, max(size, 1), CHUNK)
         ]
-        bufs = self._buffers()
-        ring = len(bufs)
-        works: list[Any] = [None] * ring
+        if jobs and all(path in mapped for _s, path, _o, _n in jobs):
+            dist = self._dist
+            return [dist.irecv(mapped[p][o : o + n], self._ranks[s], group=self.group) for s, p, o, n in jobs], None
+        return [], lambda step, fail: self._through_buffers(jobs, mapped, step, fail)
 
-        def post(k: int) -> Any:
-            s, _path, _off, n = jobs[k]
-            return dist.irecv(bufs[k % ring][:n], self._ranks[s], group=self.group) if n else None
+    def _through_buffers(
+        self, jobs: list[tuple[int, str, int, int]], mapped: dict[str, Any], step: int, fail: BaseException | None
+    ) -> BaseException | None:
+        """Post every job's receive in order: into its mapped file, or into the next free one of
+        `RECV_BUFFERS` buffers, written to its file (unless `fail`) before the buffer is reused."""
+        dist = self._dist
+        bufs: list[Any] = []
+        ring: collections.deque[tuple[Any, int, str, int]] = collections.deque()  # (work, buffer, path, bytes)
+        direct: list[Any] = []
+        fd, at, posted = -1, "", 0
 
-        for k in range(min(ring, len(jobs))):
-            works[k] = post(k)
-        fail: BaseException | None = None if write else XckptError("not written")
-        fd, at = -1, ""
+        def drain() -> None:
+            nonlocal fd, at, fail
+            work, b, path, n = ring.popleft()
+            if work is not None:
+                self._wait([work], step, "replica")
+            if fail is not None:
+                return
+            try:
+                if path != at:
+                    if fd >= 0:
+                        os.close(fd)
+                    fd, at = -1, path
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                _write_all(fd, memoryview(bufs[b].numpy())[:n])
+            except OSError as e:
+                fail = e
+
         try:
-            for k, (_s, path, _off, n) in enumerate(jobs):
-                if works[k % ring] is not None:
-                    self._wait([works[k % ring]], step, "replica")
-                if fail is None:
-                    try:
-                        if path != at:
-                            if fd >= 0:
-                                os.close(fd)
-                            fd, at = -1, path
-                            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                        _write_all(fd, memoryview(bufs[k % ring].numpy())[:n])
-                    except OSError as e:
-                        fail = e
-                if k + ring < len(jobs):
-                    works[k % ring] = post(k + ring)
+            for s, path, off, n in jobs:
+                if path in mapped:
+                    direct.append(dist.irecv(mapped[path][off : off + n], self._ranks[s], group=self.group))
+                    continue
+                if len(ring) == RECV_BUFFERS:
+                    drain()
+                bufs = bufs or self._buffers()
+                b, posted = posted % RECV_BUFFERS, posted + 1  # the oldest in flight holds it when the ring is full
+                ring.append((dist.irecv(bufs[b][:n], self._ranks[s], group=self.group) if n else None, b, path, n))
+            while ring:
+                drain()
+            self._wait(direct, step, "replica")
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -328,9 +385,10 @@ class Replicator:
 
         Two rounds: the heads (the small files and the manifest, in one message per
         destination), then the larger files in `CHUNK`-byte messages, sent straight from a
-        mapping of the file and received into `RECV_BUFFERS` reused buffers, each written to
-        the copy while the next ones arrive."""
+        mapping of the file and received into a mapping of a spare, or into `RECV_BUFFERS`
+        reused buffers, each written to the copy while the next ones arrive."""
         torch, dist = self._torch, self._dist
+        start = time.perf_counter()
         payload = torch.zeros(0, dtype=torch.uint8)
         big: list[tuple[str, int]] = []
         if err is None and self.dsts:
@@ -339,11 +397,20 @@ class Replicator:
                 payload = torch.from_numpy(buf)
             except (OSError, XckptError) as e:
                 err = e
+        made = time.perf_counter() - start
         sizes = self._agree(err, step, "the local save", payload.numel())
+        t0, self.reused_bytes = time.perf_counter(), 0
         got = {s: torch.empty(sizes[s], dtype=torch.uint8) for s in self.srcs}
-        self._exchange([(d, payload) for d in self.dsts], list(got.items()), step)
+        heads = [dist.irecv(buf, self._ranks[s], group=self.group) for s, buf in got.items()]
+        sends = [dist.isend(payload, self._ranks[d], group=self.group) for d in self.dsts]
+        for n, size in big:  # each file's messages follow the head; they travel while the next one is mapped
+            t = map_file(os.path.join(step_dir, n), size, self._maps)
+            sends += [
+                dist.isend(t[off : off + CHUNK], self._ranks[d], group=self.group)
+                for d in self.dsts for off in range(0, t.numel(), CHUNK)
+            ]
+        self._wait(heads, step, "replica")
         fail: BaseException | None = None
-        sends: list[Any] = []
         incoming = {}
         for s, buf in got.items():
             part = incoming[s] = Incoming(step_dir, s)
@@ -351,14 +418,9 @@ class Replicator:
                 part.open(buf.numpy())
             except (OSError, XckptError) as e:  # its files are still received (and dropped): the sender
                 fail = e  # finishes (a header that cannot be read names none: its sender waits TIMEOUT_S)
-        if big:
-            maps = [map_file(os.path.join(step_dir, n), size) for n, size in big]
-            sends = [
-                dist.isend(t[off : off + CHUNK], self._ranks[d], group=self.group)
-                for d in self.dsts for t in maps for off in range(0, t.numel(), CHUNK)
-            ]
-        failed = self._receive(incoming, step, write=fail is None)
-        self._wait(sends, step, "replica")
+        posted, receive = self._post_receives(incoming, write=fail is None)
+        failed = receive(step, None if fail is None else XckptError("not written")) if receive else None
+        self._wait(posted + sends, step, "replica")
         self.sent_bytes = (payload.numel() + sum(size for _n, size in big)) * len(self.dsts)
         fail = fail or failed
         if fail is None:
@@ -368,3 +430,4 @@ class Replicator:
             except (OSError, XckptError) as e:
                 fail = e
         self._agree(fail, step, "storing the replicas")
+        self.seconds = made + time.perf_counter() - t0

@@ -35,6 +35,7 @@ is not counted.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import os
 import shutil
@@ -48,6 +49,7 @@ from typing import Any
 
 from xckpt.errors import ManifestError, XckptError
 from xckpt.manifest import parse_claim, parse_document, parse_header
+from xckpt.native._fileio import recycle_under
 from xckpt.native.steps import MANAGER_KEY, TIERS_KEY
 from xckpt.storage import Location, Storage, location_name, location_spec
 
@@ -56,6 +58,7 @@ from ._coord import Coordinator
 from ._merged import drop_merged, write_merged
 from ._policy import positive_count
 from ._replicate import Replicator
+from ._spares import SPARE_DIR, clear, place, release, tidy, tidy_dir
 from ._staging import HostBuffers
 
 __all__ = ["Held", "Tiers", "nodes_of", "replica_pairs"]
@@ -171,7 +174,16 @@ class Tiers:
                 stacklevel=3,
             )
         self.replicas = replicas
-        self.rep = Replicator(process_group, coord.rank, world, self.pairs) if coord.kind == "torch" else None
+        #: The ranks whose replicas this rank receives, and where it keeps the files it owns in
+        #: the steps retention drops, for the next step to reuse (`xckpt.manager._spares`).
+        self.sources = [s for s, d in self.pairs if d == self.rank]
+        self.spares = os.path.join(self.dir, SPARE_DIR, str(self.rank))
+        self._tidy_spares()
+        recycle_under(self.dir, functools.partial(place, self.spares, self.rank, self.dir))
+        self.rep = (
+            Replicator(process_group, coord.rank, world, self.pairs, spares=self.spares, keep=self.keep)
+            if coord.kind == "torch" else None
+        )
         self._pool: cf.ThreadPoolExecutor | None = None
         self._round: cf.Future[None] | None = None
         self._round_step: int | None = None
@@ -184,6 +196,7 @@ class Tiers:
         #: Steps complete in the union of the local tiers (this run's rounds added as they finish).
         self._steps = set(complete_steps([Held(*t) for rows in everyone for t in rows]))
         self._older = set(self._steps)  # steps of earlier runs (kept until this run has enough)
+        self._released: set[int] = set()  # dropped steps whose directory outlived this rank's release
         self._mine: list[int] = []  # this run's completed rounds
         hosts = coord.gather((socket.gethostname(), self.dir))
         #: Per rank, its node's directory: ranks with the same one read the same copies.
@@ -344,19 +357,32 @@ class Tiers:
             raise
 
     def close(self) -> None:
+        """Finish the round in flight; delete this rank's spares and what is left of the steps
+        retention dropped (another rank still releasing one only finds less to move)."""
         try:
             self.finish()
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+        recycle_under(self.dir, None)
+        if self.rep is not None:
+            self.rep.close()
+        for s in sorted(self._released):
+            _rmtree(self.step_dir(s))
+        self._released.clear()
+        clear(self.spares)
+        tidy_dir(os.path.dirname(self.spares))
 
     # -- retention and the record ------------------------------------------------------
 
     def _prune(self) -> None:
-        """Delete local steps older than the newest `keep` complete ones (this run's
-        rounds, and steps of earlier runs older than them). Every rank finished the newest
-        round, so no rank is still writing a step deleted here."""
+        """Drop local steps older than the newest `keep` complete ones (this run's rounds, and
+        steps of earlier runs older than them). Every rank finished the newest round, so no
+        rank still writes a step dropped here. A rank releases what it owns of a dropped step
+        (`xckpt.manager._spares`: its part, and its replicas, kept as spares), manifests
+        first; a directory that outlives the release (another rank of the node still releasing,
+        or what no rank owns) is deleted in the next round, when every rank is done with it."""
         with self._lock:
             mine = sorted(self._mine)
             older = sorted(s for s in self._older if s < mine[0]) if mine else []
@@ -371,8 +397,27 @@ class Tiers:
                 self._steps.discard(s)
             self._mine = [s for s in self._mine if s >= floor]
         for s in sorted(doomed):
-            drop_merged(self.step_dir(s))  # manifests first: the merged one, then the ranks'
-            _rmtree(self.step_dir(s))
+            d = self.step_dir(s)
+            if s in self._released:
+                _rmtree(d)
+                self._released.discard(s)
+                continue
+            drop_merged(d)  # manifests first: the merged one, then each part's before its data
+            release(d, self.rank, self.sources, self.spares)
+            tidy(d)
+            if os.path.exists(d):
+                self._released.add(s)
+
+    def _tidy_spares(self) -> None:
+        """At construction: drop this rank's spares of an earlier run; the node's first rank
+        also drops those of ranks that are not on the node now."""
+        base = os.path.join(self.dir, SPARE_DIR)
+        clear(os.path.join(base, str(self.rank)))
+        node = next(m for m in self.nodes if self.rank in m)
+        if node[0] == self.rank and os.path.isdir(base):
+            for n in os.listdir(base):
+                if not (n.isascii() and n.isdigit() and int(n) in node):
+                    clear(os.path.join(base, n))
 
     def _record(self, hosts: list[tuple[str, str]] | None, latest: int | None = None) -> None:
         """Rank 0: the root's `tiers.json`, which tells `xckpt ls ROOT` where local steps are."""

@@ -59,7 +59,7 @@ from xckpt.storage import fsync_dir, local_root
 __all__ = [
     "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "submit_read",
     "bytes_read", "check_meta", "check_shard", "parse_meta", "parse_layout", "stored_meta", "chunk_file", "data_file",
-    "zarr_json",
+    "zarr_json", "recycle_under",
 ]
 
 #: Threads for reads: twice the cores overlaps page-cache copies with crc32c (the GIL is
@@ -76,6 +76,8 @@ CODEC_THREADS = max(1, os.cpu_count() or 1)
 RUN_BYTES = 32 << 20
 #: Files a write keeps open at once.
 _OPEN_FILES = 128
+#: Directories whose shard files may be written over a file put in place (`recycle_under`).
+_RECYCLERS: dict[str, Callable[[str], bool]] = {}
 _IOV_MAX = 900
 _MISSING = (1 << 64) - 1
 
@@ -315,6 +317,29 @@ def _write_encoded(path: str, a: ArrayWrite) -> None:
         os.close(fd)
 
 
+def recycle_under(root: str, place: Callable[[str], bool] | None) -> None:
+    """Register `place` for the shard files written under directory `root` (None: drop it).
+
+    Before such a file is opened, `place(path)` may put a file at `path` and return True;
+    the file is then written over in place and cut to its size instead of truncated, so
+    the filesystem reuses its pages (a manager's local tier on tmpfs,
+    `xckpt.manager._spares`). `place` runs on the writing thread.
+    """
+    key = os.path.join(os.path.abspath(root), "")
+    if place is None:
+        _RECYCLERS.pop(key, None)
+    else:
+        _RECYCLERS[key] = place
+
+
+def _recycled(path: str) -> bool:
+    """Whether a registered `place` put a file at `path` to write over (`recycle_under`)."""
+    for root, place in list(_RECYCLERS.items()):
+        if path.startswith(root):
+            return place(path)
+    return False
+
+
 def write_arrays(root: str, arrays: Sequence[ArrayWrite], done: Callable[[int], None] | None = None) -> None:
     """Write `arrays` as zarr v3 arrays under `root` and make them durable.
 
@@ -379,9 +404,16 @@ def _write_batch(root: str, arrays: Sequence[ArrayWrite], made: set[str], known:
             elif a.kind == "files":
                 _makedirs(key_dir, made, known)
                 path = data_file(key_dir, len(shape))
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                reused = bool(_RECYCLERS) and _recycled(path)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (0 if reused else os.O_TRUNC), 0o644)
                 written.append(path)
                 head, size, runs = _shard_runs(a)
+                if reused:  # written over in place: cut to its size (its pages up to there are kept)
+                    try:
+                        os.ftruncate(fd, len(head) + size * sum(len(r) for r in runs))
+                    except OSError:
+                        os.close(fd)
+                        raise
                 offset, run_futs = 0, []
                 for n, run in enumerate(runs):
                     first = head if n == 0 else b""
