@@ -175,17 +175,24 @@ def _saves(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res: d
 
 
 def _plain_send(dist: Any, rank: int, rep: Any) -> tuple[float, float]:
-    """The same bytes each rank replicated, sent with one gloo batch_isend_irecv: the first
-    send, into receive buffers no page of which is in memory yet, and the median of 5 more into
-    the same buffers (the anchor: a plain send at its fastest)."""
+    """The same bytes each rank replicated, sent with one gloo batch_isend_irecv on the
+    replication's group: the first send, into receive buffers no page of which is in memory
+    yet, and the median of 5 more into the same buffers (the anchor: a plain send at its
+    fastest)."""
     import torch
+
+    def exchange(sends: list[Any], recvs: list[Any]) -> None:
+        ops = [dist.P2POp(dist.irecv, buf, rep._ranks[s], rep.group) for s, buf in recvs]
+        ops += [dist.P2POp(dist.isend, buf, rep._ranks[d], rep.group) for d, buf in sends]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
     n = torch.tensor([rep.sent_bytes // max(1, len(rep.dsts))], dtype=torch.int64)
     sizes = {s: torch.zeros(1, dtype=torch.int64) for s in rep.srcs}
-    rep._exchange([(d, n) for d in rep.dsts], list(sizes.items()), 0)
+    exchange([(d, n) for d in rep.dsts], list(sizes.items()))
     payload = torch.ones(int(n.item()), dtype=torch.uint8)
     got = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes.items()}
-    times = [_timed(dist, lambda: rep._exchange([(d, payload) for d in rep.dsts], list(got.items()), 0)) for _ in range(6)]
+    times = [_timed(dist, lambda: exchange([(d, payload) for d in rep.dsts], list(got.items()))) for _ in range(6)]
     return times[0], median(times[1:])
 
 

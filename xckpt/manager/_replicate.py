@@ -14,15 +14,15 @@ local-tier thread, one step at a time):
    bytes of the files under `MAP_AT`, the rank manifest last); one exchange of every
    rank's outcome of its local write and of making the head, with the head sizes:
    when any failed, every rank raises (nothing is sent);
-2. the ranks exchange the heads (one `batch_isend_irecv`, on a gloo group of the
-   replication's own, so it never interleaves with the training's or the manager's
-   collectives); each receiver writes the head's data files;
-3. the larger files, in `CHUNK`-byte messages: each sender posts them all at once,
-   straight from a mapping of its files (no copy of ours); each receiver receives a
-   file that has a spare (the same file of the source's replica in a step retention
-   dropped, `xckpt.manager._spares`) straight into a mapping of the spare, renamed into
-   the step: no write, and no page for the kernel to find. Any other file goes through
-   `RECV_BUFFERS` reused buffers, one written to the file while the next ones arrive.
+2. each sender posts its head, then the larger files in `CHUNK`-byte messages, all at
+   once, straight from a mapping of its files (no copy of ours; a file the tier wrote
+   over keeps its mapping from an earlier round), on a gloo group of the replication's
+   own, so it never interleaves with the training's or the manager's collectives;
+3. each receiver takes the head, writes its small files, and receives each larger file
+   that has a spare (the same file in a step retention dropped, `xckpt.manager._spares`)
+   straight into a mapping of the spare, renamed into the step: no write, and no page
+   for the kernel to find. Any other file goes through `RECV_BUFFERS` reused buffers,
+   one written to the file while the next ones arrive.
    A receiver that cannot write goes on receiving (its senders finish) and reports it
    in step 4;
 4. each receiver writes the rank manifest last (its checksum checked, a temporary name,
@@ -295,13 +295,6 @@ class Replicator:
             )
         return [int(t[1]) for t in out]
 
-    def _exchange(self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], step: int) -> None:
-        dist = self._dist
-        ops = [dist.P2POp(dist.irecv, buf, self._ranks[s], self.group) for s, buf in recvs]
-        ops += [dist.P2POp(dist.isend, buf, self._ranks[d], self.group) for d, buf in sends]
-        if ops:
-            self._wait(dist.batch_isend_irecv(ops), step, "replica")
-
     def _buffers(self) -> list[Any]:
         """`RECV_BUFFERS` receive buffers of `CHUNK` bytes, made (and touched) once per replicator."""
         if not self._bufs:
@@ -383,10 +376,10 @@ class Replicator:
     def run(self, step: int, step_dir: str, err: BaseException | None) -> None:
         """Replicate local step `step` (this rank's part is in `step_dir`); see the module.
 
-        Two rounds: the heads (the small files and the manifest, in one message per
-        destination), then the larger files in `CHUNK`-byte messages, sent straight from a
-        mapping of the file and received into a mapping of a spare, or into `RECV_BUFFERS`
-        reused buffers, each written to the copy while the next ones arrive."""
+        The head (the small files and the manifest, in one message per destination), then
+        the larger files in `CHUNK`-byte messages, sent straight from a mapping of the file
+        and received into a mapping of a spare, or into `RECV_BUFFERS` reused buffers, each
+        written to the copy while the next ones arrive."""
         torch, dist = self._torch, self._dist
         start = time.perf_counter()
         payload = torch.zeros(0, dtype=torch.uint8)

@@ -23,7 +23,8 @@ Call protocol (the manager's, every rank in the same order):
    (the replication's last exchange), the node's first rank writes the step's merged
    manifest (`xckpt.manager._merged`, what a restore reads instead of merging the rank
    manifests), then retention: local steps older than the newest `local_keep` complete
-   ones are deleted (manifests first);
+   ones are dropped, each rank releasing what it owns of them, manifests first, its data
+   files kept as spares that the next step writes over (`xckpt.manager._spares`);
 3. `wait()` finishes the round in flight; `restore` is `xckpt.manager._fetch`.
 
 A kill at any point leaves the previous local step restorable: a rank manifest is
