@@ -176,3 +176,82 @@ def test_place_only_for_the_ranks_own_files(tmp_path, path):
     with open(os.path.join(spares, "0", "t", "a", "c.0.0"), "wb") as fh:
         fh.write(b"x")
     assert place(spares, 0, str(tmp_path), str(tmp_path / path)) is False
+
+
+# -- two ranks on two nodes: spares that grow, shrink, appear and go --------------------------
+
+_SHAPES = {  # step -> tensor -> rows (x 4096 float32 columns, split over 2 ranks: each shard a file of its own)
+    1: {"a": 64, "b": 40},
+    2: {"a": 64, "b": 40},
+    3: {"a": 96, "b": 40, "c": 40},
+    4: {"a": 48, "c": 40},
+    5: {"a": 48, "c": 40},
+}
+
+
+def _files(step_dir: str, part: int) -> dict[str, bytes]:
+    return _tree(os.path.join(step_dir, "data", str(part)))
+
+
+def _changing_shapes(rank: int, world: int, base: str) -> dict:
+    import torch
+
+    import xckpt.manager._replicate as rep
+    from xckpt.manager import CheckpointManager
+
+    rep.MAP_AT, rep.CHUNK = 16 << 10, 48 << 10  # the larger files in several messages each
+    node = os.path.join(base, "AB"[rank])
+    m = CheckpointManager(os.path.join(base, "root"), local=node, local_every=1, local_keep=1, replicas=1,
+                          ranks_per_node=1, save_every=100, handle_preemption=False)
+    out: dict = {"same": [], "reused": [], "inodes": []}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(step: int) -> dict:
+        g = torch.Generator().manual_seed(step)
+        full = {n: torch.randn(rows, 4096, generator=g) for n, rows in _SHAPES[step].items()}
+        return {n: DTensor.from_local(t.chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False,
+                                      shape=t.shape, stride=t.stride()) for n, t in full.items()}
+
+    for step in _SHAPES:
+        sd = state(step)
+        m.save(step, sd)
+        m.wait()
+        torch.distributed.barrier()  # both nodes' copies of the step are stored
+        other = 1 - rank
+        mine = os.path.join(node, str(step))
+        theirs = os.path.join(base, "AB"[other], str(step))
+        # this node's replica of the other rank's part is byte for byte the other node's own copy
+        out["same"].append(_files(mine, other) == _files(theirs, other) != {})
+        out["reused"].append(m._tiers.rep.reused_bytes)
+        own = os.path.join(mine, "data", str(rank))
+        out["inodes"].append({os.path.relpath(os.path.join(b, n), own): os.stat(os.path.join(b, n)).st_ino
+                              for b, _d, ns in os.walk(own) for n in ns if n.startswith("c.")})
+        torch.distributed.barrier()  # neither rank's next round drops this step before the other looked
+    target = {n: t * 0 for n, t in sd.items()}
+    m.restore(target)
+    out["restored"] = all(torch.equal(target[n].to_local(), t.to_local()) for n, t in sd.items())
+    m.close()
+    return out
+
+
+def test_spares_follow_tensors_that_grow_shrink_appear_and_go(tmp_path):
+    """local_keep=1: each round reuses the files of the step two before. Step 3's `a` is
+    larger than its spare (step 1's), `c` has none (received through buffers, beside `a`'s
+    mapped spare); step 5's `a` is smaller than step 3's, and `b` left step 3 for good. Every replica is byte for byte its
+    source's files, and the last step restores bit for bit."""
+    from dist_utils import run_ranks
+
+    for r in run_ranks(_changing_shapes, 2, str(tmp_path), timeout=240):
+        assert r["same"] == [True] * 5
+        # step 1 is dropped after step 2: steps 3, 4 and 5 receive into the spares of 1, 2 and 3
+        assert r["reused"][:2] == [0, 0] and all(n > 0 for n in r["reused"][2:]), r["reused"]
+        # and write over them: the same inodes wherever a tensor's file is there both times
+        ino = r["inodes"]
+        for i in range(2, 5):
+            both = set(ino[i]) & set(ino[i - 2])
+            assert both and all(ino[i][k] == ino[i - 2][k] for k in both), ino
+        assert set(ino[2]) - set(ino[0])  # c's file came fresh
+        assert r["restored"]
