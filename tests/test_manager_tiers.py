@@ -480,11 +480,14 @@ def test_one_process_numpy_and_fallback_to_persistent(tmp_path):
         ({"local": "L", "replicas": -1}, "replicas must be an integer >= 0"),
         ({"local": "L", "local_every": 0}, "local_every"),
         ({"local": "L", "ranks_per_node": 0}, "ranks_per_node must be an integer >= 1"),
+        ({"local": "R"}, "is the manager's root: local steps and persistent steps would share step directories"),
     ],
 )
 def test_bad_tier_arguments(tmp_path, kwargs, match):
     if kwargs["local"] == "L":
         kwargs = {**kwargs, "local": str(tmp_path / "shm")}
+    if kwargs["local"] == "R":
+        kwargs = {**kwargs, "local": str(tmp_path / "root") + "/"}
     with pytest.raises(XckptError, match=match):
         CheckpointManager(str(tmp_path / "root"), handle_preemption=False, **kwargs)
 

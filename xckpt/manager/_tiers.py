@@ -151,6 +151,12 @@ class Tiers:
                 "on each node (/dev/shm/<job>, a local NVMe disk); persistent storage is the manager's root"
             )
         self.dir = os.path.abspath(path)
+        rootdir = Storage(root).root
+        if rootdir is not None and os.path.realpath(rootdir) == os.path.realpath(self.dir):
+            raise XckptError(
+                f"local={location_name(local)!r} is the manager's root: local steps and persistent steps would "
+                "share step directories; give the local tier a directory of its own (/dev/shm/<job>, a local disk)"
+            )
         os.makedirs(self.dir, exist_ok=True)
         self.root, self.coord, self.run, self.pg = root, coord, run, process_group
         world, self.rank = coord.world, coord.rank
