@@ -115,6 +115,28 @@ def _rmtree(path: str) -> None:
             raise XckptError(f"local step {path!r}: {sub!r} could not be deleted (something keeps writing it)")
 
 
+def _local_dir(local: Location, root: Location) -> str:
+    """The local tier's directory (absolute), checked: a local directory, not the root.
+
+    Raises:
+        XckptError: `local` is not a local directory, or it is the manager's root.
+    """
+    location_spec(local)
+    path = Storage(local).root
+    if path is None:
+        raise XckptError(
+            f"local={location_name(local)!r} is not a node-local directory: the local tier is a directory "
+            "on each node (/dev/shm/<job>, a local NVMe disk); persistent storage is the manager's root"
+        )
+    rootdir = Storage(root).root
+    if rootdir is not None and os.path.realpath(rootdir) == os.path.realpath(path):
+        raise XckptError(
+            f"local={location_name(local)!r} is the manager's root: local steps and persistent steps would "
+            "share step directories; give the local tier a directory of its own (/dev/shm/<job>, a local disk)"
+        )
+    return os.path.abspath(path)
+
+
 class Tiers:
     """A manager's local tier and its replication (see the module).
 
@@ -143,20 +165,7 @@ class Tiers:
         self.keep = positive_count("local_keep", local_keep) or 1
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise XckptError(f"replicas must be an integer >= 0, got {replicas!r}")
-        location_spec(local)
-        path = Storage(local).root
-        if path is None:
-            raise XckptError(
-                f"local={location_name(local)!r} is not a node-local directory: the local tier is a directory "
-                "on each node (/dev/shm/<job>, a local NVMe disk); persistent storage is the manager's root"
-            )
-        self.dir = os.path.abspath(path)
-        rootdir = Storage(root).root
-        if rootdir is not None and os.path.realpath(rootdir) == os.path.realpath(self.dir):
-            raise XckptError(
-                f"local={location_name(local)!r} is the manager's root: local steps and persistent steps would "
-                "share step directories; give the local tier a directory of its own (/dev/shm/<job>, a local disk)"
-            )
+        self.dir = _local_dir(local, root)
         os.makedirs(self.dir, exist_ok=True)
         self.root, self.coord, self.run, self.pg = root, coord, run, process_group
         world, self.rank = coord.world, coord.rank
