@@ -419,8 +419,12 @@ def _read_round(
             buf, raw = _host(total, False)
             made[key] = (buf, raw, {id(c): off for c, off in zip(cells, layout)})
         out.append((dst, made[key][0]))
-    # the send buffer of each cell one rank alone needs (one buffer holds it)
-    send_of = {id(c): made[tuple(id(x) for x in cells)] for cells in sends_by.values() for c in cells if len(c.ranks) == 1}
+    # the send buffer of each cell one rank alone needs (one buffer holds it); each
+    # destination's buffer is looked up once, not once per cell (that was quadratic)
+    send_of: dict[int, tuple[torch.Tensor, np.ndarray, dict[int, int]]] = {}
+    for cells in sends_by.values():
+        buffer = made[tuple(id(x) for x in cells)]
+        send_of.update((id(c), buffer) for c in cells if len(c.ranks) == 1)
     direct: dict[tuple[int, int], np.ndarray] = {}  # (group, read) -> its view in a send buffer
     for g in groups:
         per_read: dict[int, list[Cell]] = {}
