@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import json
-import mmap
 import os
 import time
 from collections.abc import Sequence
@@ -128,23 +127,19 @@ def pack(step_dir: str, rank: int) -> np.ndarray:
     return head(step_dir, rank)[0]
 
 
-def map_file(path: str, size: int, maps: Mappings | None = None) -> Any:
+def map_file(path: str, size: int, maps: Mappings) -> Any:
     """A uint8 tensor over the file at `path` (`size` bytes, read in full when mapped), so
-    gloo sends straight from the page cache. The mapping is kept in `maps` (a file the tier
-    wrote over, mapped in an earlier round, is not mapped again), or goes once the tensor is
-    dropped."""
+    gloo sends straight from the page cache. The mapping is kept in `maps`: a file the tier
+    wrote over, mapped in an earlier round, is not mapped again."""
     import torch
 
     fd = os.open(path, os.O_RDWR)
     try:
         if os.fstat(fd).st_size != size:
             raise XckptError(f"{path} changed size while it was replicated")
-        if maps is not None:
-            return torch.from_numpy(maps.map(fd, size))
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        return torch.from_numpy(maps.map(fd, size))
     finally:
         os.close(fd)
-    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -243,8 +238,8 @@ class Replicator:
         rank: int,
         world: int,
         pairs: Sequence[tuple[int, int]],
-        spares: str | None = None,
-        keep: int = 1,
+        spares: str,
+        keep: int,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -256,7 +251,7 @@ class Replicator:
         self.rank, self.world = rank, world
         self.dsts = [d for s, d in pairs if s == rank]
         self.srcs = [s for s, d in pairs if d == rank]
-        #: Where this rank's spares are (`xckpt.manager._spares`); None: every replica is a fresh file.
+        #: Where this rank's spares are (`xckpt.manager._spares`).
         self.spares = spares
         self._maps = Mappings(keep + 1)
         #: Bytes this rank sent in its last replication, and received into spares (benchmarks read them).
@@ -301,13 +296,14 @@ class Replicator:
             self._bufs = [self._torch.zeros(CHUNK, dtype=self._torch.uint8) for _ in range(RECV_BUFFERS)]
         return self._bufs
 
-    def _post_receives(self, incoming: dict[int, Incoming], write: bool) -> tuple[list[Any], Any]:
-        """Claim a spare (`xckpt.manager._spares`) for each larger file of every incoming part.
-        When every one has one, post all their receives now, straight into the spares, and
-        return `(works, None)`; otherwise `([], receive)`, where `receive(step, fail)` receives
-        them all in order (`_through_buffers`) once this rank's sends are posted."""
+    def _receive(self, incoming: dict[int, Incoming], step: int, write: bool) -> BaseException | None:
+        """Receive the larger files of every incoming part in `CHUNK`-byte messages, posted in
+        the order they are sent: a file with a spare (`xckpt.manager._spares`) straight into
+        a mapping of it, any other through `RECV_BUFFERS` reused buffers, each written to its
+        file while the next ones arrive. A failure to write stops the writing, never the
+        receiving (the senders finish); it is returned."""
         mapped: dict[str, Any] = {}
-        if write and self.spares is not None:
+        if write:
             for s, part in incoming.items():
                 for name, size in part.pending:
                     path = os.path.join(part.step_dir, name)
@@ -322,10 +318,7 @@ class Replicator:
             for name, size in part.pending
             for off in range(0, max(size, 1), CHUNK)
         ]
-        if jobs and all(path in mapped for _s, path, _o, _n in jobs):
-            dist = self._dist
-            return [dist.irecv(mapped[p][o : o + n], self._ranks[s], group=self.group) for s, p, o, n in jobs], None
-        return [], lambda step, fail: self._through_buffers(jobs, mapped, step, fail)
+        return self._through_buffers(jobs, mapped, step, None if write else XckptError("not written"))
 
     def _through_buffers(
         self, jobs: list[tuple[int, str, int, int]], mapped: dict[str, Any], step: int, fail: BaseException | None
@@ -411,9 +404,8 @@ class Replicator:
                 part.open(buf.numpy())
             except (OSError, XckptError) as e:  # its files are still received (and dropped): the sender
                 fail = e  # finishes (a header that cannot be read names none: its sender waits TIMEOUT_S)
-        posted, receive = self._post_receives(incoming, write=fail is None)
-        failed = receive(step, None if fail is None else XckptError("not written")) if receive else None
-        self._wait(posted + sends, step, "replica")
+        failed = self._receive(incoming, step, write=fail is None)
+        self._wait(sends, step, "replica")
         self.sent_bytes = (payload.numel() + sum(size for _n, size in big)) * len(self.dsts)
         fail = fail or failed
         if fail is None:
