@@ -97,11 +97,13 @@ class CheckpointManager:
         handle_preemption: install a SIGTERM handler (chaining any earlier one) that
             makes the next `should_save` true on every rank.
         local: the local tier (DESIGN.md section 11): a node-local directory (`/dev/shm/<job>`,
-            a local NVMe disk) the ranks of a node share. Every `local_every` steps
+            a local NVMe disk) the ranks of a node share, not the root. Every `local_every` steps
             `save` also saves each rank's part there (staged like a persistent save, written
             and replicated in the background) whatever `save_every` says.
         local_every: save a local step every N steps (None: every `save` call).
-        local_keep: local steps kept (the newest complete ones).
+        local_keep: local steps kept (the newest complete ones). The tier also keeps the
+            files of the step it dropped as spares that the next step writes over, so it
+            holds `local_keep + 1` steps' bytes (the peak of a save either way).
         replicas: ranks on other nodes that keep a copy of each rank's local part.
         ranks_per_node: ranks per node (nodes are consecutive groups; default
             `LOCAL_WORLD_SIZE`, else all ranks on one node).
