@@ -122,6 +122,10 @@ def _four(rank, world, root):
     ro.ROUND_BYTES = 256 << 10
     ring = DeviceRing(2, 64 << 10, copy=_blocking_copy)
     out["rounds"] = _check(os.path.join(root, "w4"), "plain", mesh, read_once=True, ring=ring)
+    # the same through requests longer than the first exchange carries (a second one brings the rest)
+    ro.GATHER_HEAD = 40
+    out["long_requests"] = _check(os.path.join(root, "w4"), "plain", mesh, read_once=True)
+    ro.GATHER_HEAD = 64 << 10
     ro.ROUND_BYTES = 256 << 20
     # two process groups of 2 ranks, each loading on its own (group ranks != global ranks)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -137,6 +141,10 @@ def _four(rank, world, root):
     out["corrupt_solo"] = _load(bad, solo, read_once=True, strict=False)[1]
     # "shared": every rank needs it; whoever reads the corrupt zarr chunk fails
     out["corrupt_shared"] = _load(bad, {"shared": torch.zeros(1024, 1024)}, read_once=True, strict=False)[1]
+    # the same in rounds of 256 KiB: the failed reader sends zeros for the rounds left, every rank fails at the end
+    ro.ROUND_BYTES = 256 << 10
+    out["corrupt_rounds"] = _load(bad, {"shared": torch.zeros(1024, 1024)}, read_once=True, strict=False)[1]
+    ro.ROUND_BYTES = 256 << 20
     # a target that does not fit, on rank 1 only
     shape = (3, 3) if rank == 1 else (600, 700)
     out["bad_target"] = _load(path, {"w_rows": torch.zeros(shape)}, read_once=True, strict=False)[1]
@@ -211,7 +219,7 @@ def _ok(results, case):
         assert res[case]["wrong"] == [], f"rank {r}: {res[case]['wrong']} differ"
 
 
-@pytest.mark.parametrize("case", ["replicated", "dp_tp", "rounds", "subgroup", "after"])
+@pytest.mark.parametrize("case", ["replicated", "dp_tp", "rounds", "long_requests", "subgroup", "after"])
 def test_four_ranks_bit_exact(four, case):
     _ok(four, case)
 
@@ -245,8 +253,9 @@ def test_corrupt_chunk_only_one_rank_reads_fails_every_rank(four):
         assert kind == "XckptError" and "failed on ranks [2]" in msg and "CorruptChunkError" in msg, msg
 
 
-def test_corrupt_chunk_every_rank_needs_fails_every_rank(four):
-    errs = [r["corrupt_shared"] for r in four]
+@pytest.mark.parametrize("case", ["corrupt_shared", "corrupt_rounds"])
+def test_corrupt_chunk_every_rank_needs_fails_every_rank(four, case):
+    errs = [r[case] for r in four]
     kinds = sorted(e[0] for e in errs)
     assert kinds == ["CorruptChunkError"] + ["XckptError"] * 3, errs
     assert all("'shared'" in e[1] for e in errs)

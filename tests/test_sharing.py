@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from xckpt import layout as L
-from xckpt.manifest import Chunk
+from xckpt.manifest import Chunk, TensorEntry
 from xckpt.sharing import Need, make_plan, messages
 
 # -- the plan, on synthetic layouts -------------------------------------------------------------
@@ -33,9 +32,7 @@ def _entry(shape, writers, grid, itemsize=4):
         )
         for i, b in enumerate(writers)
     )
-    return SimpleNamespace(
-        shape=shape, chunks=chunks, boxes=tuple(c.box for c in chunks), np_dtype=np.dtype(f"u{itemsize}")
-    )
+    return TensorEntry(name="t", dtype=f"uint{8 * itemsize}", shape=shape, chunks=chunks)
 
 
 def _units(name, chunk, box, itemsize):
@@ -177,10 +174,9 @@ def test_the_planner_runs_without_torch():
         "from xckpt import layout as L\n"
         "from xckpt.sharing import make_plan, Need\n"
         "from xckpt.manifest import Chunk\n"
-        "from types import SimpleNamespace\n"
-        "import numpy as np\n"
+        "from xckpt.manifest import TensorEntry\n"
         "c = Chunk(offset=(0, 0), shape=(8, 4), key='k', rank=0, nbytes=128, grid=(2, 4))\n"
-        "e = SimpleNamespace(shape=(8, 4), chunks=(c,), boxes=(c.box,), np_dtype=np.dtype('u4'))\n"
+        "e = TensorEntry(name='t', dtype='uint32', shape=(8, 4), chunks=(c,))\n"
         "units = lambda n, ch, b, i: {(ch.key, r // 2): 32 for r in range(b.offset[0], b.end[0])}\n"
         "plan = make_plan(lambda n: e, units, [[Need('t', L.Box.full((8, 4)))]] * 2)\n"
         "assert sum(len(r) for r in plan.rounds) == 4, plan\n"

@@ -252,7 +252,15 @@ def _parts_by_chunk(entry: Callable[[str], TensorEntry], needs: Sequence[Sequenc
         alike.setdefault(id(rank_needs), (rank_needs, []))[1].append(r)
     for rank_needs, same in alike.values():
         for need in rank_needs:
-            for req in L.plan_reads(entry(need.name).boxes, need.box):
+            box = need.box
+            if box.empty:
+                continue
+            index = entry(need.name).chunk_index
+            i = index.exact(box)  # a load at the saved sharding: one lookup, no read request built
+            if i is not None:
+                by_chunk.setdefault((need.name, i), []).extend((r, box) for r in same)
+                continue
+            for req in L.plan_reads(index, box):
                 by_chunk.setdefault((need.name, req.chunk), []).extend((r, req.box) for r in same)
     return by_chunk
 

@@ -51,8 +51,8 @@ class Coordinator:
         """Every rank's `obj`, by rank (calling thread)."""
         return [obj]
 
-    def share(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (calling thread)."""
+    def share(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s `obj` on every rank (calling thread)."""
         return obj
 
     def bg_share(self, obj: Any) -> Any:
@@ -93,9 +93,9 @@ class TorchGroup(Coordinator):
         self._dist.all_gather_object(out, obj, group=self._fg)
         return out
 
-    def share(self, obj: Any) -> Any:
+    def share(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        self._dist.broadcast_object_list(box, group=self._fg, group_src=0)
+        self._dist.broadcast_object_list(box, group=self._fg, group_src=src)
         return box[0]
 
     def bg_share(self, obj: Any) -> Any:
@@ -124,11 +124,11 @@ class JaxProcesses(Coordinator):
         self._prefix = f"xckpt-manager/{next(_managers)}"
         self._n = {"fg": itertools.count(), "bg": itertools.count()}
 
-    def _exchange(self, lane: str, obj: Any, everyone: bool) -> list[Any]:
+    def _exchange(self, lane: str, obj: Any, everyone: bool, src: int = 0) -> list[Any]:
         key = f"{self._prefix}/{lane}/{next(self._n[lane])}"
-        if everyone or self.rank == 0:
+        if everyone or self.rank == src:
             self._client.key_value_set(f"{key}/{self.rank}", json.dumps(obj))
-        ranks = range(self.world) if everyone else [0]
+        ranks = range(self.world) if everyone else [src]
         return [json.loads(self._client.blocking_key_value_get(f"{key}/{r}", JAX_WAIT_MS)) for r in ranks]
 
     def any(self, flag: bool) -> bool:
@@ -137,8 +137,8 @@ class JaxProcesses(Coordinator):
     def gather(self, obj: Any) -> list[Any]:
         return self._exchange("fg", obj, True)
 
-    def share(self, obj: Any) -> Any:
-        return self._exchange("fg", obj, False)[0]
+    def share(self, obj: Any, src: int = 0) -> Any:
+        return self._exchange("fg", obj, False, src)[0]
 
     def bg_share(self, obj: Any) -> Any:
         return self._exchange("bg", obj, False)[0]

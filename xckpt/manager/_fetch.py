@@ -11,10 +11,10 @@ flight finished):
 2. every rank walks the same candidates, newest first (a step in both tiers: the
    local copy first). A local step is a candidate when the surviving copies hold
    parts `0..W-1` of one save. Its manifest: where every rank with copies has its
-   node's merged manifest of the save (`xckpt.manager._merged`), each of them reads it,
-   the first sends the bytes to ranks without one, and every rank checks its copy
-   (checksum, save, world size, layout; two exchanges, the second of outcomes). Else, or
-   when one is gone or fails its check (a warning on that rank), a rank manifest that
+   node's merged manifest of the save (`xckpt.manager._merged`), the first of them reads
+   it and broadcasts its bytes, and every rank checks those bytes (checksum, save, world
+   size, layout: one exchange; alike bytes, alike outcome, so none is exchanged). Else,
+   or when it is gone or fails its check (a warning on its reader), a rank manifest that
    some rank holds no copy of is sent by one holder to every rank (one exchange) and
    each rank merges the step's manifest from its own copies and those it received;
 3. the ranks load it with `xckpt.torch.load(..., read_once=True)` over a source
@@ -22,7 +22,8 @@ flight finished):
    that needs bytes it does not hold receives them from a holder. Every chunk a
    holder reads is checked against its crc32 (zarr's crc32c codec, packed chunks'
    crc32s); a copy that fails is named in a warning on the rank that read it, and
-   after one exchange of outcomes every rank retries without that copy (another
+   after an exchange of outcomes (a flag each; which copies failed only when one did)
+   every rank retries without that copy (another
    replica serves), or, with no intact copy left, passes to the next candidate;
 4. a persistent candidate is restored from the root as the manager always did (rank
    0 checks it is complete first).
@@ -113,30 +114,23 @@ def _warn(msg: str) -> None:
 
 
 def _merged(tiers: Tiers, step: int, save_id: str, world: int, merged_at: frozenset[int]) -> Manifest | None:
-    """The step's merged manifest (collective): each rank in `merged_at` reads its node's
-    copy, the first of them sends its bytes to the ranks of nodes without one, then every
-    rank checks what it holds, at the same time, as any manifest (two exchanges, the second
-    of outcomes). None on every rank when some copy is absent or fails its check (warned)."""
+    """The step's merged manifest (collective): the first rank in `merged_at` reads its
+    node's copy and sends its bytes to every rank (one broadcast), and every rank checks
+    those same bytes, so every rank reaches the same outcome without exchanging it. None on
+    every rank when that copy is absent or fails its check (warned on the rank that read it)."""
     coord, me = tiers.coord, tiers.rank
     sdir = tiers.step_dir(step)
-    data = read_merged(sdir) if me in merged_at else None
     sender = min(merged_at)
-    send = data if me == sender and len(merged_at) < coord.world else None
-    got = coord.gather((send, me in merged_at and data is None))
-    problem = None
+    data = coord.share(read_merged(sdir) if me == sender else None, src=sender)
+    problem = f"{sdir}/{MERGED} is gone" if data is None else None
     m = None
-    if any(gone for _d, gone in got):
-        problem = f"{sdir}/{MERGED} is gone" if me in merged_at and data is None else ""
-    else:
-        raw = data if data is not None else got[sender][0]
+    if data is not None:
         try:
-            m = load_merged(raw, sdir, save_id, world)
+            m = load_merged(data, sdir, save_id, world)
         except XckptError as e:
             problem = f"{type(e).__name__}: {e}"
-        if any(p is not None for p in coord.gather(problem)):
-            m = None
-    if m is None and problem:
-        _warn(f"local step {step}: rank {me}'s merged manifest is not used ({problem[:400]}); "
+    if m is None and me == sender:
+        _warn(f"local step {step}: rank {me}'s merged manifest is not used ({(problem or '')[:400]}); "
               "the rank manifests are merged instead")
     return m
 
@@ -214,10 +208,10 @@ def _try_local(
             result = load(src)
         except Exception as e:  # every rank exchanges its outcome below
             err = e
+        if not coord.any(err is not None or bool(src.bad)):  # one flag each; what failed travels only when something did
+            return True, result
         outcomes = coord.gather((err is not None, src.bad))
         failed = [(r, b) for r, (f, bs) in enumerate(outcomes) if f for b in bs]
-        if not any(f for f, _b in outcomes):
-            return True, result
         if not failed or any(w < 0 for _r, (w, _p) in failed):
             if err is not None:
                 raise err

@@ -324,7 +324,7 @@ def _prepare(ckpt: Source, req: _Request, ring: DeviceRing) -> _Prepared:
     reads = _Reads(ring)
     direct = ring.copy is None
     later: list[tuple[str, Any]] = []
-    meshes: dict[int, Any] = {}
+    cache: dict[Any, Any] = {}  # mesh and layout facts (dtensor_local)
     for name, target in flat.items():
         if name in handled or name in missing_set:
             continue
@@ -341,7 +341,7 @@ def _prepare(ckpt: Source, req: _Request, ring: DeviceRing) -> _Prepared:
                 later.append((name, None))
                 continue
             _check(ckpt, name, target)
-            loc = local_pieces(target, name, group_rank, meshes)
+            loc = local_pieces(target, name, group_rank, cache)
             for piece in loc.pieces:
                 reads.add(name, piece)
         else:

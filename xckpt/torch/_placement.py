@@ -174,31 +174,49 @@ class _MeshInfo:
         self.granks: np.ndarray = np.zeros((0,), np.int64) if coord is None else mesh_group_ranks(mesh, group_rank, name)
 
 
-def dtensor_local(dt: Any, name: str, group_rank: Any, meshes: dict[int, Any] | None = None) -> Local:
+def dtensor_local(dt: Any, name: str, group_rank: Any, cache: dict[Any, Any] | None = None) -> Local:
     """Boxes of a DTensor's local shard, checked against its real local shape.
 
     For the FSDP2 + TP pattern `(_StridedShard(d, sf), ..., Shard(d))` the
     storage rule of FSDP2 ([`xckpt.layout.fsdp_boxes_for_coordinate`][xckpt.layout.fsdp_boxes_for_coordinate]) is
     preferred when the local shape fits it; otherwise the placement semantics.
-    A shape that fits neither is a [`LayoutError`][xckpt.torch._placement.LayoutError]. `meshes`: a cache of
-    mesh facts by `id(mesh)` shared by the calls of one load or save (the
-    state dict keeps its meshes alive meanwhile), or None.
+    A shape that fits neither is a [`LayoutError`][xckpt.torch._placement.LayoutError]. `cache`: facts shared
+    by the calls of one load or save, or None: each mesh's (by `id(mesh)`; the state
+    dict keeps its meshes alive meanwhile) and each layout's (mesh, placements, global
+    and local shape: the tensors of a model share a few), so a state dict of many
+    tensors works each out once.
     """
     mesh = dt.device_mesh
-    info = meshes.get(id(mesh)) if meshes is not None else None
+    info = cache.get(id(mesh)) if cache is not None else None
     if info is None:
         info = _MeshInfo(mesh, group_rank, name)
-        if meshes is not None:
-            meshes[id(mesh)] = info
-    placements = torch_to_layout(dt.placements, name)
-    mesh_shape, names, coord = info.shape, info.names, info.coord
-    gshape = tuple(int(s) for s in dt.shape)
-    pl_strings = tuple(L.format_placement(p) for p in placements)
-    if coord is None:  # this rank is not in the tensor's mesh
-        return Local((), None, "placements", mesh_shape, names, pl_strings)
+        if cache is not None:
+            cache[id(mesh)] = info
+    if info.coord is None:  # this rank is not in the tensor's mesh
+        pl_strings = tuple(L.format_placement(p) for p in torch_to_layout(dt.placements, name))
+        return Local((), None, "placements", info.shape, info.names, pl_strings)
     with torch.no_grad():  # the local tensor as is, without an autograd node (13 us -> 0.5 us)
         local = dt.to_local()
-    lshape = tuple(int(s) for s in local.shape)
+    key = (id(mesh), tuple(dt.placements), tuple(dt.shape), tuple(local.shape))
+    known = cache.get(key) if cache is not None else None
+    if known is None:
+        known = _layout_of(dt, name, info, info.coord, key[3])
+        if cache is not None:
+            cache[key] = known
+    kind, runs, holders, pl_strings = known
+    return Local(tuple(pieces_from_runs(runs, local)), holders, kind, info.shape, info.names, pl_strings)
+
+
+def _layout_of(
+    dt: Any, name: str, info: _MeshInfo, coord: tuple[int, ...], lshape: tuple[int, ...]
+) -> tuple[str, list[list[tuple[int, int]]], tuple[int, ...], tuple[str, ...]]:
+    """`dtensor_local`'s work for one layout (this rank at mesh coordinate `coord`): which
+    rule fits the local shape, the per-dim runs, the ranks holding the same pieces and the
+    placements as text."""
+    placements = torch_to_layout(dt.placements, name)
+    mesh_shape = info.shape
+    gshape = tuple(int(s) for s in dt.shape)
+    pl_strings = tuple(L.format_placement(p) for p in placements)
     candidates: list[tuple[str, list[list[tuple[int, int]]]]] = []
     order = L.fsdp_order(placements)
     if order is not None:
@@ -221,7 +239,7 @@ def dtensor_local(dt: Any, name: str, group_rank: Any, meshes: dict[int, Any] | 
         range(n) if isinstance(p, L.Replicate) else (c,) for p, n, c in zip(placements, mesh_shape, coord)
     ]
     holders = tuple(sorted({int(granks[c]) for c in itertools.product(*axes)}))
-    return Local(tuple(pieces_from_runs(runs, local)), holders, kind, mesh_shape, names, pl_strings)
+    return kind, runs, holders, pl_strings
 
 
 def _runs_shape(runs: Sequence[Sequence[tuple[int, int]]]) -> tuple[int, ...]:
@@ -255,11 +273,11 @@ def global_info(v: Any, name: str) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(int(s) for s in v.shape), v.dtype
 
 
-def local_pieces(v: Any, name: str, group_rank: Any, meshes: dict[int, Any] | None = None) -> Local:
+def local_pieces(v: Any, name: str, group_rank: Any, cache: dict[Any, Any] | None = None) -> Local:
     """What this rank holds of tensor-like `v` (tensor, DTensor, ShardedTensor, ndarray);
-    `meshes`: see `dtensor_local`."""
+    `cache`: see `dtensor_local`."""
     if is_dtensor(v):
-        return dtensor_local(v, name, group_rank, meshes)
+        return dtensor_local(v, name, group_rank, cache)
     if is_sharded_tensor(v):
         return sharded_tensor_local(v)
     shape = tuple(int(s) for s in v.shape)

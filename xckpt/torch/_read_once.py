@@ -16,16 +16,18 @@ Call protocol (`load_once`, every rank of the group, same order):
    does not fit, a missing name, ...), with a `fingerprint` of the checkpoint
    it opened: all ranks raise if any rank failed or opened another checkpoint;
 2. per round: the reader of each group reads it and copies its cells to its own
-   targets and to one send buffer per destination; one exchange of outcomes (a
-   failed read, e.g. a corrupt chunk, fails every rank); one batch of
-   point-to-point sends and receives (`batch_isend_irecv`: measured faster than
-   `all_to_all_single` and than one broadcast per reader on gloo, and a buffer
-   every destination needs alike is sent from one copy); each rank copies what it
-   received into its targets;
+   targets and to one send buffer per destination; one batch of point-to-point sends
+   and receives (`batch_isend_irecv`: measured faster than `all_to_all_single` and
+   than one broadcast per reader on gloo, and a buffer every destination needs alike
+   is sent from one copy); each rank copies what it received into its targets. A rank
+   whose read failed (a corrupt chunk, ...) reads no more and sends zeros of the
+   planned lengths, so no rank waits for a message that never comes; no round
+   exchanges outcomes (each such exchange costs every rank a round trip);
 3. each rank reads its solo parts while the first round's data travel (after every
    round when there is none): the others wait for what a rank reads for them, not for
-   its own parts; a failed solo read fails every rank at the next exchange of outcomes;
-4. a last exchange of outcomes.
+   its own parts;
+4. one exchange of outcomes: a failure on any rank (in any round, or a solo read)
+   fails every rank, so what a failed rank sent is never kept as loaded.
 
 Every collective is waited for with `TIMEOUT_S`: a rank that stops (killed, or
 stuck outside `load`) makes the others raise an [`XckptError`][xckpt.errors.XckptError]
@@ -57,6 +59,9 @@ __all__ = ["load_once"]
 
 #: Seconds any one collective of a read_once load may wait for the other ranks.
 TIMEOUT_S = 600.0
+#: Bytes of each rank's requests sent in the first exchange (a plan's requests of about
+#: 1,300 tensors); longer requests take a second exchange for the rest.
+GATHER_HEAD = 64 << 10
 
 #: A rank's target part: (tensor name, global box, numpy view or torch tensor of the box's shape).
 Target = tuple[str, L.Box, Any]
@@ -143,14 +148,30 @@ class _Comm:
         return [int(t.item()) for t in out]
 
     def gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
-        sizes = self.gather_ints(len(payload), what)
-        n = max(sizes)
-        out = [torch.empty(n, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
-        mine = torch.zeros(n, dtype=torch.uint8)
-        if payload:
-            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        """Every rank's `payload`: one exchange of `GATHER_HEAD` bytes each (its length and
+        its first bytes), and a second of the rest only when some payload is longer (each
+        collective costs a round trip of every rank: about 4 ms on 4 gloo ranks here)."""
+        head = np.zeros(8 + GATHER_HEAD, dtype=np.uint8)
+        head[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
+        first = payload[:GATHER_HEAD]
+        head[8 : 8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
+        heads = self._all_gather(torch.from_numpy(head), what)
+        sizes = [int.from_bytes(h[:8].tobytes(), "little") for h in heads]
+        out = [h[8 : 8 + min(n, GATHER_HEAD)].tobytes() for h, n in zip(heads, sizes)]
+        rest = max(sizes) - GATHER_HEAD
+        if rest > 0:
+            mine = torch.zeros(rest, dtype=torch.uint8)
+            if len(payload) > GATHER_HEAD:
+                mine[: len(payload) - GATHER_HEAD] = torch.frombuffer(bytearray(payload[GATHER_HEAD:]), dtype=torch.uint8)
+            tails = self._all_gather(mine, what)
+            out = [o + t[: max(0, n - GATHER_HEAD)].tobytes() for o, t, n in zip(out, tails, sizes)]
+        return out
+
+    def _all_gather(self, mine: torch.Tensor, what: str) -> list[np.ndarray]:
+        """Every rank's `mine` (a CPU tensor of the same size on every rank), as numpy arrays."""
+        out = [torch.empty_like(mine, device=self.device) for _ in range(self.world)]
         self._wait([self.dist.all_gather(out, mine.to(self.device), group=self.group, async_op=True)], what)
-        return [bytes(t[:s].cpu().numpy().tobytes()) for t, s in zip(out, sizes)]
+        return [t.cpu().numpy() for t in out]
 
     def share(self, err: BaseException | None, what: str) -> None:
         """Every rank returns, or every rank raises (this rank's own error where it failed)."""
@@ -353,7 +374,7 @@ def _rounds(
             if staged:
                 ring.run(ckpt, staged, show_progress=False)
             bar.update(sum(b.volume * dtypes[n].itemsize for n, b in plan.solo[rank]))
-        except Exception as e:  # shared with every rank (the next round's exchange, or the last)
+        except Exception as e:  # shared with every rank at the last exchange
             return e
         return None
 
@@ -368,13 +389,17 @@ def _rounds(
                     out, scratch = _read_round(ckpt, rnd, rank, sends_by, mine, dtypes, pin)
                 except Exception as e:
                     fail = e
-            comm.share(fail, f"reading {what}")
+            if fail is not None:  # the others still get a message of each planned length: the last
+                # exchange of outcomes fails every rank, whatever it received
+                out = [(dst, torch.zeros(_layout(cells)[1], dtype=torch.uint8)) for dst, cells in sends_by.items()]
             recvs = [(src, _layout(cells)[1]) for src, cells in recvs_by.items()]
             works, got = comm.post(out, recvs, pin)
             if not solo_done:
                 solo_done = True
-                fail = solo()  # None before: `share` raised otherwise
+                fail = fail or solo()
             got = comm.received(works, got, f"the data of {what}")
+            if fail is not None:
+                continue  # nothing more to fill: this rank fails at the last exchange
             try:
                 for src, cells in recvs_by.items():
                     buf = got[src].numpy()

@@ -56,7 +56,7 @@ def plan(
     """Which boxes this rank writes, and its objects. Local; no collective."""
     jobs: list[Job] = []
     objects: Objects = []
-    meshes: dict[int, Any] = {}
+    cache: dict[Any, Any] = {}  # mesh and layout facts (dtensor_local)
     for name, v in flat.items():
         if name in skip:
             continue
@@ -71,7 +71,7 @@ def plan(
             continue
         if isinstance(v, (torch.Tensor, np.ndarray)):
             shape, tdtype = global_info(v, name)
-            loc = local_pieces(v, name, group_rank, meshes)
+            loc = local_pieces(v, name, group_rank, cache)
             job = Job(name, dtype_name(tdtype, name), shape, placement_info(loc))
             if loc.layout == "replicated":
                 holders: Sequence[int] | None = range(world)
