@@ -51,7 +51,7 @@ def _state() -> dict:
 
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("storage", ["files", "ocdbt"])
-def test_every_dtype_round_trips(tmp_path, codec, storage):
+def test_every_dtype_round_trips(tmp_path, codec, storage, reads):
     st = _state()
     p = tmp_path / "c"
     xckpt.save(st, p, compression=codec, storage=storage, pack_threshold=0)
@@ -106,7 +106,7 @@ def test_direct_files_match_tensorstore(tmp_path, codec):
         _fileio.check_meta(str(tmp_path / "theirs"), "k", "files", "bfloat16", a.shape, grid, codec)
 
 
-def test_damage_is_corrupt_chunk(tmp_path):
+def test_damage_is_corrupt_chunk(tmp_path, reads):
     a = _array("float32", (300, 300))
     p = tmp_path / "c"
     xckpt.save({"w": a}, p, compression="shuffle-zstd")

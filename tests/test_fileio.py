@@ -100,8 +100,40 @@ def test_any_region_of_any_layout(tmp_path_factory, data):
     else:
         out = np.zeros(tuple(n + 2 for n in want.shape), np.float32)
         view = out[tuple(slice(1, 1 + n) for n in want.shape)]
-    _fileio.submit_read(str(root), _fileio.ChunkRead("k", shape, grid, tuple(region), view, kind)).result()
+    mapped = data.draw(st.booleans())  # copied out of mappings (a manager's local tier), or preadv
+    _fileio.read_mapped_under(str(root), mapped)
+    try:
+        _fileio.submit_read(str(root), _fileio.ChunkRead("k", shape, grid, tuple(region), view, kind)).result()
+    finally:
+        _fileio.read_mapped_under(str(root), False)
     assert view.tobytes() == want.tobytes()
+
+
+def test_mapped_reads_equal_preadv_short_at_the_end(tmp_path):
+    """What `read_mapped_under` changes: the same bytes and counts as `preadv`, from any
+    offset, short or none at the end of the file; registrations count."""
+    f = tmp_path / "d" / "f"
+    f.parent.mkdir()
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 123, dtype=np.uint8)
+    f.write_bytes(data.tobytes())
+    _fileio.read_mapped_under(str(tmp_path / "d"), True)
+    _fileio.read_mapped_under(str(tmp_path / "d"), True)
+    _fileio.read_mapped_under(str(tmp_path / "d"), False)  # one of two dropped: still mapped
+    assert _fileio._MAPPED
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        for offset, sizes in [(0, [100, 5000]), (4097, [7000, 3]), (12000, [500, 500]), (len(data) - 1, [4]),
+                              (len(data), [8]), (len(data) + 9000, [8]), (5, [0, 64])]:
+            got = [np.full(n, 7, np.uint8) for n in sizes]
+            n = _fileio._preadv(fd, str(f), got, offset)
+            want = data[offset : offset + sum(sizes)]
+            assert n == want.size, (offset, sizes)
+            assert np.concatenate(got)[:n].tobytes() == want.tobytes()
+            assert (np.concatenate(got)[n:] == 7).all()  # nothing written past what was read
+    finally:
+        os.close(fd)
+        _fileio.read_mapped_under(str(tmp_path / "d"), False)
+    assert not _fileio._MAPPED
 
 
 def _saved(tmp_path: Path, storage: str = "files") -> tuple[Path, np.ndarray, str]:
@@ -119,7 +151,7 @@ def _flip(f: Path, at: int) -> None:
     f.write_bytes(bytes(data))
 
 
-def test_default_local_save_is_one_shard_file_per_box(tmp_path):
+def test_default_local_save_is_one_shard_file_per_box(tmp_path, reads):
     path, a, key = _saved(tmp_path)
     assert sorted(p.name for p in (path / key).iterdir()) == ["c.0.0", "zarr.json"]
     got = xckpt.load(path)
@@ -132,7 +164,7 @@ def test_default_local_save_is_one_shard_file_per_box(tmp_path):
     assert arr.read().result().tobytes() == a.tobytes() and grid[0] < 2048
 
 
-def test_flipped_byte_is_a_corrupt_chunk_error(tmp_path):
+def test_flipped_byte_is_a_corrupt_chunk_error(tmp_path, reads):
     path, a, key = _saved(tmp_path)
     index = 16 * 3 + 4  # 3 zarr chunks of 683 rows
     chunk = 683 * 300 * 4 + 4
@@ -147,7 +179,7 @@ def test_flipped_byte_is_a_corrupt_chunk_error(tmp_path):
         xckpt.load(path)
 
 
-def test_missing_and_truncated_shard_files(tmp_path):
+def test_missing_and_truncated_shard_files(tmp_path, reads):
     path, _a, key = _saved(tmp_path)
     f = path / key / "c.0.0"
     data = f.read_bytes()
@@ -169,7 +201,7 @@ def test_missing_and_truncated_shard_files(tmp_path):
         xckpt.load(path)
 
 
-def test_plain_chunk_files_damage(tmp_path):
+def test_plain_chunk_files_damage(tmp_path, reads):
     """Version 2's layout (a file per zarr chunk), still written with storage="plain"."""
     path, _a, key = _saved(tmp_path, "plain")
     _flip(path / key / "c" / "1" / "0", 100)

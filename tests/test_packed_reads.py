@@ -47,7 +47,7 @@ def _bits(a: np.ndarray) -> bytes:
 
 
 @pytest.mark.parametrize("storage", ["files", "plain", "ocdbt"])
-def test_packed_spans_round_trip_bit_exact(tmp_path, small_grid, storage):
+def test_packed_spans_round_trip_bit_exact(tmp_path, small_grid, storage, reads):
     data = _tensors()
     xckpt.save(data, tmp_path / "c", storage=storage)
     ck = xckpt.open(tmp_path / "c")
@@ -59,7 +59,7 @@ def test_packed_spans_round_trip_bit_exact(tmp_path, small_grid, storage):
 
 
 @pytest.mark.parametrize("storage", ["files", "ocdbt"])
-def test_packed_boxes_whole_and_partial_in_one_read(tmp_path, small_grid, storage):
+def test_packed_boxes_whole_and_partial_in_one_read(tmp_path, small_grid, storage, reads):
     data = _tensors()
     xckpt.save(data, tmp_path / "c", storage=storage)
     ck = xckpt.open(tmp_path / "c")
@@ -105,7 +105,7 @@ def _packed_file(root: Path) -> Path:
     return f
 
 
-def test_flipped_byte_in_a_later_zarr_chunk_names_the_tensor_and_chunk(tmp_path, small_grid):
+def test_flipped_byte_in_a_later_zarr_chunk_names_the_tensor_and_chunk(tmp_path, small_grid, reads):
     data = _tensors()
     xckpt.save(data, tmp_path / "c", storage="files")
     ck = xckpt.open(tmp_path / "c")

@@ -50,7 +50,7 @@ from typing import Any
 
 from xckpt.errors import ManifestError, XckptError
 from xckpt.manifest import parse_claim, parse_document, parse_header
-from xckpt.native._fileio import recycle_under
+from xckpt.native._fileio import read_mapped_under, recycle_under
 from xckpt.native.steps import MANAGER_KEY, TIERS_KEY
 from xckpt.storage import Location, Storage, location_name, location_spec
 
@@ -196,6 +196,10 @@ class Tiers:
         self.spares = os.path.join(self.dir, SPARE_DIR, str(self.rank))
         self._tidy_spares()
         recycle_under(self.dir, functools.partial(place, self.spares, self.rank, self.dir))
+        # a restore copies the tier's files out of mappings (3x preadv's speed on tmpfs here);
+        # nothing shortens a step's files while one is read (see `read_mapped_under`)
+        read_mapped_under(self.dir, True)
+        self._mapped = True
         self.rep = (
             Replicator(process_group, coord.rank, world, self.pairs, spares=self.spares, keep=self.keep)
             if coord.kind == "torch" else None
@@ -382,6 +386,9 @@ class Tiers:
                 self._pool.shutdown(wait=True)
                 self._pool = None
         recycle_under(self.dir, None)
+        if self._mapped:
+            read_mapped_under(self.dir, False)
+            self._mapped = False
         if self.rep is not None:
             self.rep.close()
         for s in sorted(self._released):

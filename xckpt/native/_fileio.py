@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import math
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,7 @@ from typing import Any, NamedTuple
 
 import google_crc32c
 import numpy as np
+from isal import isal_zlib
 
 from xckpt.native import _codecs
 from xckpt.native._filemeta import (
@@ -59,7 +61,7 @@ from xckpt.storage import fsync_dir, local_root
 __all__ = [
     "local_root", "ChunkFileError", "ArrayWrite", "ChunkRead", "write_arrays", "submit_read",
     "bytes_read", "check_meta", "check_shard", "parse_meta", "parse_layout", "stored_meta", "chunk_file", "data_file",
-    "zarr_json", "recycle_under",
+    "zarr_json", "recycle_under", "read_mapped_under", "crc32",
 ]
 
 #: Threads for reads: twice the cores overlaps page-cache copies with crc32c (the GIL is
@@ -78,6 +80,9 @@ RUN_BYTES = 32 << 20
 _OPEN_FILES = 128
 #: Directories whose shard files may be written over a file put in place (`recycle_under`).
 _RECYCLERS: dict[str, Callable[[str], bool]] = {}
+#: Directories whose files are read through mappings (`read_mapped_under`), with how many
+#: registrations each has.
+_MAPPED: dict[str, int] = {}
 _IOV_MAX = 900
 _MISSING = (1 << 64) - 1
 
@@ -86,6 +91,9 @@ _POOL_LOCK = threading.Lock()
 _LOCAL = threading.local()
 _CRC = google_crc32c.value
 _EXTEND = google_crc32c.extend
+#: zlib's crc32 (packed chunks' and objects' checksums), from ISA-L: the same values at
+#: 12 GB/s against zlib's 3.6 here; like zlib's it releases the GIL.
+crc32: Callable[[Any], int] = isal_zlib.crc32
 _COUNT_LOCK = threading.Lock()
 _BYTES_READ = [0]
 
@@ -332,6 +340,54 @@ def recycle_under(root: str, place: Callable[[str], bool] | None) -> None:
         _RECYCLERS[key] = place
 
 
+def read_mapped_under(root: str, on: bool) -> None:
+    """Read the chunk files under directory `root` by copying out of a mapping of each
+    instead of with `preadv` (`on`; False drops one earlier registration).
+
+    On tmpfs this VM copies a mapped file at 3.3 GB/s and `preadv`s it at 1.05 GB/s
+    (the kernel's per-page copy to user memory), and a manager's local tier is read
+    that way on every restore. The cost of a mapping: a file cut shorter while it is
+    mapped kills the reading process (SIGBUS) where `preadv` reads short and raises a
+    `ChunkFileError`. So only a directory whose files nobody shortens while they are
+    read is registered: a manager's local tier, whose files are written over only
+    after retention released their step, never while its restore runs
+    (`xckpt.manager._tiers`).
+    """
+    key = os.path.join(os.path.abspath(root), "")
+    with _POOL_LOCK:
+        if on:
+            _MAPPED[key] = _MAPPED.get(key, 0) + 1
+        elif _MAPPED.get(key, 0) > 1:
+            _MAPPED[key] -= 1
+        else:
+            _MAPPED.pop(key, None)
+
+
+def _preadv(fd: int, path: str, iov: Sequence[np.ndarray], offset: int) -> int:
+    """`os.preadv(fd, iov, offset)`, or the same copied out of a mapping when `path` lies
+    under a directory of `read_mapped_under` (numpy uint8 buffers; bytes read, short
+    at the end of the file)."""
+    if not _MAPPED or not any(path.startswith(root) for root in list(_MAPPED)):
+        return os.preadv(fd, iov, offset)
+    end = min(os.fstat(fd).st_size, offset + sum(b.nbytes for b in iov))
+    if end <= offset:
+        return 0
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, end - start, prot=mmap.PROT_READ, offset=start) as m:
+        src = np.frombuffer(m, np.uint8)
+        pos = offset - start
+        for b in iov:
+            k = min(b.nbytes, src.size - pos)
+            if k <= 0:
+                if b.nbytes:
+                    break
+                continue
+            b.reshape(-1).view(np.uint8)[:k] = src[pos : pos + k]
+            pos += k
+        del src  # the mapping closes only once no view of it is left
+    return end - offset
+
+
 def _recycled(path: str) -> bool:
     """Whether a registered `place` put a file at `path` to write over (`recycle_under`)."""
     for root, place in list(_RECYCLERS.items()):
@@ -516,7 +572,7 @@ def _read_scratch(fd: int, path: str, what: str, offset: int, full: int, grid: S
                   inner: tuple[slice, ...], out: np.ndarray) -> None:
     """One zarr chunk into scratch, checked, then its `inner` part copied into `out`."""
     buf = _scratch(full + 4)
-    n = os.preadv(fd, [buf], offset)
+    n = _preadv(fd, path, [buf], offset)
     _count(n)
     if n != full + 4:
         raise ChunkFileError(f"{path}{what}: read {n} of {full + 4} bytes")
@@ -563,7 +619,7 @@ def _read_run(fd: int, path: str, offset: int, items: Sequence[tuple[np.ndarray,
         spans.append((pos, r))
         pos += r + 4
     total = sum(h.size for h in heads) + pos
-    n = os.preadv(fd, iov, offset)
+    n = _preadv(fd, path, iov, offset)
     _count(n)
     if n != total:
         raise ChunkFileError(f"{path}: read {n} of {total} bytes at offset {offset}")
@@ -651,7 +707,7 @@ def _read_encoded(path: str, what: str, offset: int, nb: int, codec: str, grid: 
     stored = np.empty(nb, np.uint8)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        n = os.preadv(fd, [stored], offset)
+        n = _preadv(fd, path, [stored], offset)
     finally:
         os.close(fd)
     _count(n)

@@ -37,6 +37,7 @@ from xckpt.native._fileio import (
     _count,
     _open_existing,
     _pool,
+    _preadv,
     _read_index,
     chunk_file,
     data_file,
@@ -152,7 +153,7 @@ def _fill(arr: PackedArray, first: int, stop: int, data: np.ndarray, crcs: np.nd
         try:
             if arr.kind != "files" and (size := os.fstat(fd).st_size) != g + 4:
                 raise ChunkFileError(f"chunk file {path} holds {size} bytes, expected {g + 4}")
-            n = os.preadv(fd, iov, off)
+            n = _preadv(fd, path, iov, off)
         finally:
             os.close(fd)
         _count(n)

@@ -16,7 +16,6 @@ import functools
 import itertools
 import math
 import threading
-import zlib
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -83,9 +82,9 @@ def _crc_ok(raw: Any, c: Chunk) -> bool:
     """Whether packed chunk `c`'s bytes `raw` (followed by their crc32 where the manifest
     does not give it, `_trail`) pass their crc32 check."""
     if c.crc32 is not None:
-        return zlib.crc32(raw) == c.crc32
+        return _fileio.crc32(raw) == c.crc32
     n = c.nbytes
-    return len(raw) == n + 4 and zlib.crc32(raw[:n]) == int.from_bytes(raw[n:], "little")
+    return len(raw) == n + 4 and _fileio.crc32(raw[:n]) == int.from_bytes(raw[n:], "little")
 
 
 def _fills_whole(job: ChunkRead) -> bool:
@@ -703,7 +702,7 @@ class Checkpoint(Source):
             return decode_value(o.value, f"checkpoint {self.path!r}, object {o.name!r}")
         kind = self.manifest.storage.get(o.rank, "ocdbt")
         data = None if o.key is None else self.storage.read_bytes(o.key, kind)
-        if data is None or len(data) != o.nbytes or zlib.crc32(data) != o.crc32:
+        if data is None or len(data) != o.nbytes or _fileio.crc32(data) != o.crc32:
             raise CorruptChunkError(
                 f"checkpoint {self.path!r}, object {o.name!r} ({o.key}): bytes are missing or fail "
                 "their crc32 check; restore the checkpoint from a copy or load an earlier one"

@@ -39,7 +39,6 @@ import concurrent.futures as cf
 import hashlib
 import json
 import secrets
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -422,7 +421,7 @@ class Writer:
             # A C-contiguous array is its bytes (buffer protocol): crc32 and _seal_packed's
             # join read it without a uint8 view (2 us a tensor). Its crc32 follows its bytes
             # (format version 6), so a merged grid need not list it.
-            crc = zlib.crc32(arr)
+            crc = _fileio.crc32(arr)
             chunk = unchecked(
                 Chunk,
                 {
@@ -618,7 +617,7 @@ class Writer:
                 per_rank=per_rank,
                 key=key,
                 nbytes=len(data),
-                crc32=zlib.crc32(data),
+                crc32=_fileio.crc32(data),
             )
         else:
             entry = ObjectEntry(
