@@ -36,6 +36,7 @@ from xckpt.manifest import (
     encode_value,
     manifest_bytes,
     merge_manifests,
+    signed,
 )
 from xckpt.native._zarr import NativeStorage as Storage
 from xckpt.native.commit import read_rank_manifests, validate
@@ -107,6 +108,8 @@ def test_byte_mutations_of_a_real_manifest(real, data):
     if bytes(raw) != real:
         with pytest.raises(XckptError):
             Manifest.loads(bytes(raw), "fuzz/ranks/0.json")  # the checksum catches every change
+        assert not signed(bytes(raw))  # so does the bytes-only check (a replica's manifest on arrival)
+    assert signed(real)
 
 
 JSON = st.recursive(

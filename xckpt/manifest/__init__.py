@@ -53,7 +53,15 @@ from xckpt.manifest._grids import GRID_MIN_CELLS, GridChunks
 from xckpt.manifest._incremental import CODEC_NAMES, Patch, Ref
 from xckpt.manifest._merge import RankMerge
 from xckpt.manifest._objects import MAX_OBJECT_DEPTH, decode_value, encode_value
-from xckpt.manifest._signed import CLAIM_PREFIX, Claim, claim_bytes, dumps_json, manifest_bytes, parse_claim
+from xckpt.manifest._signed import (
+    CLAIM_PREFIX,
+    Claim,
+    claim_bytes,
+    dumps_json,
+    manifest_bytes,
+    parse_claim,
+    signed,
+)
 
 __all__ = [
     "CLAIM_PREFIX",
@@ -99,6 +107,7 @@ __all__ = [
     "merge_manifests",
     "numpy_dtype",
     "parse_claim",
+    "signed",
     "parse_document",
     "parse_header",
     "paused_gc",
