@@ -8,11 +8,12 @@ of about ``--size-mib`` MiB, every tensor a DTensor split by rows over the four 
 processes; the table shows medians over ``--repeats`` (3). Per repeat:
 
 - **staging copy**: ``xckpt.torch``'s staging of the rank's shards into the manager's
-  host buffers alone (the copy a save cannot avoid), barrier to barrier, median of 5
-  (after one that allocates the buffers);
+  host buffers alone (the copy a save cannot avoid), barrier to barrier, before each local
+  save below (the two alternate, so both see the machine alike), median of 8 (after one
+  that allocates the buffers);
 - **local save stall**: ``CheckpointManager(root, local=..., local_every=1)``'s ``save``
   of a local step (no persistent save due), with nothing in flight (each save's round
-  is waited for before the next), median of 5 saves (after one that allocates the buffers);
+  is waited for before the next), median of 8 saves (after one that allocates the buffers);
 - **persistent save stall**: the same manager without ``local=`` saving to the root
   (S3, disk): its ``save`` with ``async_save=True``;
 - **dcp.async_save stall**: ``torch.distributed.checkpoint.async_save`` to this disk
@@ -135,19 +136,20 @@ def _saves(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res: d
         st.finish()
 
     stage()  # allocate once, as a manager's second save finds its buffers
-    res["staging"] = median([_timed(dist, stage) for _ in range(5)])
     local = os.path.join(cfg["shm"], "A" if rank < 2 else "B")
     m = CheckpointManager(cfg["roots"]["disk"] + "-l", local=local, local_every=1, save_every=10**9, local_keep=2,
                           ranks_per_node=2, handle_preemption=False)
-    stalls, reps = [], []
+    stalls, staged, reps = [], [], []
     rep = m._tiers.rep  # type: ignore[union-attr]
     for step in range(1, 10):
+        staged.append(_timed(dist, stage))  # the anchor, in alternation with the saves: both see the same machine
         dist.barrier()
         t0 = time.perf_counter()
         m.save(step, sd)
         stalls.append(time.perf_counter() - t0)
         m.wait()
         reps.append((rep.seconds, rep.reused_bytes))
+    res["staging"] = median(staged[1:])
     res["local_stall"] = median(stalls[1:])  # the first allocates the buffers
     # each round's replication on its slowest rank. local_keep=2: from step 4 on, each receives
     # into the spares of the step retention dropped (step 1's after step 3), mapped anew in
