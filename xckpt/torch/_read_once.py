@@ -160,10 +160,10 @@ class _Comm:
         out = [h[8 : 8 + min(n, GATHER_HEAD)].tobytes() for h, n in zip(heads, sizes)]
         rest = max(sizes) - GATHER_HEAD
         if rest > 0:
-            mine = torch.zeros(rest, dtype=torch.uint8)
-            if len(payload) > GATHER_HEAD:
-                mine[: len(payload) - GATHER_HEAD] = torch.frombuffer(bytearray(payload[GATHER_HEAD:]), dtype=torch.uint8)
-            tails = self._all_gather(mine, what)
+            tail = np.zeros(rest, dtype=np.uint8)
+            more = payload[GATHER_HEAD:]
+            tail[: len(more)] = np.frombuffer(more, dtype=np.uint8)
+            tails = self._all_gather(torch.from_numpy(tail), what)
             out = [o + t[: max(0, n - GATHER_HEAD)].tobytes() for o, t, n in zip(out, tails, sizes)]
         return out
 
