@@ -4,8 +4,9 @@ The plan (pure, no torch) is checked in tests/test_sharing.py. Real gloo ranks (
 then load replicated targets, 2 x 2 data-parallel x tensor-parallel DTensors on a
 2-D mesh, uneven and empty shards, bfloat16, bit for bit, counting the bytes each
 rank reads from its chunk files; and fail together: a corrupt chunk only one rank
-reads, a corrupt chunk every rank needs, a target that does not fit on one rank,
-and a rank that never calls ``load`` (the others time out instead of hanging).
+reads, a corrupt chunk every rank needs, a target that does not fit on one rank, a
+planner that fails, and a rank that never calls ``load`` (the others time out instead
+of hanging).
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def _check(path, layout, mesh, **kw):
     return {"bytes": nbytes, "error": err, "wrong": wrong}
 
 
+def _failing_plan(*args, **kwargs):
+    from xckpt.errors import XckptError
+
+    raise XckptError("read_once: no rank holds ['w_rows']")
+
+
 def _blocking_copy(dst, src):
     dst.copy_(src)
 
@@ -126,7 +133,17 @@ def _four(rank, world, root):
     ro.GATHER_HEAD = 40
     out["long_requests"] = _check(os.path.join(root, "w4"), "plain", mesh, read_once=True)
     ro.GATHER_HEAD = 64 << 10
+    # a plan longer than the first broadcast carries (a second one brings the rest)
+    ro.PLAN_HEAD = 40
+    out["long_plan"] = _check(os.path.join(root, "w4"), "plain", mesh, read_once=True)
+    ro.PLAN_HEAD = 256 << 10
     ro.ROUND_BYTES = 256 << 20
+    # the planner fails (here: its planning raises): every rank raises, none waits
+    plan = ro.make_plan
+    if rank == 0:
+        ro.make_plan = _failing_plan
+    out["planner_fails"] = _load(path, _state("plain", mesh, False), read_once=True)[1]
+    ro.make_plan = plan
     # two process groups of 2 ranks, each loading on its own (group ranks != global ranks)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out["subgroup"] = _check(path, "plain", mesh, read_once=True, process_group=groups[rank // 2])
@@ -219,7 +236,9 @@ def _ok(results, case):
         assert res[case]["wrong"] == [], f"rank {r}: {res[case]['wrong']} differ"
 
 
-@pytest.mark.parametrize("case", ["replicated", "dp_tp", "rounds", "long_requests", "subgroup", "after"])
+@pytest.mark.parametrize(
+    "case", ["replicated", "dp_tp", "rounds", "long_requests", "long_plan", "subgroup", "after"]
+)
 def test_four_ranks_bit_exact(four, case):
     _ok(four, case)
 
@@ -266,6 +285,14 @@ def test_a_target_that_does_not_fit_on_one_rank_fails_every_rank(four):
     assert errs[1][0] == "ShapeMismatchError"
     for r in (0, 2, 3):
         assert errs[r][0] == "XckptError" and "failed on ranks [1]" in errs[r][1] and "w_rows" in errs[r][1]
+
+
+def test_a_planner_that_fails_fails_every_rank(four):
+    kind, msg = four[0]["planner_fails"]
+    assert kind == "XckptError" and "no rank holds ['w_rows']" in msg, msg
+    for r in (1, 2, 3):
+        kind, msg = four[r]["planner_fails"]
+        assert kind == "XckptError" and "rank 0 could not plan the load" in msg and "no rank holds" in msg, msg
 
 
 def test_ranks_that_open_different_checkpoints_all_raise(four):

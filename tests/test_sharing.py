@@ -11,10 +11,12 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xckpt import layout as L
 from xckpt.manifest import Chunk, TensorEntry
-from xckpt.sharing import Need, make_plan, messages
+from xckpt.sharing import Need, decode_plan, encode_plan, make_plan, messages
 
 # -- the plan, on synthetic layouts -------------------------------------------------------------
 
@@ -131,6 +133,23 @@ def test_plan_delivers_every_element_once_and_reads_each_stored_chunk_once(
             sends, _ = messages(rnd, r)
             for dst, cells in sends.items():
                 assert messages(rnd, dst)[1][r] == cells
+    _check_wire(plan, world)
+
+
+def _check_wire(plan, world, names=("t",)):
+    """Each rank's part of the plan, sent by the planner, carries out the same plan for it."""
+    blob = encode_plan(plan, {n: i for i, n in enumerate(names)})
+    for r in range(world):
+        mine = decode_plan(blob, list(names), r)
+        assert mine.solo[r] == plan.solo[r] and all(s == () for k, s in enumerate(mine.solo) if k != r)
+        assert len(mine.rounds) == len(plan.rounds)
+        for full, part in zip(plan.rounds, mine.rounds):
+            assert messages(part, r) == messages(full, r)
+            assert [g for g in full if g in part] == list(part)  # plan order kept
+            assert {id(g) for g in full} and all(
+                g in part for g in full if g.reader == r or any(r in c.ranks for c in g.cells)
+            )
+        assert mine.group_read_bytes(r) == plan.group_read_bytes(r)
 
 
 def test_plan_spreads_a_replicated_tensor_over_the_readers():
@@ -166,6 +185,59 @@ def test_plan_reads_only_from_holders():
     assert plan.solo == ((("t", writers[0]),), (("t", writers[1]),), (), ())
     cells = {c.box: (g.reader, c.ranks) for rnd in plan.rounds for g in rnd for c in g.cells}
     assert cells == {writers[2]: (0, (2,)), writers[3]: (1, (3,))}
+
+
+def _a_plan():
+    shape = (100, 24)
+    entries = {"t": _entry(shape, [L.Box.full(shape)], 10)}
+    needs = [[Need("t", b) for b in _layout("half", shape, 3, r)] for r in range(3)]
+    return make_plan(entries.__getitem__, _units, needs)
+
+
+def test_a_plan_on_the_wire_with_holders_and_many_tensors():
+    writers = [L.Box((25 * k, 0), (25, 24)) for k in range(4)]
+    entries = {n: _entry((100, 24), writers, 25) for n in ("a", "b", "c")}
+    needs = [[Need(n, b) for n in entries for b in _layout("rows", (100, 24), 4, r)] for r in range(4)]
+    plan = make_plan(entries.__getitem__, _units, needs, holders=lambda name, i: frozenset({0, 1}))
+    assert plan.rounds and all(plan.solo[:2])
+    _check_wire(plan, 4, names=("c", "a", "b"))
+
+
+@pytest.mark.parametrize(
+    "cut,message",
+    [
+        (lambda b: b[:-8], "counts disagree with its length"),
+        (lambda b: b[:16], r"a count \(3\) at int64 0 does not fit in its 2 int64s"),
+        (lambda b: b + bytes(8), "counts disagree with its length"),
+        (lambda b: b[:-3], "not a whole number of int64s"),
+        (lambda b: (2**40).to_bytes(8, "little") + b[8:], r"a count \(1099511627776\) at int64 0 does not fit"),
+    ],
+)
+def test_a_damaged_plan_is_refused(cut, message):
+    blob = encode_plan(_a_plan(), {"t": 0})
+    with pytest.raises(ValueError, match=message):
+        decode_plan(cut(blob), ["t"], 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_decoding_any_damaged_plan_raises_value_error_or_gives_a_plan(data):
+    blob = bytearray(encode_plan(_a_plan(), {"t": 0}))
+    words = len(blob) // 8
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, words - 1))
+        value = data.draw(st.one_of(st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1)))
+        blob[8 * at : 8 * at + 8] = value.to_bytes(8, "little", signed=True)
+    if data.draw(st.booleans()):
+        blob = blob[: data.draw(st.integers(0, len(blob)))]
+    try:
+        plan = decode_plan(bytes(blob), ["t"], data.draw(st.integers(0, 2)))
+    except ValueError:
+        return
+    for rnd in plan.rounds:
+        for g in rnd:
+            for c in g.cells:
+                assert c.name == "t" and 0 <= c.read < len(g.reads)
 
 
 def test_the_planner_runs_without_torch():

@@ -30,11 +30,24 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from xckpt import layout as L
 from xckpt.errors import XckptError
 from xckpt.manifest import Chunk, TensorEntry
 
-__all__ = ["ROUND_BYTES", "MAX_CELL_BYTES", "Need", "Cell", "Group", "Plan", "make_plan", "messages"]
+__all__ = [
+    "ROUND_BYTES",
+    "MAX_CELL_BYTES",
+    "Need",
+    "Cell",
+    "Group",
+    "Plan",
+    "make_plan",
+    "messages",
+    "encode_plan",
+    "decode_plan",
+]
 
 #: Bytes one rank reads, sends and receives in one round at most (a larger group has a round to itself).
 ROUND_BYTES = 256 << 20
@@ -430,3 +443,137 @@ def messages(rnd: Sequence[Group], me: int) -> tuple[dict[int, list[Cell]], dict
             elif me in c.ranks:
                 recvs.setdefault(g.reader, []).append(c)
     return sends, recvs
+
+
+# -- the plan on the wire: planned by one rank, sent to the others -------------------------------
+
+
+def _box_ints(box: L.Box) -> list[int]:
+    return [box.ndim, *box.offset, *box.shape]
+
+
+def encode_plan(plan: Plan, index: Mapping[str, int]) -> bytes:
+    """`plan` as little-endian int64s (tensor names as their positions in `index`), for the
+    ranks that did not plan it: each rank's solo reads and each group carry their length, and
+    each group the ranks it concerns, so [decode_plan][xckpt.sharing.decode_plan] skips what
+    is not its rank's without reading it."""
+    out = [len(plan.solo)]
+    for entries in plan.solo:
+        body: list[int] = []
+        for name, box in entries:
+            body += [index[name], *_box_ints(box)]
+        out += [len(body), *body]
+    out.append(len(plan.rounds))
+    for rnd in plan.rounds:
+        out.append(len(rnd))
+        for g in rnd:
+            who = sorted({g.reader, *(r for c in g.cells for r in c.ranks)})
+            body = [g.reader, len(who), *who, len(g.reads)]
+            for name, box, itemsize in g.reads:
+                body += [index[name], itemsize, *_box_ints(box)]
+            body.append(len(g.cells))
+            for c in g.cells:
+                body += [index[c.name], c.itemsize, c.read, len(c.ranks), *c.ranks, *_box_ints(c.box)]
+            out += [len(body), *body]
+    return np.asarray(out, dtype="<i8").tobytes()
+
+
+def decode_plan(data: bytes, names: Sequence[str], me: int) -> Plan:
+    """The part of an [encode_plan][xckpt.sharing.encode_plan]d plan that rank `me` carries
+    out: its own solo reads (the other ranks' are empty) and, round by round, the groups it
+    reads or receives from, in plan order ([messages][xckpt.sharing.messages] of it are the
+    full plan's for `me`).
+
+    Raises:
+        ValueError: `data` is not an encoded plan (cut short, or its counts disagree).
+    """
+    if len(data) % 8:
+        raise ValueError(f"its length ({len(data)} bytes) is not a whole number of int64s")
+    try:
+        return _decode(np.frombuffer(data, dtype="<i8").tolist(), names, me)
+    except IndexError:
+        raise ValueError("it is cut short") from None
+
+
+def _decode(a: list[int], names: Sequence[str], me: int) -> Plan:
+    end = len(a)
+
+    def count(p: int) -> int:
+        """A count or length at `p`: never negative, never past the end (every position only
+        moves forward, and no loop runs longer than the data)."""
+        n = a[p]
+        if not 0 <= n <= end - p:
+            raise ValueError(f"a count ({n}) at int64 {p} does not fit in its {end} int64s")
+        return n
+
+    def name(i: int) -> str:
+        if not 0 <= i < len(names):
+            raise ValueError(f"tensor {i} is not one of the checkpoint's {len(names)}")
+        return names[i]
+
+    def box(p: int) -> tuple[L.Box, int]:
+        nd = count(p)
+        q = p + 1 + 2 * nd
+        if q > end or min(a[p + 1 : q], default=0) < 0:
+            raise ValueError("a box is cut short or negative")
+        return L.Box.trusted(tuple(a[p + 1 : p + 1 + nd]), tuple(a[p + 1 + nd : q])), q
+
+    world, p = count(0), 1
+    solo: list[tuple[tuple[str, L.Box], ...]] = [()] * world
+    for r in range(world):
+        n, p = count(p), p + 1
+        if r == me:
+            mine, q = [], p
+            while q < p + n:
+                b, q2 = box(q + 1)
+                mine.append((name(a[q]), b))
+                q = q2
+            if q != p + n:
+                raise ValueError(f"rank {r}'s solo reads run past their length")
+            solo[r] = tuple(mine)
+        p += n
+    rounds: list[tuple[Group, ...]] = []
+    nrounds, p = count(p), p + 1
+    for _k in range(nrounds):
+        ngroups, p = count(p), p + 1
+        kept: list[Group] = []
+        for _g in range(ngroups):
+            n, p = count(p), p + 1
+            stop = p + n
+            reader, nwho = a[p], count(p + 1)
+            if reader == me or me in a[p + 2 : p + 2 + nwho]:
+                kept.append(_decode_group(a, p + 2 + nwho, stop, count, name, reader, box))
+            p = stop
+        rounds.append(tuple(kept))
+    if p != end:
+        raise ValueError("its counts disagree with its length")
+    return Plan(tuple(solo), tuple(rounds))
+
+
+def _decode_group(
+    a: list[int],
+    p: int,
+    stop: int,
+    count: Callable[[int], int],
+    name: Callable[[int], str],
+    reader: int,
+    box: Callable[[int], tuple[L.Box, int]],
+) -> Group:
+    reads = []
+    nreads, p = count(p), p + 1
+    for _i in range(nreads):
+        n, itemsize = name(a[p]), a[p + 1]
+        b, p = box(p + 2)
+        reads.append((n, b, itemsize))
+    cells = []
+    ncells, p = count(p), p + 1
+    for _i in range(ncells):
+        n, itemsize, read, nr = name(a[p]), a[p + 1], a[p + 2], count(p + 3)
+        ranks = tuple(a[p + 4 : p + 4 + nr])
+        b, p = box(p + 4 + nr)
+        if not 0 <= read < nreads:
+            raise ValueError(f"a cell lies in read {read} of a group of {nreads}")
+        cells.append(Cell(n, b, itemsize, ranks, read))
+    if p != stop:
+        raise ValueError("a group's parts disagree with its length")
+    return Group(reader, tuple(reads), tuple(cells))
