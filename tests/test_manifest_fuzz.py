@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import xckpt
 from xckpt.errors import (
     CorruptChunkError,
+    FormatVersionError,
     IncompleteCheckpointError,
     LayoutError,
     ManifestError,
@@ -36,7 +37,10 @@ from xckpt.manifest import (
     encode_value,
     manifest_bytes,
     merge_manifests,
+    parse_document,
+    parse_header,
     signed,
+    signed_header,
 )
 from xckpt.native._zarr import NativeStorage as Storage
 from xckpt.native.commit import read_rank_manifests, validate
@@ -109,7 +113,29 @@ def test_byte_mutations_of_a_real_manifest(real, data):
         with pytest.raises(XckptError):
             Manifest.loads(bytes(raw), "fuzz/ranks/0.json")  # the checksum catches every change
         assert not signed(bytes(raw))  # so does the bytes-only check (a replica's manifest on arrival)
+        assert signed_header(bytes(raw), "fuzz") is None  # and the header-only read (a local tier's listing)
     assert signed(real)
+
+
+def test_signed_header_is_the_header_of_the_whole_parse(real):
+    head = signed_header(real, "r")
+    full = parse_header(parse_document(real, "r"), "r")
+    assert head is not None
+    assert head._replace(tensors={}, objects=[]) == full._replace(tensors={}, objects=[])
+    assert head.tensors == {} and head.objects == []
+    unsigned = real[: real.rindex(b',"checksum"')] + b"}"
+    assert signed_header(unsigned, "r") is None  # no checksum: the whole parse says why
+
+
+def test_signed_header_checks_the_header(real):
+    doc = json.loads(real)
+    doc["world_size"] = 0
+    with pytest.raises(ManifestError, match="world_size"):
+        signed_header(manifest_bytes(doc), "tier/3/ranks/0.json")
+    doc = json.loads(real)
+    doc["format"] = "other"
+    with pytest.raises(FormatVersionError, match="not an xckpt manifest"):
+        signed_header(manifest_bytes(doc), "tier/3/ranks/0.json")
 
 
 JSON = st.recursive(

@@ -4,8 +4,8 @@ Call protocol (`restore`, every rank of the manager's group, after the saves in
 flight finished):
 
 1. each rank lists what its local directory holds (every rank manifest's checksum
-   checked, once: the parsed manifests are kept for step 2; a damaged one is a warning
-   on that rank) and the ranks exchange it, with rank 0's list of the persistent root's
+   checked and only its header parsed, `signed_header`; the bytes are kept for step 2;
+   a damaged one is a warning on that rank) and the ranks exchange it, with rank 0's list of the persistent root's
    step numbers (one listing, made while rank 0 lists its directory: no manifest or data
    of the root is read unless a persistent step is the one restored);
 2. every rank walks the same candidates, newest first (a step in both tiers: the
@@ -89,13 +89,13 @@ class _NoBar:
         pass
 
 
-def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str, parsed: Mapping[int, Any]) -> Manifest:
-    """The step's manifest from its rank manifests: `parsed` (this rank's own copies, checked
-    when they were listed) or else `docs` (bytes from their holders, checked here)."""
+def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str) -> Manifest:
+    """The step's manifest from its rank manifests' bytes (this rank's own copies and those
+    its holders sent), each checked here."""
     merge = RankMerge(where, world)
     for r in range(world):
         wh = f"{where}/ranks/{r}.json"
-        h = parsed[r] if r in parsed else parse_header(parse_document(docs[r], wh), wh, keep_table=True)
+        h = parse_header(parse_document(docs[r], wh), wh, keep_table=True)
         if h.rank != r or h.save_id != save_id or h.world_size != world:
             raise ManifestError(f"{wh} is rank {h.rank} of save {h.save_id!r}, expected rank {r} of {save_id!r}")
         merge.add(h, wh)
@@ -141,25 +141,25 @@ def _from_ranks(
     save_id: str,
     world: int,
     holders: dict[int, frozenset[int]],
-    kept: Mapping[tuple[int, int, str], tuple[Any, bytes]],
+    kept: Mapping[tuple[int, int, str], bytes],
 ) -> Manifest | None:
     """The step's manifest merged from its rank manifests (collective): a part's manifest
     travels only to ranks without a copy of their own. None when some copy is damaged
     (warned; `holders` loses it)."""
     coord, me = tiers.coord, tiers.rank
     chosen = {w: min(holders[w]) for w in range(world)}
-    parsed = {w: kept[(step, w, save_id)][0] for w in range(world) if me in holders[w]}
+    own = {w: kept[(step, w, save_id)] for w in range(world) if me in holders[w]}
     wanted = {w for w in range(world) if len(holders[w]) < coord.world}  # some rank holds no copy
     mine: dict[int, bytes] = {}
     problem = None
     for w in (w for w, h in chosen.items() if h == me and w in wanted):
-        mine[w] = kept[(step, w, save_id)][1]
+        mine[w] = own[w]
     got = coord.gather((mine, problem))
     bad = {(w, r): p for r, (_m, pr) in enumerate(got) if pr is not None for w, p in [pr]}
     docs = {w: d for m, _p in got for w, d in m.items()}
     if not bad:
         try:
-            return _merge(docs, world, save_id, tiers.step_dir(step), parsed)
+            return _merge({**docs, **own}, world, save_id, tiers.step_dir(step))
         except (ManifestError, XckptError) as e:
             bad = {(w, chosen[w]): f"{e}" for w in range(world)}  # cannot tell which: drop the step
     for (w, r), p in bad.items():
@@ -176,7 +176,7 @@ def _try_local(
     world: int,
     everyone: Mapping[int, list[Held]],
     load: Callable[[Any], Any],
-    kept: Mapping[tuple[int, int, str], tuple[Any, bytes]],
+    kept: Mapping[tuple[int, int, str], bytes],
     merged_at: frozenset[int],
 ) -> tuple[bool, Any]:
     """Load local step `step` (collective); `(True, result)`, or `(False, None)` when no
@@ -249,7 +249,7 @@ def restore(
         pool = cf.ThreadPoolExecutor(1, thread_name_prefix="xckpt-list")
         listing = pool.submit(step_numbers, root)
         pool.shutdown(wait=False)
-    kept: dict[tuple[int, int, str], tuple[Any, bytes]] = {}
+    kept: dict[tuple[int, int, str], bytes] = {}
     held, problems = tiers.scan(kept)
     for p in problems:
         _warn(f"a local copy is damaged and not used: {p}")

@@ -49,7 +49,7 @@ from dataclasses import astuple, dataclass
 from typing import Any
 
 from xckpt.errors import ManifestError, XckptError
-from xckpt.manifest import parse_claim, parse_document, parse_header
+from xckpt.manifest import parse_claim, parse_document, parse_header, signed_header
 from xckpt.native._fileio import read_mapped_under, recycle_under
 from xckpt.native.steps import MANAGER_KEY, TIERS_KEY
 from xckpt.storage import Location, Storage, location_name, location_spec
@@ -229,11 +229,11 @@ class Tiers:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.dir, str(step))
 
-    def scan(self, keep: dict[tuple[int, int, str], tuple[Any, bytes]] | None = None) -> tuple[list[Held], list[str]]:
-        """Every rank part this node's directory holds (manifest checksum verified), and the
-        problems found (a damaged manifest: named, never counted). `keep`, when given, gets
-        each part's parsed manifest header and bytes by `(step, rank, save_id)`, so a restore
-        neither reads nor checks a manifest twice."""
+    def scan(self, keep: dict[tuple[int, int, str], bytes] | None = None) -> tuple[list[Held], list[str]]:
+        """Every rank part this node's directory holds (manifest checksum verified; only the
+        header parsed, `signed_header`), and the problems found (a damaged manifest: named,
+        never counted). `keep`, when given, gets each part's manifest bytes by
+        `(step, rank, save_id)`, so a restore does not read a manifest twice."""
         held, problems = [], []
         try:
             names = os.listdir(self.dir)
@@ -258,7 +258,7 @@ class Tiers:
                         when = os.fstat(fh.fileno()).st_mtime
                     if parse_claim(data, where) is not None:
                         continue  # a save that did not commit: not a copy
-                    h = parse_header(parse_document(data, where), where)
+                    h = signed_header(data, where) or parse_header(parse_document(data, where), where)
                     if h.rank != int(stem):
                         raise ManifestError(f"{where} says it is rank {h.rank}")
                 except FileNotFoundError:
@@ -268,7 +268,7 @@ class Tiers:
                     continue
                 held.append(Held(int(name), h.rank, h.save_id, h.world_size, when))
                 if keep is not None:
-                    keep[(int(name), h.rank, h.save_id)] = (h, data)
+                    keep[(int(name), h.rank, h.save_id)] = data
         return held, problems
 
     def steps(self) -> list[int]:

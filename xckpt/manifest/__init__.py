@@ -47,7 +47,14 @@ from xckpt.manifest._checks import (
     unchecked,
 )
 from xckpt.manifest._chunks import Chunk
-from xckpt.manifest._document import Header, Manifest, merge_manifests, parse_document, parse_header
+from xckpt.manifest._document import (
+    Header,
+    Manifest,
+    merge_manifests,
+    parse_document,
+    parse_header,
+    signed_header,
+)
 from xckpt.manifest._entries import ObjectEntry, PlacementInfo, TensorEntry, ValueRange, paused_gc
 from xckpt.manifest._grids import GRID_MIN_CELLS, GridChunks
 from xckpt.manifest._incremental import CODEC_NAMES, Patch, Ref
@@ -110,6 +117,7 @@ __all__ = [
     "signed",
     "parse_document",
     "parse_header",
+    "signed_header",
     "paused_gc",
     "shared_shape",
     "unchecked",

@@ -92,7 +92,7 @@ from xckpt.manifest._rows import _packed_keys, _tensor_entries, _tensors_to_json
 from xckpt.manifest._signed import _checksum_state, manifest_bytes
 from xckpt.manifest._table import expand_table, table_json
 
-__all__ = ["Manifest", "Header", "merge_manifests", "parse_document", "parse_header"]
+__all__ = ["Manifest", "Header", "merge_manifests", "parse_document", "parse_header", "signed_header"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,6 +249,32 @@ class Header(NamedTuple):
     deltas: dict[str, tuple[Patch, ...]] = {}  # noqa: RUF012
     #: The raw chunk table (`xckpt.manifest._table`), when asked to keep it (else its tensors are in `tensors`).
     table: Any = None
+
+
+def signed_header(data: bytes, where: str) -> Header | None:
+    """A manifest's header (`parse_header`, with no tensors and no objects), read from the
+    members its writer puts before `"tensors"`, when its bytes pass their checksum: a
+    listing of many manifests (a local tier's rank parts) needs only who wrote each, not
+    their tensors (a 130 KB rank manifest: 0.1 ms instead of 1.8). None when the bytes
+    are not signed or their head does not parse as one: `parse_document` of them then
+    says what is wrong.
+
+    Raises:
+        ManifestError, FormatVersionError: the header's members fail `parse_header`'s checks.
+    """
+    if _checksum_state(data) is not True:
+        return None
+    end = data.find(b',"tensors":')
+    if end < 0:
+        return None
+    try:
+        d = orjson.loads(data[:end] + b"}")  # the members before "tensors" (a nested one would not parse)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    d["tensors"], d["objects"] = {}, []
+    return parse_header(d, where)
 
 
 def parse_header(d: Any, where: str, *, keep_table: bool = False) -> Header:
