@@ -32,7 +32,7 @@ processes; the table shows medians over ``--repeats`` (3). Per repeat:
   back with an empty one (a replaced node); the manager with ``local=`` restores the
   newest local step (its ranks fetch what they need from node A over gloo), against a
   manager without ``local=`` restoring the same state from the persistent root (S3,
-  disk). Each is timed ``RESTORES`` (3) times in a repeat, the median kept. Bytes read
+  disk). Each is timed ``--restores`` (3) times in a repeat, the median kept. Bytes read
   from the S3 root are tensorstore's ``bytes_read`` metrics during the restores; every
   restore is checked bit for bit. The restores are timed warm: one untimed restore from
   the tiers runs first (imports, the first use of the code paths), so the restore timed
@@ -74,7 +74,7 @@ from _common import (
     workload_spec,
 )
 
-#: Restores of each kind timed per repeat (their median is the repeat's figure).
+#: Restores of each kind timed per repeat by default (their median is the repeat's figure).
 RESTORES = 3
 #: W1 dims giving about 2.7 MB a layer.
 DIMS = (256, 704, 8000)
@@ -235,11 +235,12 @@ def _restores(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res
         prof = cProfile.Profile()
         prof.enable()
     times, exact = [], True
-    for _ in range(RESTORES):
+    for _ in range(cfg["restores"]):
         target = blank()
         times.append(_timed(dist, lambda target=target: m.restore(target)))
         exact = exact and _same(target, sd)
     res["restore_tiers_s"] = median(times)
+    res["restore_tiers_each_s"] = times
     if prof is not None:
         prof.disable()
         prof.dump_stats(os.path.join(cfg["profile"], f"restore_tiers.rank{rank}.prof"))
@@ -249,11 +250,12 @@ def _restores(dist: Any, rank: int, cfg: dict[str, Any], sd: dict[str, Any], res
     for kind, root in cfg["roots"].items():
         p = CheckpointManager(root, handle_preemption=False)
         times, exact = [], True
-        for _ in range(RESTORES):
+        for _ in range(cfg["restores"]):
             target = blank()
             times.append(_timed(dist, lambda p=p, target=target: p.restore(target)))
             exact = exact and _same(target, sd)
         res[f"restore_{kind}_s"] = median(times)
+        res[f"restore_{kind}_each_s"] = times
         res[f"restore_{kind}_exact"] = exact
         p.close()
     del torch
@@ -285,7 +287,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) -> No
         out.put((rank, False, traceback.format_exc()))
 
 
-def _one(spec: Any, s3: Any, profile: str | None = None) -> dict[str, Any]:
+def _one(spec: Any, s3: Any, profile: str | None = None, restores: int = RESTORES) -> dict[str, Any]:
     """One repeat in fresh processes; rank 0's figures (byte counts summed over ranks)."""
     shm = tempfile.mkdtemp(prefix="xckpt-bench-tiers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     disk = tempfile.mkdtemp(prefix="tiers-", dir=out_dir())
@@ -296,6 +298,7 @@ def _one(spec: Any, s3: Any, profile: str | None = None) -> dict[str, Any]:
         "roots": {"s3": s3.fresh("tiers"), "disk": os.path.join(disk, "root")},
         "env": {k: os.environ[k] for k in AWS},
         "profile": profile,
+        "restores": restores,
     }
     try:
         per = run_ranks(_rank, 4, cfg, timeout=3600)
@@ -315,6 +318,8 @@ def main() -> None:
     ap.add_argument("--size-mib", type=float, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="16 MiB, 1 repeat")
+    ap.add_argument("--restores", type=int, default=RESTORES, help="restores of each kind timed per repeat (their "
+                    "median is the repeat's figure)")
     ap.add_argument("--profile", metavar="DIR", help="write cProfile stats of each rank's timed restore from "
                     "the tiers to DIR/restore_tiers.rank<r>.prof (the last repeat's; it slows that restore)")
     args = ap.parse_args()
@@ -334,7 +339,7 @@ def main() -> None:
     gen = s3_server.serve()
     s3 = next(gen)
     try:
-        runs = [_one(spec, s3, args.profile) for _ in range(args.repeats)]
+        runs = [_one(spec, s3, args.profile, args.restores) for _ in range(args.repeats)]
     finally:
         gen.close()
 
