@@ -45,6 +45,7 @@ from xckpt.cli import main
 from xckpt.errors import CorruptChunkError, XckptError
 from xckpt.manager import CheckpointManager
 from xckpt.manager._tiers import replica_pairs
+from xckpt.manifest import manifest_bytes
 
 ROWS = 256
 
@@ -164,6 +165,24 @@ def _phase_save(rank: int, world: int, base: str) -> dict:
         _flip_digit(os.path.join(base, "A", "8", "xckpt.json"))
     torch.distributed.barrier()
     out["merged_damaged"] = _restore(m, mesh)
+    # node A's copy of rank 1's manifest of step 8 made invalid under a valid checksum (what a
+    # faulty writer could do, no damage can): the listing reads its header only, the merge
+    # finds it, and node B's copy serves; then put back for the phases below
+    torch.distributed.barrier()
+    bad = os.path.join(base, "A", "8", "ranks", "1.json")
+    if rank == 0:
+        with open(bad, "rb") as fh:
+            kept = fh.read()
+        doc = json.loads(kept)
+        doc["tensors"]["bogus"] = {"dtype": "float32", "shape": [4], "chunks": 7}
+        with open(bad, "wb") as fh:
+            fh.write(manifest_bytes(doc))
+    torch.distributed.barrier()
+    out["rank_manifest_invalid"] = _restore(m, mesh)
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(bad, "wb") as fh:
+            fh.write(kept)
     m.close()
     torch.distributed.barrier()
     out["closed"] = sorted(os.listdir(local))
@@ -291,6 +310,14 @@ def test_a_damaged_merged_manifest_falls_back_to_the_rank_manifests(phases):
     said = [w for x in r for w in x[2]]
     assert any("rank 0's merged manifest is not used" in w and "fails its checksum" in w
                and "the rank manifests are merged instead" in w for w in said), said
+
+
+def test_an_invalid_rank_manifest_under_a_valid_checksum_is_passed_over(phases):
+    r = [x["rank_manifest_invalid"] for x in phases["save"]]
+    assert all(x[:2] == (8, True) for x in r)
+    said = [w for x in r for w in x[2]]
+    assert any("local step 8: rank 0's copy of rank 1's part is damaged" in w and "ManifestError" in w
+               and "bogus" in w for w in said), said
 
 
 def test_merged_manifest_of_a_local_step_is_checked(tmp_path):

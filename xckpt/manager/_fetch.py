@@ -4,10 +4,10 @@ Call protocol (`restore`, every rank of the manager's group, after the saves in
 flight finished):
 
 1. each rank lists what its local directory holds (every rank manifest's checksum
-   checked and only its header parsed, `signed_header`; the bytes are kept for step 2;
-   a damaged one is a warning on that rank) and the ranks exchange it, with rank 0's list of the persistent root's
-   step numbers (one listing, made while rank 0 lists its directory: no manifest or data
-   of the root is read unless a persistent step is the one restored);
+   checked and only its header parsed, `signed_header`: the bytes are kept for step 2; a
+   damaged one is a warning on that rank) and the ranks exchange it, with rank 0's list of
+   the persistent root's step numbers (one listing, made while rank 0 lists its directory:
+   no manifest or data of the root is read unless a persistent step is the one restored);
 2. every rank walks the same candidates, newest first (a step in both tiers: the
    local copy first). A local step is a candidate when the surviving copies hold
    parts `0..W-1` of one save. Its manifest: where every rank with copies has its
@@ -89,13 +89,19 @@ class _NoBar:
         pass
 
 
-def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str) -> Manifest:
-    """The step's manifest from its rank manifests' bytes (this rank's own copies and those
-    its holders sent), each checked here."""
+def _header(data: bytes, where: str, rank: int) -> Any:
+    wh = f"{where}/ranks/{rank}.json"
+    return parse_header(parse_document(data, wh), wh, keep_table=True)
+
+
+def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str, parsed: Mapping[int, Any]) -> Manifest:
+    """The step's manifest from its rank manifests: `parsed` (this rank's own copies, each
+    checked on its own first, so a damaged one is told apart) or else `docs` (bytes from
+    their holders, checked here)."""
     merge = RankMerge(where, world)
     for r in range(world):
         wh = f"{where}/ranks/{r}.json"
-        h = parse_header(parse_document(docs[r], wh), wh, keep_table=True)
+        h = parsed[r] if r in parsed else _header(docs[r], where, r)
         if h.rank != r or h.save_id != save_id or h.world_size != world:
             raise ManifestError(f"{wh} is rank {h.rank} of save {h.save_id!r}, expected rank {r} of {save_id!r}")
         merge.add(h, wh)
@@ -147,21 +153,37 @@ def _from_ranks(
     travels only to ranks without a copy of their own. None when some copy is damaged
     (warned; `holders` loses it)."""
     coord, me = tiers.coord, tiers.rank
+    sdir = tiers.step_dir(step)
     chosen = {w: min(holders[w]) for w in range(world)}
-    own = {w: kept[(step, w, save_id)] for w in range(world) if me in holders[w]}
     wanted = {w for w in range(world) if len(holders[w]) < coord.world}  # some rank holds no copy
+    parsed: dict[int, Any] = {}
+    problem = None  # (part, what is wrong): the first own copy that fails its whole check
+    for w in (w for w in range(world) if me in holders[w]):
+        data = kept[(step, w, save_id)]
+        try:
+            Manifest.loads(data, f"{sdir}/ranks/{w}.json")  # every entry: the listing checked the header only
+            parsed[w] = _header(data, sdir, w)
+        except XckptError as e:  # its checksum holds (a faulty writer's), its content does not
+            problem = (w, f"{type(e).__name__}: {e}")
+            break
     mine: dict[int, bytes] = {}
-    problem = None
-    for w in (w for w, h in chosen.items() if h == me and w in wanted):
-        mine[w] = own[w]
+    if problem is None:
+        for w in (w for w, h in chosen.items() if h == me and w in wanted):
+            mine[w] = kept[(step, w, save_id)]
     got = coord.gather((mine, problem))
     bad = {(w, r): p for r, (_m, pr) in enumerate(got) if pr is not None for w, p in [pr]}
     docs = {w: d for m, _p in got for w, d in m.items()}
     if not bad:
+        merged, failed = None, None
         try:
-            return _merge({**docs, **own}, world, save_id, tiers.step_dir(step))
-        except (ManifestError, XckptError) as e:
-            bad = {(w, chosen[w]): f"{e}" for w in range(world)}  # cannot tell which: drop the step
+            merged = _merge(docs, world, save_id, sdir, parsed)
+        except XckptError as e:
+            failed = f"{e}"
+        # each rank merged its own copies: one flag each, so that all go on or none
+        if not coord.any(failed is not None):
+            return merged
+        # cannot tell which copy: every part's chosen copy is dropped, alike on every rank
+        bad = {(w, chosen[w]): failed or "the parts do not merge on another rank" for w in range(world)}
     for (w, r), p in bad.items():
         if r == me:
             _warn(f"local step {step}: rank {me}'s copy of rank {w}'s part is damaged ({p})")
