@@ -46,8 +46,10 @@ Usage, from the repository root::
 
     .venv/bin/python bench/tiers.py                 # 128 MiB, 3 repeats
     .venv/bin/python bench/tiers.py --quick         # 16 MiB, 1 repeat
+    .venv/bin/python bench/tiers.py --repeats 1 --restores 15   # many restores in one repeat
 
-Results: a markdown table on stdout and ``bench/out/tiers.json``.
+Results: a markdown table on stdout and ``bench/out/tiers.json`` (with every timed
+restore's seconds).
 """
 
 from __future__ import annotations

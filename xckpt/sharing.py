@@ -3,7 +3,9 @@
 When several ranks of a load need the same stored bytes (replicated tensors, data-parallel
 replicas of a sharded layout), `xckpt.torch.load(..., read_once=True)` has one rank
 read them and send them to the others. The plan ([make_plan][xckpt.sharing.make_plan])
-is computed identically on every rank from every rank's requests, with no framework:
+is computed by one rank from every rank's requests, with no framework, and sent to the
+others as int64s ([encode_plan][xckpt.sharing.encode_plan]; each keeps its own part,
+[decode_plan][xckpt.sharing.decode_plan]):
 
 * per tensor and saved chunk, the part each rank needs (`plan_reads`). A part only one
   rank needs is read by that rank straight into its target (`Plan.solo`);
@@ -227,7 +229,7 @@ def make_plan(
     max_cell: int = MAX_CELL_BYTES,
     holders: Callable[[str, int], frozenset[int] | None] | None = None,
 ) -> Plan:
-    """Who reads what and sends it to whom (see the module); the same on every rank.
+    """Who reads what and sends it to whom (see the module); the same whichever rank makes it.
 
     Args:
         entry: a tensor's entry by name (`Source.info`).
