@@ -89,11 +89,6 @@ class _NoBar:
         pass
 
 
-def _header(data: bytes, where: str, rank: int) -> Any:
-    wh = f"{where}/ranks/{rank}.json"
-    return parse_header(parse_document(data, wh), wh, keep_table=True)
-
-
 def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str, parsed: Mapping[int, Any]) -> Manifest:
     """The step's manifest from its rank manifests: `parsed` (this rank's own copies, each
     checked on its own first, so a damaged one is told apart) or else `docs` (bytes from
@@ -101,7 +96,7 @@ def _merge(docs: Mapping[int, bytes], world: int, save_id: str, where: str, pars
     merge = RankMerge(where, world)
     for r in range(world):
         wh = f"{where}/ranks/{r}.json"
-        h = parsed[r] if r in parsed else _header(docs[r], where, r)
+        h = parsed[r] if r in parsed else parse_header(parse_document(docs[r], wh), wh, keep_table=True)
         if h.rank != r or h.save_id != save_id or h.world_size != world:
             raise ManifestError(f"{wh} is rank {h.rank} of save {h.save_id!r}, expected rank {r} of {save_id!r}")
         merge.add(h, wh)
@@ -159,10 +154,11 @@ def _from_ranks(
     parsed: dict[int, Any] = {}
     problem = None  # (part, what is wrong): the first own copy that fails its whole check
     for w in (w for w in range(world) if me in holders[w]):
-        data = kept[(step, w, save_id)]
+        wh = f"{sdir}/ranks/{w}.json"
         try:
-            Manifest.loads(data, f"{sdir}/ranks/{w}.json")  # every entry: the listing checked the header only
-            parsed[w] = _header(data, sdir, w)
+            d = parse_document(kept[(step, w, save_id)], wh)
+            Manifest.from_json(d, wh)  # every entry: the listing checked the header only
+            parsed[w] = parse_header(d, wh, keep_table=True)  # (the same document, not parsed again)
         except XckptError as e:  # its checksum holds (a faulty writer's), its content does not
             problem = (w, f"{type(e).__name__}: {e}")
             break

@@ -76,6 +76,29 @@ PLANNER = 0
 Target = tuple[str, L.Box, Any]
 
 
+def _framed(payload: bytes, head: int) -> np.ndarray:
+    """A first message of `payload`: its length (8 bytes, little-endian) and its first
+    `head` bytes, zero-padded to `8 + head` (every rank's is as long)."""
+    out = np.zeros(8 + head, dtype=np.uint8)
+    out[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
+    first = payload[:head]
+    out[8 : 8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
+    return out
+
+
+def _size(framed: np.ndarray) -> int:
+    """The payload length a `_framed` message carries."""
+    return int.from_bytes(framed[:8].tobytes(), "little")
+
+
+def _rest(payload: bytes, head: int, n: int) -> np.ndarray:
+    """The second message of `payload`: its bytes after the first `head`, zero-padded to `n`."""
+    out = np.zeros(n, dtype=np.uint8)
+    more = payload[head:]
+    out[: len(more)] = np.frombuffer(more, dtype=np.uint8)
+    return out
+
+
 def _layout(cells: Sequence[Cell]) -> tuple[list[int], int]:
     """Offsets of `cells` packed in one message (aligned), and its length."""
     offs, pos = [], 0
@@ -160,39 +183,24 @@ class _Comm:
         """Every rank's `payload`: one exchange of `GATHER_HEAD` bytes each (its length and
         its first bytes), and a second of the rest only when some payload is longer (each
         collective costs a round trip of every rank: about 4 ms on 4 gloo ranks here)."""
-        head = np.zeros(8 + GATHER_HEAD, dtype=np.uint8)
-        head[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
-        first = payload[:GATHER_HEAD]
-        head[8 : 8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
-        heads = self._all_gather(torch.from_numpy(head), what)
-        sizes = [int.from_bytes(h[:8].tobytes(), "little") for h in heads]
+        heads = self._all_gather(torch.from_numpy(_framed(payload, GATHER_HEAD)), what)
+        sizes = [_size(h) for h in heads]
         out = [h[8 : 8 + min(n, GATHER_HEAD)].tobytes() for h, n in zip(heads, sizes)]
         rest = max(sizes) - GATHER_HEAD
         if rest > 0:
-            tail = np.zeros(rest, dtype=np.uint8)
-            more = payload[GATHER_HEAD:]
-            tail[: len(more)] = np.frombuffer(more, dtype=np.uint8)
-            tails = self._all_gather(torch.from_numpy(tail), what)
+            tails = self._all_gather(torch.from_numpy(_rest(payload, GATHER_HEAD, rest)), what)
             out = [o + t[: max(0, n - GATHER_HEAD)].tobytes() for o, t, n in zip(out, tails, sizes)]
         return out
 
     def broadcast_bytes(self, payload: bytes | None, src: int, what: str) -> bytes:
         """Rank `src`'s `payload` on every rank: one broadcast of `PLAN_HEAD` bytes (its
         length and its first bytes), and a second of the rest only when it is longer."""
-        head = np.zeros(8 + PLAN_HEAD, dtype=np.uint8)
-        if self.rank == src:
-            data = payload or b""
-            head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
-            first = data[:PLAN_HEAD]
-            head[8 : 8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
-        got = self._broadcast(torch.from_numpy(head), src, what)
-        size = int.from_bytes(got[:8].tobytes(), "little")
+        data = (payload or b"") if self.rank == src else b""
+        got = self._broadcast(torch.from_numpy(_framed(data, PLAN_HEAD)), src, what)
+        size = _size(got)
         out = got[8 : 8 + min(size, PLAN_HEAD)].tobytes()
         if size > PLAN_HEAD:
-            tail = np.zeros(size - PLAN_HEAD, dtype=np.uint8)
-            if self.rank == src:
-                tail[:] = np.frombuffer((payload or b"")[PLAN_HEAD:], dtype=np.uint8)
-            out += self._broadcast(torch.from_numpy(tail), src, what).tobytes()
+            out += self._broadcast(torch.from_numpy(_rest(data, PLAN_HEAD, size - PLAN_HEAD)), src, what).tobytes()
         return out
 
     def _broadcast(self, buf: torch.Tensor, src: int, what: str) -> np.ndarray:
